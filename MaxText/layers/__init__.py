@@ -1,0 +1,1 @@
+"""Linen building blocks of the Llama-family decoder, one concept per module."""

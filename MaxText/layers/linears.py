@@ -1,0 +1,59 @@
+"""Projections and the SwiGLU MLP."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+
+
+def kernel_init(num_in_axes: int):
+  """Truncated normal with std 1/sqrt(fan_in), fan_in = product of the first num_in_axes dims."""
+  return lambda key, shape, dtype: nn.initializers.variance_scaling(
+      1.0, "fan_in", "truncated_normal", in_axis=tuple(range(num_in_axes)),
+      out_axis=tuple(range(num_in_axes, len(shape))))(key, shape, dtype)
+
+
+class DenseGeneral(nn.Module):
+  """x contracted over its trailing `num_in_axes` dims with a kernel [*in, *features], no bias.
+
+  (flax's own DenseGeneral initialises a flattened 2-D kernel, which cannot carry the
+  per-dimension logical axis names that sharding needs.)
+  """
+
+  features: tuple
+  kernel_axes: tuple
+  dtype: jnp.dtype
+  weight_dtype: jnp.dtype
+  num_in_axes: int = 1
+
+  @nn.compact
+  def __call__(self, x):
+    n = self.num_in_axes
+    shape = x.shape[-n:] + tuple(self.features)
+    kernel = self.param("kernel", nn.with_logical_partitioning(kernel_init(n), self.kernel_axes),
+                        shape, self.weight_dtype)
+    contract = (tuple(range(x.ndim - n, x.ndim)), tuple(range(n)))
+    return jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
+
+
+def dense(features, kernel_axes, config, name, num_in_axes=1):
+  features = features if isinstance(features, tuple) else (features,)
+  return DenseGeneral(features, kernel_axes, jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype),
+                      num_in_axes, name=name)
+
+
+class MlpBlock(nn.Module):
+  """SwiGLU: wo(silu(wi_0 x) * wi_1 x)."""
+
+  config: object
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    gate = checkpoint_name(dense(cfg.base_mlp_dim, ("embed", "mlp"), cfg, "wi_0")(x), "mlpwi_0")
+    up = checkpoint_name(dense(cfg.base_mlp_dim, ("embed", "mlp"), cfg, "wi_1")(x), "mlpwi_1")
+    h = nn.with_logical_constraint(jax.nn.silu(gate) * up,
+                                   ("activation_batch", "activation_length", "activation_mlp"))
+    out = dense(cfg.base_emb_dim, ("mlp", "embed"), cfg, "wo")(h)
+    return checkpoint_name(out, "mlpwo")

@@ -1,0 +1,37 @@
+"""The decoder-only language model: embedding, decoder stack, output head."""
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from MaxText.layers.decoders import Decoder
+from MaxText.layers.embeddings import Embed
+from MaxText.layers.linears import kernel_init
+
+
+class Transformer(nn.Module):
+  """tokens, positions, segment ids [B, T] -> logits [B, T, V] in float32.
+
+  With return_hidden=True it returns (final-normed hidden states [B, T, D], output kernel
+  [D, V]) instead, so that the loss can be tiled and the full logits never exist. The
+  kernel is the head's own parameter, or the embedding table transposed when
+  logits_via_embedding=true, cast to the activation dtype in both cases.
+  """
+
+  config: object
+
+  @nn.compact
+  def __call__(self, tokens, positions, segment_ids, return_hidden=False):
+    cfg = self.config
+    dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
+    embed = Embed(cfg.vocab_size, cfg.base_emb_dim, dtype, weight_dtype, name="token_embedder")
+    hidden = Decoder(cfg, name="decoder")(embed(tokens), positions, segment_ids)
+    if cfg.logits_via_embedding:
+      kernel = embed.embedding.T
+    else:
+      kernel = self.param("logits_kernel", nn.with_logical_partitioning(kernel_init(1), ("embed", "vocab")),
+                          (cfg.base_emb_dim, cfg.vocab_size), weight_dtype)
+    kernel = kernel.astype(dtype)
+    if return_hidden:
+      return hidden, kernel
+    logits = jnp.einsum("btd,dv->btv", hidden, kernel, preferred_element_type=jnp.float32)
+    return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))

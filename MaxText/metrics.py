@@ -1,0 +1,86 @@
+"""What a run reports: model FLOPs, compiled memory, and per-step metrics to log/JSONL/TensorBoard."""
+
+import json
+import os
+
+import jax
+from absl import logging
+from tensorboardX import SummaryWriter
+
+
+def training_flops_per_step(config) -> float:
+  """Model FLOPs of one optimizer step, all devices together (recomputation not counted).
+
+  Matmuls: 2 FLOPs per multiply-add, forward plus a backward twice the forward. Causal
+  attention scores and context count only the half of the T x T products that the mask keeps.
+  """
+  d, m, v, hd = config.base_emb_dim, config.base_mlp_dim, config.vocab_size, config.head_dim
+  hq, hkv, layers, length = (config.base_num_query_heads, config.base_num_kv_heads,
+                             config.base_num_decoder_layers, config.max_target_length)
+  batch = config.global_batch_size_to_train_on
+  layer_params = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 3 * d * m
+  matmul = 2 * batch * length * (layers * layer_params + d * v)
+  attention = 2 * 2 * batch * length * length * hq * hd * layers / 2
+  return 3 * (matmul + attention)
+
+
+def memory_stats(compiled) -> dict:
+  """Per-device bytes of a compiled step. total = arguments + outputs - aliased + temporaries."""
+  m = compiled.memory_analysis()
+  stats = {
+      "argument_bytes": int(m.argument_size_in_bytes),
+      "output_bytes": int(m.output_size_in_bytes),
+      "alias_bytes": int(m.alias_size_in_bytes),
+      "temp_bytes": int(m.temp_size_in_bytes),
+  }
+  stats["total_bytes"] = (stats["argument_bytes"] + stats["output_bytes"] - stats["alias_bytes"]
+                          + stats["temp_bytes"])
+  return stats
+
+
+def format_memory_stats(stats: dict) -> str:
+  return "\n".join(f"  {k:15s} {v:16,d} bytes  {v / 2**30:9.3f} GiB" for k, v in stats.items())
+
+
+# (metric, label, format) of the log line, in order.
+LOG_LINE = (
+    ("learning/loss", "loss", "{:.4f}"),
+    ("learning/accuracy", "acc", "{:.3f}"),
+    ("learning/grad_norm", "grad_norm", "{:.3f}"),
+    ("learning/current_learning_rate", "lr", "{:.2e}"),
+    ("perf/step_time_seconds", "s", "{:.3f}"),
+    ("perf/per_device_tokens_per_sec", "tokens/s/device", "{:,.0f}"),
+    ("perf/per_device_tflops_per_sec", "TFLOP/s/device", "{:.3f}"),
+    ("eval/loss", "eval_loss", "{:.4f}"),
+    ("eval/perplexity", "eval_ppl", "{:.2f}"),
+    ("eval/accuracy", "eval_acc", "{:.3f}"),
+)
+
+
+class MetricLogger:
+  """Writes each step's scalars to the JSONL metrics file and TensorBoard, and logs a line
+  every log_period steps. Only process 0 writes."""
+
+  def __init__(self, config):
+    self.config = config
+    writer = jax.process_index() == 0
+    self.file = open(config.metrics_file, "a") if writer and config.metrics_file else None
+    self.tensorboard = (SummaryWriter(os.path.join(config.run_dir, "tensorboard"))
+                        if writer and config.enable_tensorboard else None)
+
+  def write(self, step: int, metrics: dict, force_log: bool = False):
+    if self.file:
+      self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+      self.file.flush()
+    if self.tensorboard:
+      for key, value in metrics.items():
+        self.tensorboard.add_scalar(key, value, step)
+    if force_log or step % self.config.log_period == 0:
+      fields = [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in LOG_LINE if key in metrics]
+      logging.info("step %d/%d | %s", step, self.config.steps, " | ".join(fields))
+
+  def close(self):
+    if self.file:
+      self.file.close()
+    if self.tensorboard:
+      self.tensorboard.close()

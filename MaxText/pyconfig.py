@@ -1,0 +1,257 @@
+"""Configuration: configs/base.yml, then configs/models/<model_name>.yml, then key=value.
+
+base.yml is the schema: every key, its default and its type. Overrides are parsed to the
+type of the default, checked, and the derived values are computed once. The result is a
+read-only `Config`; any bad input raises `ConfigError`, whose message is one line naming
+the key and what is allowed. Command-line entry points turn it into exit code 2.
+"""
+
+import math
+import os
+import sys
+from types import MappingProxyType
+from typing import Any, Sequence
+
+import jax
+import yaml
+
+from MaxText import remat
+
+MESH_AXES = ("data", "fsdp", "tensor", "sequence")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+  """A bad config: the message names the key and what is allowed."""
+
+
+class Config:
+  """Read-only attribute access to the resolved keys."""
+
+  __slots__ = ("_values",)
+
+  def __init__(self, values: dict):
+    object.__setattr__(self, "_values", MappingProxyType(dict(values)))
+
+  def __getattr__(self, key):
+    try:
+      return self._values[key]
+    except KeyError:
+      raise AttributeError(f"config has no key {key!r}") from None
+
+  def __setattr__(self, key, value):
+    raise AttributeError(f"config is read-only (tried to set {key!r})")
+
+  def to_dict(self) -> dict:
+    return dict(self._values)
+
+
+def _load_yaml(path: str) -> dict:
+  if not os.path.isfile(path):
+    raise ConfigError(f"config file {path!r} does not exist")
+  try:
+    with open(path) as f:
+      values = yaml.safe_load(f) or {}
+  except yaml.YAMLError as e:
+    raise ConfigError(f"config file {path!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+  if not isinstance(values, dict):
+    raise ConfigError(f"config file {path!r} must be a mapping of key: value")
+  return values
+
+
+def _type_name(default) -> str:
+  return {bool: "a bool (true/false)", int: "an integer", float: "a number", str: "a string",
+          list: "a list"}[type(default)]
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+  """`value` (from YAML or a command-line string) as the type of `default`."""
+  kind = type(default)
+  if isinstance(value, str) and kind is not str:
+    if kind is bool:
+      if value.lower() not in ("true", "false"):
+        raise ConfigError(f"{key}={value}: must be {_type_name(default)}")
+      return value.lower() == "true"
+    try:
+      value = yaml.safe_load(value)
+    except yaml.YAMLError:
+      raise ConfigError(f"{key}={value}: must be {_type_name(default)}") from None
+  ok = (
+      (kind is bool and isinstance(value, bool))
+      or (kind is int and isinstance(value, int) and not isinstance(value, bool))
+      or (kind is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+      or (kind is str and isinstance(value, str))
+      or (kind is list and isinstance(value, list))
+  )
+  if not ok:
+    raise ConfigError(f"{key}={value!r}: must be {_type_name(default)}")
+  return float(value) if kind is float else value
+
+
+def _merge(values: dict, overrides: dict, source: str) -> None:
+  for key, value in overrides.items():
+    if key not in values:
+      raise ConfigError(f"unknown key {key!r} in {source} (every key is listed in configs/base.yml)")
+    values[key] = _coerce(key, value, values[key])
+
+
+def _require(ok: bool, key: str, message: str, values: dict) -> None:
+  if not ok:
+    raise ConfigError(f"{key}={values[key]!r}: {message}")
+
+
+def _validate(v: dict) -> None:
+  """Range checks that need no devices."""
+  for key in ("steps", "log_period", "max_target_length", "vocab_size", "base_emb_dim",
+              "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
+              "base_num_decoder_layers", "gradient_accumulation_steps"):
+    _require(v[key] >= 1, key, "must be >= 1", v)
+  _require(v["per_device_batch_size"] > 0, "per_device_batch_size", "must be > 0", v)
+  _require(v["base_num_query_heads"] % v["base_num_kv_heads"] == 0, "base_num_kv_heads",
+           f"must divide base_num_query_heads={v['base_num_query_heads']}", v)
+  _require(v["head_dim"] >= 0, "head_dim", "must be >= 0 (0: base_emb_dim // base_num_query_heads)", v)
+  if v["head_dim"] == 0:
+    _require(v["base_emb_dim"] % v["base_num_query_heads"] == 0, "base_emb_dim",
+             f"must be divisible by base_num_query_heads={v['base_num_query_heads']} when head_dim=0", v)
+  head_dim = v["head_dim"] or v["base_emb_dim"] // v["base_num_query_heads"]
+  if head_dim % 2:
+    raise ConfigError(f"head_dim={head_dim}: must be even (RoPE rotates pairs of features)")
+  for key in ("dtype", "weight_dtype"):
+    _require(v[key] in DTYPES, key, f"must be one of {', '.join(DTYPES)}", v)
+  _require(v["rope_max_timescale"] > 0, "rope_max_timescale", "must be > 0", v)
+  _require(v["normalization_layer_epsilon"] > 0, "normalization_layer_epsilon", "must be > 0", v)
+  _require(v["learning_rate"] >= 0, "learning_rate", "must be >= 0", v)
+  _require(0 <= v["warmup_steps_fraction"] < 1, "warmup_steps_fraction", "must be in [0, 1)", v)
+  _require(v["learning_rate_schedule_steps"] == -1 or v["learning_rate_schedule_steps"] >= 1,
+           "learning_rate_schedule_steps", "must be >= 1, or -1 for `steps`", v)
+  _require(0 <= v["cosine_learning_rate_final_fraction"] <= 1, "cosine_learning_rate_final_fraction",
+           "must be in [0, 1]", v)
+  for key in ("adam_b1", "adam_b2"):
+    _require(0 <= v[key] < 1, key, "must be in [0, 1)", v)
+  _require(v["adam_eps"] > 0, "adam_eps", "must be > 0", v)
+  for key in ("adam_weight_decay", "gradient_clipping_threshold", "z_loss_multiplier"):
+    _require(v[key] >= 0, key, "must be >= 0", v)
+  _require(v["dataset_type"] in ("synthetic",), "dataset_type", "must be one of synthetic", v)
+  for key in ("run_name", "base_output_directory"):
+    _require(bool(v[key]) and "\n" not in v[key], key, "must be a non-empty path", v)
+  _validate_axis_rules(v["logical_axis_rules"])
+  _validate_remat(v)
+  _validate_vocab_tiling(v)
+
+
+def _validate_axis_rules(rules: list) -> None:
+  for rule in rules:
+    ok = isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)
+    if ok:
+      axes = rule[1] if isinstance(rule[1], list) else [] if rule[1] is None else [rule[1]]
+      ok = all(a in MESH_AXES for a in axes)
+    if not ok:
+      raise ConfigError(f"logical_axis_rules: bad rule {rule!r}; each rule is "
+                        f"[logical_name, [mesh axes from {', '.join(MESH_AXES)}]]")
+
+
+def _validate_remat(v: dict) -> None:
+  _require(v["remat_policy"] in remat.POLICY_NAMES, "remat_policy",
+           f"must be one of {', '.join(remat.POLICY_NAMES)}", v)
+  _require(1 <= v["remat_layer_interval"] <= v["base_num_decoder_layers"], "remat_layer_interval",
+           f"must be in [1, base_num_decoder_layers={v['base_num_decoder_layers']}]", v)
+  for name in remat.TENSOR_NAMES:
+    _require(v[name] in remat.ACTIONS, name, f"must be one of {', '.join(remat.ACTIONS)}", v)
+
+
+def _validate_vocab_tiling(v: dict) -> None:
+  _require(v["num_vocab_tiling"] >= 1, "num_vocab_tiling", "must be >= 1 (1: no tiling)", v)
+  _require(v["vocab_tiling_mode"] in ("fused", "recompute"), "vocab_tiling_mode",
+           "must be one of fused, recompute", v)
+  tokens = v["per_device_batch_size"] * v["max_target_length"]
+  _require(v["num_vocab_tiling"] <= tokens, "num_vocab_tiling",
+           f"each tile must hold at least one token per device; at most "
+           f"per_device_batch_size * max_target_length = {tokens:g}", v)
+
+
+def _mesh_shape(v: dict, num_devices: int) -> tuple:
+  keys = [f"ici_{axis}_parallelism" for axis in MESH_AXES]
+  sizes = [v[k] for k in keys]
+  for key, size in zip(keys, sizes):
+    _require(size >= 1 or size == -1, key, "must be >= 1, or -1 to fill the remaining devices", v)
+  fills = [k for k, s in zip(keys, sizes) if s == -1]
+  if len(fills) > 1:
+    raise ConfigError(f"{', '.join(fills)}: at most one ici_*_parallelism may be -1")
+  known = math.prod(s for s in sizes if s != -1)
+  if fills:
+    if num_devices % known:
+      raise ConfigError(f"{fills[0]}=-1: the other ici_*_parallelism multiply to {known}, "
+                        f"which does not divide the {num_devices} devices")
+    sizes = [num_devices // known if s == -1 else s for s in sizes]
+  if math.prod(sizes) != num_devices:
+    raise ConfigError(f"{'*'.join(keys)} = {math.prod(sizes)}: must equal the {num_devices} devices")
+  return tuple(sizes)
+
+
+def _derive(v: dict, num_devices: int) -> None:
+  """Adds the values every module would otherwise recompute."""
+  v["num_devices"] = num_devices
+  v["mesh_shape"] = _mesh_shape(v, num_devices)
+  micro = v["per_device_batch_size"] * num_devices
+  if micro != int(micro):
+    raise ConfigError(f"per_device_batch_size={v['per_device_batch_size']}: times the {num_devices} "
+                      "devices must be a whole number of sequences")
+  v["micro_batch_size"] = int(micro)
+  v["global_batch_size_to_train_on"] = int(micro) * v["gradient_accumulation_steps"]
+  v["head_dim"] = v["head_dim"] or v["base_emb_dim"] // v["base_num_query_heads"]
+  if v["learning_rate_schedule_steps"] == -1:
+    v["learning_rate_schedule_steps"] = v["steps"]
+  v["run_dir"] = os.path.join(v["base_output_directory"], v["run_name"])
+
+
+def _freeze(value):
+  if isinstance(value, list):
+    return tuple(_freeze(x) for x in value)
+  return value
+
+
+def initialize(argv: Sequence[str], num_devices: int | None = None,
+               memory_kinds: Sequence[str] | None = None) -> Config:
+  """argv = [config.yml, key=value, ...].
+
+  `num_devices` and `memory_kinds` (of one device) default to what JAX sees.
+  """
+  if not argv:
+    raise ConfigError("usage: <config.yml> [key=value ...]")
+  config_path, *args = argv
+  values = _load_yaml(config_path)
+  overrides = {}
+  for arg in args:
+    key, sep, raw = arg.partition("=")
+    if not sep or not key:
+      raise ConfigError(f"argument {arg!r}: expected key=value")
+    if key not in values:
+      raise ConfigError(f"unknown key {key!r} (every key is listed in {config_path})")
+    overrides[key] = raw
+  model_name = _coerce("model_name", overrides.get("model_name", values["model_name"]), "")
+  if model_name != "default":
+    model_path = os.path.join(os.path.dirname(os.path.abspath(config_path)), "models", f"{model_name}.yml")
+    if not os.path.isfile(model_path):
+      raise ConfigError(f"model_name={model_name!r}: no file {model_path}")
+    _merge(values, _load_yaml(model_path), model_path)
+  _merge(values, overrides, "the command line")
+  _validate(values)
+  if num_devices is None:
+    num_devices = jax.device_count()
+  if memory_kinds is None:
+    memory_kinds = [m.kind for m in jax.devices()[0].addressable_memories()]
+  policy = values["remat_policy"]
+  if policy != "none" and remat.saved_names(policy, values)[1] and "pinned_host" not in memory_kinds:
+    raise ConfigError(f"remat_policy={values['remat_policy']!r}: offloads to host memory, which "
+                      f"this backend lacks (it has {', '.join(memory_kinds)})")
+  _derive(values, num_devices)
+  return Config({k: _freeze(x) for k, x in values.items()})
+
+
+def initialize_or_exit(argv: Sequence[str]) -> Config:
+  """For entry points: a bad config prints one line to stderr and exits with code 2."""
+  try:
+    return initialize(argv)
+  except ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    sys.exit(2)

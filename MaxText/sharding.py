@@ -1,0 +1,38 @@
+"""The device mesh and logical-axis sharding (flax logical axis rules over jax.sharding)."""
+
+import contextlib
+
+import flax.linen as nn
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from MaxText.pyconfig import MESH_AXES
+
+BATCH = ("activation_batch", "activation_length")
+
+
+def create_mesh(config) -> jax.sharding.Mesh:
+  # Auto axes: XLA's SPMD partitioner propagates shardings from the constraints we place.
+  return jax.make_mesh(config.mesh_shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def axis_rules(config) -> tuple:
+  """config.logical_axis_rules as flax wants them: (name, tuple of mesh axes or None)."""
+  return tuple((name, tuple(axes) or None) for name, axes in config.logical_axis_rules)
+
+
+@contextlib.contextmanager
+def activate(mesh, config):
+  """Mesh and rules in effect, so layers' logical constraints bind to mesh axes when traced."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules(config)):
+    yield
+
+
+def logical_to_sharding(logical_specs, mesh, config):
+  """A tree of logical PartitionSpecs -> a tree of NamedShardings on `mesh`."""
+  return nn.logical_to_mesh_sharding(logical_specs, mesh, axis_rules(config))
+
+
+def batch_sharding(mesh, config) -> NamedSharding:
+  """Sharding of every [batch, length] input array: batch over data+fsdp, length over sequence."""
+  return logical_to_sharding(PartitionSpec(*BATCH), mesh, config)

@@ -1,0 +1,174 @@
+"""Training: python -m MaxText.train configs/base.yml [key=value ...]
+
+A batch goes: input pipeline -> sharded global arrays -> Transformer -> loss (full logits
+with optax, or vocabulary-tiled) -> gradients summed over microbatches -> optax update.
+"""
+
+import functools
+import sys
+import time
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from absl import app, logging
+from flax.training.train_state import TrainState
+
+from MaxText import input_pipeline, metrics, optimizers, pyconfig, sharding, vocab_tiling
+from MaxText.layers.models import Transformer
+
+BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
+
+
+def loss_sums(model, config, params, batch):
+  """Sums over the batch's scored tokens: (loss incl. z-loss, {weights, z_loss, correct})."""
+  weights = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+  inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+  targets = batch["targets"]
+  if config.num_vocab_tiling > 1:
+    hidden, kernel = model.apply({"params": params}, *inputs, return_hidden=True)
+    loss, z_loss, correct = vocab_tiling.tiled_loss_and_accuracy(
+        hidden, kernel, targets, weights, config.num_vocab_tiling, config.z_loss_multiplier,
+        config.vocab_tiling_mode)
+  else:
+    logits = model.apply({"params": params}, *inputs)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    z_loss = jnp.sum(weights * config.z_loss_multiplier * jnp.square(lse))
+    loss = jnp.sum(weights * optax.softmax_cross_entropy_with_integer_labels(logits, targets)) + z_loss
+    correct = jnp.sum(weights * (jnp.argmax(logits, axis=-1) == targets))
+  return loss, {"weights": jnp.sum(weights), "z_loss": z_loss, "correct": correct}
+
+
+def _microbatches(batch, count):
+  """[count * m, T] -> [count, m, T], microbatch k = rows k, k + count, ...: every
+  microbatch is spread over the batch shards like the whole batch."""
+  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, count, *x.shape[1:]), 0, 1), batch)
+
+
+def _per_token(loss, sums):
+  """Token-weighted means, the same however the tokens were split into microbatches."""
+  total = jnp.maximum(sums["weights"], 1.0)
+  return {"loss": loss / total, "z_loss": sums["z_loss"] / total, "accuracy": sums["correct"] / total,
+          "total_weights": sums["weights"]}
+
+
+def train_step(model, config, state, batch):
+  """One optimizer step on the global batch (gradient_accumulation_steps microbatches)."""
+  grad_fn = jax.value_and_grad(functools.partial(loss_sums, model, config), has_aux=True)
+  if config.gradient_accumulation_steps > 1:
+
+    def accumulate(total, microbatch):
+      return jax.tree.map(jnp.add, total, grad_fn(state.params, microbatch)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, state.params, batch))
+    (loss, sums), grads = jax.lax.scan(accumulate, zeros,
+                                       _microbatches(batch, config.gradient_accumulation_steps))[0]
+  else:
+    (loss, sums), grads = grad_fn(state.params, batch)
+  # The loss is a sum over tokens; dividing once by the global token count makes every
+  # split of the batch (microbatches, devices, vocab tiles) give the same gradient.
+  grads = jax.tree.map(lambda g: g / jnp.maximum(sums["weights"], 1.0), grads)
+  step_metrics = {f"learning/{k}": v for k, v in _per_token(loss, sums).items()}
+  step_metrics["learning/grad_norm"] = optax.tree.norm(grads)
+  step_metrics["learning/current_learning_rate"] = optimizers.learning_rate_schedule(config)(state.step)
+  return state.apply_gradients(grads=grads), step_metrics
+
+
+def eval_step(model, config, params, batch):
+  """Loss sums of one batch without gradients; the caller sums batches then divides."""
+  loss, sums = loss_sums(model, config, params, batch)
+  return {"loss": loss, **sums}
+
+
+class Trainer(NamedTuple):
+  """Everything `train` and `train_compile` share: the model and the jitted, sharded steps."""
+
+  model: Transformer
+  mesh: jax.sharding.Mesh
+  abstract_state: TrainState  # ShapeDtypeStructs
+  state_sharding: TrainState  # NamedShardings
+  batch_sharding: dict
+  init: callable  # rng -> sharded TrainState
+  train_step: callable  # (state, batch) -> (state, metrics); donates state
+  eval_step: callable  # (params, batch) -> loss sums
+
+
+def _abstract_batch(config, rows):
+  return {k: jax.ShapeDtypeStruct((rows, config.max_target_length), jnp.int32) for k in BATCH_KEYS}
+
+
+def build(config, mesh) -> Trainer:
+  """Traces the model under the mesh's logical rules and jits its steps with explicit shardings."""
+  model = Transformer(config)
+  tx = optimizers.create_optimizer(config)
+
+  def init_boxed(rng):
+    batch = _abstract_batch(config, config.micro_batch_size)
+    tokens = jnp.zeros(batch["inputs"].shape, jnp.int32)
+    params = model.init(rng, tokens, tokens, tokens)["params"]
+    return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+  with sharding.activate(mesh, config):
+    # Parameters and optimizer state carry logical axis names; turn them into shardings
+    # and create them sharded, never whole on one device.
+    boxed = jax.eval_shape(init_boxed, jax.random.key(0))
+    state_sharding = sharding.logical_to_sharding(nn.get_partition_spec(boxed), mesh, config)
+  abstract_state = nn.meta.unbox(boxed)
+  batch_sharding = {k: sharding.batch_sharding(mesh, config) for k in BATCH_KEYS}
+  init = jax.jit(lambda rng: nn.meta.unbox(init_boxed(rng)), out_shardings=state_sharding)
+  p_train = jax.jit(functools.partial(train_step, model, config),
+                    in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None),
+                    donate_argnums=0)
+  p_eval = jax.jit(functools.partial(eval_step, model, config),
+                   in_shardings=(state_sharding.params, batch_sharding))
+  return Trainer(model, mesh, abstract_state, state_sharding, batch_sharding, init, p_train, p_eval)
+
+
+def compile_train_step(trainer: Trainer, config):
+  """AOT-compiles the train step for the global batch; runs nothing."""
+  with sharding.activate(trainer.mesh, config):
+    batch = _abstract_batch(config, config.global_batch_size_to_train_on)
+    return trainer.train_step.lower(trainer.abstract_state, batch).compile()
+
+
+def device_batch(trainer: Trainer, local_batch: dict) -> dict:
+  """This process's rows -> global arrays laid out by the batch sharding."""
+  return {k: jax.make_array_from_process_local_data(trainer.batch_sharding[k], local_batch[k])
+          for k in BATCH_KEYS}
+
+
+def train(config) -> None:
+  mesh = sharding.create_mesh(config)
+  trainer = build(config, mesh)
+  compiled = compile_train_step(trainer, config)
+  logging.info("train step memory per device:\n%s", metrics.format_memory_stats(metrics.memory_stats(compiled)))
+  with sharding.activate(mesh, config):
+    state = trainer.init(jax.random.key(config.init_weights_seed))
+  data = input_pipeline.create_train_iterator(config)
+  logger = metrics.MetricLogger(config)
+  flops_per_device = metrics.training_flops_per_step(config) / config.num_devices
+  tokens_per_device = config.global_batch_size_to_train_on * config.max_target_length / config.num_devices
+  last = time.perf_counter()
+  for step in range(int(state.step), config.steps):
+    state, step_metrics = compiled(state, device_batch(trainer, next(data)))
+    step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+    now = time.perf_counter()
+    seconds, last = now - last, now
+    step_metrics.update({
+        "perf/step_time_seconds": seconds,
+        "perf/per_device_tokens_per_sec": tokens_per_device / seconds,
+        "perf/per_device_tflops_per_sec": flops_per_device / seconds / 1e12,
+    })
+    logger.write(step + 1, step_metrics, force_log=step + 1 == config.steps)
+  logger.close()
+
+
+def main(argv):
+  config = pyconfig.initialize_or_exit(argv[1:])
+  train(config)
+
+
+if __name__ == "__main__":
+  app.run(main)

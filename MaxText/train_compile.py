@@ -1,0 +1,30 @@
+"""Ahead-of-time memory sizing: python -m MaxText.train_compile configs/base.yml [key=value ...]
+
+Lowers and compiles exactly the train step that `MaxText.train` runs (same config, same
+mesh, same shardings) for the visible devices, runs nothing, and prints the compiled
+per-device memory. To size a mesh larger than this machine, simulate devices on CPU:
+JAX_NUM_CPU_DEVICES=256 python -m MaxText.train_compile ... ici_fsdp_parallelism=256
+"""
+
+import json
+import sys
+
+from absl import app
+
+from MaxText import metrics, pyconfig, sharding, train
+
+
+def main(argv):
+  config = pyconfig.initialize_or_exit(argv[1:])
+  trainer = train.build(config, sharding.create_mesh(config))
+  stats = metrics.memory_stats(train.compile_train_step(trainer, config))
+  print(f"train step memory per device ({config.num_devices} devices, mesh {config.mesh_shape}):")
+  print(metrics.format_memory_stats(stats))
+  if config.memory_stats_file:
+    with open(config.memory_stats_file, "w") as f:
+      json.dump(stats, f, indent=2)
+  sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  app.run(main)

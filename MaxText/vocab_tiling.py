@@ -1,0 +1,183 @@
+"""Vocabulary tiling: cross entropy over [tokens, vocab] logits that never exist whole.
+
+The tokens are split into `num_tiles` tiles and a `lax.scan` walks them, so at most one
+tile's logits [B, T/num_tiles, V] are alive at a time. Gradients come from a `custom_vjp`:
+
+- mode="fused" (default): while the forward has a tile's logits it also forms that tile's
+  gradients for the hidden states and the kernel; the backward only scales them by the
+  incoming cotangent. Three head matmuls per tile (logits, d_hidden, d_kernel), the same
+  as untiled training, so tiling costs no extra compute. Residuals: d_hidden [B, T, D] and
+  d_kernel [D, V] in float32.
+- mode="recompute": the forward keeps only its inputs and the backward recomputes each
+  tile's logits (four matmuls per tile, smaller residuals).
+
+Tile k holds sequence positions t with t % num_tiles == k. Tiles are strided rather than
+contiguous so every tile keeps the batch's own [batch, length] layout: under data, FSDP or
+sequence sharding each device computes its share of every tile with no data movement,
+where a contiguous split of the flattened tokens would leave most devices idle per tile.
+A length not divisible by num_tiles is padded with zero-weight tokens.
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+TILE_TOKENS = (None, "activation_batch", "activation_length")
+TILE_HIDDEN = TILE_TOKENS + ("activation_embed",)
+TILE_LOGITS = ("activation_batch", "activation_length", "activation_vocab")
+KERNEL = ("embed", "vocab")
+
+
+def _to_tiles(x, num_tiles):
+  """[B, T, ...] -> [num_tiles, B, ceil(T / num_tiles), ...], padding T with zeros."""
+  batch, length = x.shape[:2]
+  pad = -length % num_tiles
+  x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  x = x.reshape(batch, (length + pad) // num_tiles, num_tiles, *x.shape[2:])
+  return jnp.moveaxis(x, 2, 0)
+
+
+def _from_tiles(x, length):
+  """Inverse of _to_tiles: [num_tiles, B, T', ...] -> [B, length, ...]."""
+  x = jnp.moveaxis(x, 0, 2)
+  return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :length]
+
+
+def _tile_logits(hidden, kernel):
+  logits = jnp.einsum("btd,dv->btv", hidden, kernel, preferred_element_type=jnp.float32)
+  return nn.with_logical_constraint(logits, TILE_LOGITS)
+
+
+def _tile_loss(logits, targets, weights, z_loss_multiplier):
+  """Weighted sums over one tile: (loss incl. z-loss, z-loss, correct predictions), and lse."""
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  z_loss = jnp.sum(weights * z_loss_multiplier * jnp.square(lse))
+  loss = jnp.sum(weights * (lse - target_logit)) + z_loss
+  correct = jnp.sum(weights * (jnp.argmax(logits, axis=-1) == targets))
+  return jnp.stack([loss, z_loss, correct]), lse
+
+
+def _tile_grads(hidden, kernel, targets, weights, logits, lse, z_loss_multiplier):
+  """d(tile loss)/d(hidden) in float32 [B, T', D] and d(tile loss)/d(kernel) in float32 [D, V].
+
+  With p = softmax(logits): d loss / d logits = w * ((1 + 2 * z * lse) * p - onehot(target)).
+  """
+  probs = jnp.exp(logits - lse[..., None])
+  scale = weights * (1.0 + 2.0 * z_loss_multiplier * lse)
+  one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
+  d_logits = (scale[..., None] * probs - weights[..., None] * one_hot).astype(kernel.dtype)
+  d_hidden = jnp.einsum("btv,dv->btd", d_logits, kernel, preferred_element_type=jnp.float32)
+  d_kernel = jnp.einsum("btd,btv->dv", hidden, d_logits, preferred_element_type=jnp.float32)
+  return d_hidden, nn.with_logical_constraint(d_kernel, KERNEL)
+
+
+def _zeros_like_kernel(kernel):
+  return nn.with_logical_constraint(jnp.zeros(kernel.shape, jnp.float32), KERNEL)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _tiled_sums(hidden, kernel, targets, weights, z_loss_multiplier, mode):
+  """Tiled inputs -> [loss, z_loss, correct], each summed over all tiles."""
+  return _tiled_forward(hidden, kernel, targets, weights, z_loss_multiplier, mode)[0]
+
+
+def _tiled_forward(hidden, kernel, targets, weights, z_loss_multiplier, mode):
+  fused = mode == "fused"
+
+  def step(carry, tile):
+    sums, d_kernel = carry
+    h, t, w = tile
+    logits = _tile_logits(h, kernel)
+    tile_sums, lse = _tile_loss(logits, t, w, z_loss_multiplier)
+    if not fused:
+      return (sums + tile_sums, None), None
+    d_h, d_k = _tile_grads(h, kernel, t, w, logits, lse, z_loss_multiplier)
+    return (sums + tile_sums, d_kernel + d_k), d_h.astype(h.dtype)
+
+  init = (jnp.zeros(3, jnp.float32), _zeros_like_kernel(kernel) if fused else None)
+  (sums, d_kernel), d_hidden = jax.lax.scan(step, init, (hidden, targets, weights))
+  if fused:
+    return sums, (d_hidden, d_kernel.astype(kernel.dtype))
+  return sums, (hidden, kernel, targets, weights)
+
+
+def _recompute_grads(hidden, kernel, targets, weights, z_loss_multiplier):
+  """The fused forward's gradients, recomputed tile by tile from the inputs."""
+
+  def step(d_kernel, tile):
+    h, t, w = tile
+    logits = _tile_logits(h, kernel)
+    _, lse = _tile_loss(logits, t, w, z_loss_multiplier)
+    d_h, d_k = _tile_grads(h, kernel, t, w, logits, lse, z_loss_multiplier)
+    return d_kernel + d_k, d_h.astype(h.dtype)
+
+  d_kernel, d_hidden = jax.lax.scan(step, _zeros_like_kernel(kernel), (hidden, targets, weights))
+  return d_hidden, d_kernel.astype(kernel.dtype)
+
+
+def _tiled_backward(z_loss_multiplier, mode, residuals, cotangent):
+  # Only the loss is differentiated: z-loss (already inside the loss) and the accuracy are
+  # reported through stop_gradient, so their cotangents are always zero.
+  d_hidden, d_kernel = residuals if mode == "fused" else _recompute_grads(*residuals, z_loss_multiplier)
+  scale = lambda x: (cotangent[0] * x.astype(jnp.float32)).astype(x.dtype)
+  return scale(d_hidden), scale(d_kernel), None, None
+
+
+_tiled_sums.defvjp(_tiled_forward, _tiled_backward)
+
+MODES = ("fused", "recompute")
+
+
+def tiled_loss_and_accuracy(hidden, kernel, targets, weights, num_tiles, z_loss_multiplier=0.0,
+                            mode="fused"):
+  """(loss_sum, z_loss_sum, correct_sum), float32 scalars; see vocab_tiled_cross_entropy.
+
+  correct_sum = sum of weights where argmax(logits) == target, found inside the tiles.
+  Only loss_sum is differentiable.
+  """
+  if mode not in MODES:
+    raise ValueError(f"mode={mode!r}: must be one of {', '.join(MODES)}")
+  if num_tiles < 1:
+    raise ValueError(f"num_tiles={num_tiles}: must be >= 1")
+  h = nn.with_logical_constraint(_to_tiles(hidden, num_tiles), TILE_HIDDEN)
+  t = nn.with_logical_constraint(_to_tiles(targets, num_tiles), TILE_TOKENS)
+  w = nn.with_logical_constraint(_to_tiles(weights.astype(jnp.float32), num_tiles), TILE_TOKENS)
+  sums = _tiled_sums(h, kernel, t, w, float(z_loss_multiplier), mode)
+  return sums[0], jax.lax.stop_gradient(sums[1]), jax.lax.stop_gradient(sums[2])
+
+
+def vocab_tiled_cross_entropy(hidden, kernel, targets, weights, num_tiles, z_loss_multiplier=0.0,
+                              mode="fused"):
+  """Weighted cross entropy of logits = hidden @ kernel without materialising the logits.
+
+  hidden [B, T, D] (any float dtype), kernel [D, V], targets [B, T] int, weights [B, T]
+  (0 for padding). Logits are computed in float32. Returns float32 scalars
+  (loss_sum, z_loss_sum):
+    loss_sum = sum w * (logsumexp(z) - z[target]) + z_loss_multiplier * sum w * logsumexp(z)^2
+  with z_loss_sum the second term alone, for logging (it carries no gradient of its own).
+  Differentiable in hidden and kernel; gradients come back in their dtypes.
+  """
+  loss, z_loss, _ = tiled_loss_and_accuracy(hidden, kernel, targets, weights, num_tiles,
+                                            z_loss_multiplier, mode)
+  return loss, z_loss
+
+
+def per_token_logprobs(hidden, kernel, targets, num_tiles):
+  """log p(target) [B, T] in float32, tiled the same way; differentiable (for RL and scoring).
+
+  Autodiff through a scan of checkpointed tiles: the backward recomputes one tile's
+  logits at a time, so memory stays at one tile.
+  """
+
+  @jax.checkpoint
+  def tile_logprobs(h, t):
+    logits = _tile_logits(h, kernel)
+    target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+    return target_logit - jax.nn.logsumexp(logits, axis=-1)
+
+  tiles = (_to_tiles(hidden, num_tiles), _to_tiles(targets, num_tiles))
+  _, logprobs = jax.lax.scan(lambda carry, tile: (carry, tile_logprobs(*tile)), None, tiles)
+  return _from_tiles(logprobs, hidden.shape[1])

@@ -1,0 +1,104 @@
+"""Shared test helpers: a tiny model config and the CLI runner.
+
+This process sees one CPU device; tests that need a device mesh start subprocesses with
+JAX_NUM_CPU_DEVICES set.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# The suite is dominated by XLA:CPU compile time; LLVM's optimisation passes triple it for
+# tiny models and change no result's IEEE semantics. Set before JAX starts, inherited by
+# the subprocesses the tests launch.
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+
+from MaxText import pyconfig
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_YML = str(ROOT / "configs" / "base.yml")
+
+# Small enough to compile in a few seconds on 2 cores, with GQA and more than one layer.
+TINY = (
+    "vocab_size=128", "base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2",
+    "base_mlp_dim=64", "base_num_decoder_layers=2", "max_target_length=16",
+    "per_device_batch_size=4", "steps=5", "enable_tensorboard=false", "warmup_steps_fraction=0.0",
+)
+
+
+def tiny_config(*overrides, num_devices=None, memory_kinds=None):
+  return pyconfig.initialize([BASE_YML, *TINY, *overrides], num_devices=num_devices,
+                             memory_kinds=memory_kinds)
+
+
+def run_cli(module, *args, env=None, cwd=None, timeout=600):
+  """python -m MaxText.<module> configs/base.yml args...; returns the CompletedProcess."""
+  full_env = {**os.environ, **(env or {})}
+  return subprocess.run([sys.executable, "-m", f"MaxText.{module}", BASE_YML, *args],
+                        capture_output=True, text=True, env=full_env, cwd=cwd or ROOT, timeout=timeout)
+
+
+def model_inputs(config, seed=0, batch=None):
+  """Random tokens with two packed documents per row: (tokens, positions, segment_ids)."""
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  batch = batch or config.micro_batch_size
+  length = config.max_target_length
+  tokens = rng.integers(0, config.vocab_size, (batch, length), dtype=np.int32)
+  split = length // 3
+  segments = np.where(np.arange(length) < split, 1, 2).astype(np.int32)
+  positions = np.where(np.arange(length) < split, np.arange(length), np.arange(length) - split)
+  return (tokens, np.broadcast_to(positions, (batch, length)).astype(np.int32),
+          np.broadcast_to(segments, (batch, length)).copy())
+
+
+def loop_to_scan_params(params, depth, interval):
+  """Parameters of a scan_layers=false model in the layout of scan_layers=true with
+  remat_layer_interval=interval, so both stacks can run the very same weights."""
+  import jax
+  import jax.numpy as jnp
+  decoder = dict(params["decoder"])
+  layers = [decoder.pop(f"layers_{i}") for i in range(depth)]
+  groups, rest = divmod(depth, interval)
+  decoder["layers"] = {f"layer_{j}": jax.tree.map(lambda *xs: jnp.stack(xs),
+                                                  *[layers[g * interval + j] for g in range(groups)])
+                       for j in range(interval)}
+  if rest:
+    decoder["layers_rest"] = {f"layer_{j}": layers[groups * interval + j] for j in range(rest)}
+  return {**params, "decoder": decoder}
+
+
+def assert_trees_close(actual, desired, rtol):
+  """Leaf by leaf: |a - d| <= rtol * max|d| + rtol * |d|, i.e. relative to each leaf's scale,
+  so near-zero entries of a large gradient are not held to a tighter bound than its bulk."""
+  import jax
+  import numpy as np
+
+  def check(path, a, d):
+    a, d = np.asarray(a, np.float64), np.asarray(d, np.float64)
+    np.testing.assert_allclose(a, d, rtol=rtol, atol=rtol * np.max(np.abs(d)),
+                               err_msg=jax.tree_util.keystr(path))
+
+  assert jax.tree.structure(actual) == jax.tree.structure(desired)
+  jax.tree_util.tree_map_with_path(check, actual, desired)
+
+
+def trainer_and_state(config):
+  """(Trainer, initialised sharded TrainState) on this process's devices."""
+  import jax
+  from MaxText import sharding, train
+  trainer = train.build(config, sharding.create_mesh(config))
+  with sharding.activate(trainer.mesh, config):
+    state = trainer.init(jax.random.key(config.init_weights_seed))
+  return trainer, state
+
+
+def fixed_batch(config, seed=0):
+  """A global batch of model_inputs rows with next-token targets, as the pipeline yields."""
+  import numpy as np
+  tokens, positions, segments = model_inputs(config, seed, config.global_batch_size_to_train_on)
+  targets = np.roll(tokens, -1, axis=1)
+  mask = segments * (np.arange(tokens.shape[1]) < tokens.shape[1] - 1)
+  return {"inputs": tokens, "targets": targets, "inputs_position": positions,
+          "inputs_segmentation": segments, "targets_segmentation": mask.astype(np.int32)}

@@ -1,0 +1,132 @@
+"""The Llama decoder against independent references."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from MaxText.layers.attentions import Attention
+from MaxText.layers.models import Transformer
+from conftest import assert_trees_close, loop_to_scan_params, model_inputs, tiny_config
+
+
+def init_params(config, seed=0):
+  tokens, positions, segments = model_inputs(config)
+  variables = Transformer(config).init(jax.random.key(seed), tokens, positions, segments)
+  return nn.meta.unbox(variables)["params"]
+
+
+def reference_attention(x, params, positions, segments, config):
+  """Plain NumPy: project, rotate, repeat kv heads, masked softmax, project back."""
+  x = np.asarray(x, np.float64)
+  q = np.einsum("btd,dhk->bthk", x, params["query"]["kernel"])
+  k = np.einsum("btd,dhk->bthk", x, params["key"]["kernel"])
+  v = np.einsum("btd,dhk->bthk", x, params["value"]["kernel"])
+
+  def rope(t):
+    half = t.shape[-1] // 2
+    freq = config.rope_max_timescale ** (np.arange(half) / half)
+    angle = positions[:, :, None, None] / freq
+    a, b = t[..., :half], t[..., half:]
+    return np.concatenate([a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)], -1)
+
+  q, k = rope(q), rope(k)
+  group = config.base_num_query_heads // config.base_num_kv_heads
+  k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+  scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+  length = x.shape[1]
+  allowed = np.tril(np.ones((length, length), bool))[None] & (segments[:, :, None] == segments[:, None, :])
+  scores = np.where(allowed[:, None], scores, -np.inf)
+  probs = np.exp(scores - scores.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  context = np.einsum("bhqk,bkhd->bqhd", probs, v)
+  return np.einsum("bqhd,hdo->bqo", context, params["out"]["kernel"])
+
+
+def test_attention_matches_numpy_reference_with_gqa_causal_and_segments():
+  config = tiny_config()
+  tokens, positions, segments = model_inputs(config)
+  x = jax.random.normal(jax.random.key(1), (*tokens.shape, config.base_emb_dim))
+  attention = Attention(config)
+  params = nn.meta.unbox(attention.init(jax.random.key(0), x, positions, segments))["params"]
+  got = attention.apply({"params": params}, x, positions, segments)
+  want = reference_attention(x, jax.tree.map(np.asarray, params), positions, segments, config)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_no_information_flows_backwards_or_across_documents():
+  config = tiny_config()
+  params = init_params(config)
+  tokens, positions, segments = model_inputs(config)
+  apply = jax.jit(Transformer(config).apply)
+  logits = apply({"params": params}, tokens, positions, segments)
+  t = 9  # inside the second document (positions 5..15)
+  changed_future = tokens.copy()
+  changed_future[:, t + 1:] = (changed_future[:, t + 1:] + 1) % config.vocab_size
+  after = apply({"params": params}, changed_future, positions, segments)
+  np.testing.assert_array_equal(logits[:, :t + 1], after[:, :t + 1])
+  changed_first_doc = tokens.copy()
+  changed_first_doc[:, :5] = (changed_first_doc[:, :5] + 1) % config.vocab_size
+  after = apply({"params": params}, changed_first_doc, positions, segments)
+  np.testing.assert_allclose(logits[:, 5:], after[:, 5:], rtol=1e-5, atol=1e-6)
+  assert not np.allclose(logits[:, :5], after[:, :5])
+
+
+def loss_and_grads(config, params, inputs):
+  tokens = inputs[0]
+
+  def loss(p):
+    logits = Transformer(config).apply({"params": p}, *inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+
+  return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize("depth, interval", [(3, 1), (3, 2)])
+def test_scan_and_loop_stacks_give_the_same_loss_and_gradients(depth, interval):
+  loop = tiny_config("scan_layers=false", f"base_num_decoder_layers={depth}",
+                     f"remat_layer_interval={interval}")
+  scan = tiny_config("scan_layers=true", f"base_num_decoder_layers={depth}",
+                     f"remat_layer_interval={interval}")
+  params = init_params(loop)
+  inputs = model_inputs(loop)
+  loop_loss, loop_grads = loss_and_grads(loop, params, inputs)
+  scan_params = loop_to_scan_params(params, depth, interval)
+  scan_loss, scan_grads = loss_and_grads(scan, scan_params, inputs)
+  assert jax.tree.structure(scan_params) == jax.tree.structure(init_params(scan))
+  np.testing.assert_allclose(scan_loss, loop_loss, rtol=1e-6)
+  assert_trees_close(scan_grads, loop_to_scan_params(loop_grads, depth, interval), rtol=1e-5)
+
+
+def test_scanned_parameters_are_stacked_on_a_layers_axis():
+  config = tiny_config("base_num_decoder_layers=3")
+  tokens, positions, segments = model_inputs(config)
+  variables = Transformer(config).init(jax.random.key(0), tokens, positions, segments)
+  kernel = variables["params"]["decoder"]["layers"]["layer_0"]["mlp"]["wi_0"]["kernel"]
+  assert kernel.names == ("layers", "embed", "mlp") and kernel.value.shape == (3, 32, 64)
+
+
+def test_tied_embeddings_use_the_table_as_output_head():
+  config = tiny_config("logits_via_embedding=true")
+  params = init_params(config)
+  assert "logits_kernel" not in params
+  tokens, positions, segments = model_inputs(config)
+  model = Transformer(config)
+  hidden, kernel = model.apply({"params": params}, tokens, positions, segments, return_hidden=True)
+  np.testing.assert_array_equal(kernel, params["token_embedder"]["embedding"].T)
+  logits = model.apply({"params": params}, tokens, positions, segments)
+  np.testing.assert_allclose(logits, hidden @ kernel, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_activations_keep_float32_parameters():
+  config = tiny_config("dtype=bfloat16", "weight_dtype=float32")
+  params = init_params(config)
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+  tokens, positions, segments = model_inputs(config)
+  hidden, kernel = Transformer(config).apply({"params": params}, tokens, positions, segments,
+                                             return_hidden=True)
+  assert hidden.dtype == jnp.bfloat16 and kernel.dtype == jnp.bfloat16
+  logits = Transformer(config).apply({"params": params}, tokens, positions, segments)
+  assert logits.dtype == jnp.float32

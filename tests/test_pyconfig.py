@@ -1,0 +1,103 @@
+"""Config: layering, typing, derived values, and one-line errors with exit code 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from MaxText import pyconfig
+from conftest import BASE_YML, run_cli, tiny_config
+
+
+def test_overrides_are_parsed_to_the_type_of_the_default():
+  cfg = tiny_config("learning_rate=1", "scan_layers=false", "run_name=x", "steps=7",
+                    'logical_axis_rules=[["vocab", ["tensor"]]]')
+  assert cfg.learning_rate == 1.0 and isinstance(cfg.learning_rate, float)
+  assert cfg.scan_layers is False and cfg.steps == 7 and cfg.run_name == "x"
+  assert cfg.logical_axis_rules == (("vocab", ("tensor",)),)
+
+
+def test_model_name_layers_the_model_file_over_base_and_cli_wins():
+  cfg = pyconfig.initialize([BASE_YML, "model_name=llama3-8b", "base_num_decoder_layers=2"], num_devices=1)
+  assert (cfg.vocab_size, cfg.base_num_kv_heads, cfg.rope_max_timescale) == (128256, 8, 500000)
+  assert cfg.base_num_decoder_layers == 2
+
+
+def test_derived_values():
+  cfg = tiny_config("per_device_batch_size=3", "gradient_accumulation_steps=2", "head_dim=0",
+                    "base_emb_dim=48", num_devices=4)
+  assert cfg.micro_batch_size == 12 and cfg.global_batch_size_to_train_on == 24
+  assert cfg.head_dim == 12 and cfg.mesh_shape == (1, 4, 1, 1)
+  assert cfg.learning_rate_schedule_steps == cfg.steps
+  cfg = tiny_config("ici_tensor_parallelism=2", "ici_data_parallelism=2", num_devices=8)
+  assert cfg.mesh_shape == (2, 2, 2, 1)
+
+
+def test_config_is_read_only():
+  cfg = tiny_config()
+  with pytest.raises(AttributeError):
+    cfg.steps = 3
+
+
+@pytest.mark.parametrize("override, key", [
+    ("no_such_key=1", "no_such_key"),
+    ("steps=abc", "steps"),
+    ("steps=1.5", "steps"),
+    ("scan_layers=maybe", "scan_layers"),
+    ("learning_rate=fast", "learning_rate"),
+    ("per_device_batch_size=-1", "per_device_batch_size"),
+    ("per_device_batch_size=0.3", "per_device_batch_size"),
+    ("base_num_kv_heads=3", "base_num_kv_heads"),
+    ("steps=0", "steps"),
+    ("dtype=float8", "dtype"),
+    ("head_dim=7", "head_dim"),
+    ("adam_b2=1.0", "adam_b2"),
+    ("warmup_steps_fraction=1.5", "warmup_steps_fraction"),
+    ("gradient_accumulation_steps=0", "gradient_accumulation_steps"),
+    ("model_name=gpt5", "model_name"),
+    ("ici_fsdp_parallelism=3", "ici_"),
+    ("ici_tensor_parallelism=-1", "ici_"),
+    ("logical_axis_rules=[[\"vocab\",[\"model\"]]]", "logical_axis_rules"),
+    ("remat_policy=most", "remat_policy"),
+    ("remat_layer_interval=0", "remat_layer_interval"),
+    ("remat_layer_interval=3", "remat_layer_interval"),
+    ("query_proj=keep", "query_proj"),
+    ("num_vocab_tiling=0", "num_vocab_tiling"),
+    ("num_vocab_tiling=65", "num_vocab_tiling"),
+    ("vocab_tiling_mode=magic", "vocab_tiling_mode"),
+    ("noequals", "noequals"),
+])
+def test_bad_values_name_the_key(override, key):
+  with pytest.raises(pyconfig.ConfigError, match=key):
+    tiny_config(override, num_devices=1)
+
+
+def test_offload_policy_needs_host_memory():
+  assert tiny_config("remat_policy=minimal_offloaded", memory_kinds=["device", "pinned_host"])
+  with pytest.raises(pyconfig.ConfigError, match="remat_policy"):
+    tiny_config("remat_policy=qkv_proj_offloaded", memory_kinds=["device"])
+  with pytest.raises(pyconfig.ConfigError, match="remat_policy"):
+    tiny_config("remat_policy=custom", "mlpwo=offload", memory_kinds=["device"])
+
+
+def test_missing_config_file():
+  with pytest.raises(pyconfig.ConfigError, match="no_such.yml"):
+    pyconfig.initialize(["configs/no_such.yml"], num_devices=1)
+
+
+@pytest.mark.parametrize("args", [("no_such_key=1",), ("per_device_batch_size=-1",)])
+def test_cli_config_error_is_one_line_exit_2_and_writes_nothing(tmp_path, args):
+  out = tmp_path / "outputs"
+  result = run_cli("train", f"base_output_directory={out}", *args)
+  assert result.returncode == 2, result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+  assert args[0].split("=")[0] in lines[0]
+  assert not out.exists()
+
+
+def test_cli_missing_config_file_exits_2(tmp_path):
+  result = subprocess.run([sys.executable, "-m", "MaxText.train_compile", str(tmp_path / "x.yml")],
+                          capture_output=True, text=True)
+  assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+  assert "x.yml" in result.stderr

@@ -1,0 +1,95 @@
+"""The train step, the CLI run, its metrics file, and the AOT memory report."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import metrics, sharding, train
+from conftest import TINY, assert_trees_close, fixed_batch, run_cli, tiny_config, trainer_and_state
+
+
+def run_steps(config, batch, steps):
+  trainer, state = trainer_and_state(config)
+  losses = []
+  with sharding.activate(trainer.mesh, config):
+    for _ in range(steps):
+      state, step_metrics = trainer.train_step(state, train.device_batch(trainer, batch))
+      losses.append(float(step_metrics["learning/loss"]))
+  return state, losses
+
+
+def test_train_step_lowers_the_loss_on_a_fixed_batch():
+  config = tiny_config()
+  _, losses = run_steps(config, fixed_batch(config), 15)
+  assert losses[-1] < 0.6 * losses[0], losses
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+  # adam_eps=1 makes the update linear in the gradient (Adam's first steps are otherwise
+  # ~lr * sign(g), which turns rounding noise in near-zero gradients into whole steps).
+  whole = tiny_config("per_device_batch_size=4", "adam_eps=1")
+  accumulated = tiny_config("per_device_batch_size=2", "gradient_accumulation_steps=2", "adam_eps=1")
+  batch = fixed_batch(whole)
+  batch["targets_segmentation"][0, :7] = 0  # uneven token counts across microbatches
+  state_a, losses_a = run_steps(whole, batch, 2)
+  state_b, losses_b = run_steps(accumulated, batch, 2)
+  np.testing.assert_allclose(losses_b, losses_a, rtol=1e-6)
+  assert losses_b[1] != losses_b[0]
+  assert_trees_close(state_b.params, state_a.params, rtol=1e-5)
+
+
+def test_training_is_deterministic_for_given_seeds():
+  config = tiny_config()
+  state_a, losses_a = run_steps(config, fixed_batch(config), 2)
+  state_b, losses_b = run_steps(config, fixed_batch(config), 2)
+  assert losses_a == losses_b
+  jax.tree.map(np.testing.assert_array_equal, state_a.params, state_b.params)
+
+
+def test_flops_match_a_hand_count():
+  config = tiny_config("base_num_decoder_layers=2", "vocab_size=100", "base_emb_dim=32",
+                       "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=8",
+                       "base_mlp_dim=64", "max_target_length=16", "per_device_batch_size=3",
+                       num_devices=1)
+  tokens = 3 * 16
+  per_token_macs = {  # multiply-adds per token, per weight matrix
+      "q": 32 * 4 * 8, "k": 32 * 2 * 8, "v": 32 * 2 * 8, "o": 4 * 8 * 32,
+      "wi_0": 32 * 64, "wi_1": 32 * 64, "wo": 64 * 32}
+  layer_flops = 2 * tokens * sum(per_token_macs.values())
+  head_flops = 2 * tokens * 32 * 100
+  # QK^T and PV over the causal half of the 16 x 16 score matrix, 4 heads of width 8.
+  attention_flops = 2 * 2 * 3 * (16 * 16 / 2) * 4 * 8
+  forward = 2 * (layer_flops + attention_flops) + head_flops
+  assert metrics.training_flops_per_step(config) == pytest.approx(3 * forward)
+
+
+def test_cli_run_writes_metrics_file_and_tensorboard(tmp_path):
+  metrics_file = tmp_path / "m.jsonl"
+  result = run_cli("train", *TINY, f"base_output_directory={tmp_path}", "run_name=cli", "steps=4",
+                   "log_period=2", "dataset_type=synthetic", "enable_tensorboard=true",
+                   f"metrics_file={metrics_file}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  for row in rows:
+    for key in ("learning/loss", "learning/grad_norm", "learning/current_learning_rate",
+                "perf/step_time_seconds", "perf/per_device_tokens_per_sec",
+                "perf/per_device_tflops_per_sec", "learning/accuracy"):
+      assert np.isfinite(row[key]), key
+    assert row["perf/step_time_seconds"] > 0
+  assert "step 4/4 | loss" in result.stderr and "temp_bytes" in result.stderr
+  assert list((tmp_path / "cli" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_train_compile_reports_the_train_step_memory(tmp_path):
+  stats_file = tmp_path / "mem.json"
+  result = run_cli("train_compile", *TINY, f"memory_stats_file={stats_file}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  stats = json.loads(stats_file.read_text())
+  assert stats["temp_bytes"] > 0 and stats["total_bytes"] > 0
+  config = tiny_config()
+  trainer, _ = trainer_and_state(config)
+  assert metrics.memory_stats(train.compile_train_step(trainer, config)) == stats
+  assert "temp_bytes" in result.stdout and "GiB" in result.stdout
