@@ -6,6 +6,7 @@ read-only `Config`; any bad input raises `ConfigError`, whose message is one lin
 the key and what is allowed. Command-line entry points turn it into exit code 2.
 """
 
+import contextlib
 import math
 import os
 import sys
@@ -21,8 +22,16 @@ MESH_AXES = ("data", "fsdp", "tensor", "sequence")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+  """A failure caused by the user's input or files: reported as one line, no traceback."""
+
+  exit_code = 1
+
+
+class ConfigError(UserError, ValueError):
   """A bad config: the message names the key and what is allowed."""
+
+  exit_code = 2
 
 
 class Config:
@@ -131,7 +140,18 @@ def _validate(v: dict) -> None:
   _require(v["adam_eps"] > 0, "adam_eps", "must be > 0", v)
   for key in ("adam_weight_decay", "gradient_clipping_threshold", "z_loss_multiplier"):
     _require(v[key] >= 0, key, "must be >= 0", v)
-  _require(v["dataset_type"] in ("synthetic",), "dataset_type", "must be one of synthetic", v)
+  _require(v["dataset_type"] in ("text", "synthetic"), "dataset_type", "must be one of text, synthetic", v)
+  _require(v["tokenizer_type"] in ("bpe", "byte"), "tokenizer_type", "must be one of bpe, byte", v)
+  if v["dataset_type"] == "text" and not v["tokenizer_path"]:
+    _require(v["vocab_size"] >= 257, "vocab_size",
+             f"must be >= 257 (256 bytes + end-of-document) for tokenizer_type={v['tokenizer_type']}", v)
+  for key in ("eval_interval", "eval_steps"):
+    _require(v[key] >= 0, key, "must be >= 0", v)
+  for key in ("checkpoint_period", "max_to_keep", "max_decode_length"):
+    _require(v[key] >= 1, key, "must be >= 1", v)
+  _require(v["decode_sampling_strategy"] in ("greedy", "weighted"), "decode_sampling_strategy",
+           "must be one of greedy, weighted", v)
+  _require(v["decode_sampling_temperature"] > 0, "decode_sampling_temperature", "must be > 0", v)
   for key in ("run_name", "base_output_directory"):
     _require(bool(v[key]) and "\n" not in v[key], key, "must be a non-empty path", v)
   _validate_axis_rules(v["logical_axis_rules"])
@@ -202,6 +222,7 @@ def _derive(v: dict, num_devices: int) -> None:
   if v["learning_rate_schedule_steps"] == -1:
     v["learning_rate_schedule_steps"] = v["steps"]
   v["run_dir"] = os.path.join(v["base_output_directory"], v["run_name"])
+  v["dataset_cache_dir"] = v["dataset_cache_dir"] or os.path.join(v["base_output_directory"], "cache")
 
 
 def _freeze(value):
@@ -248,10 +269,12 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
   return Config({k: _freeze(x) for k, x in values.items()})
 
 
-def initialize_or_exit(argv: Sequence[str]) -> Config:
-  """For entry points: a bad config prints one line to stderr and exits with code 2."""
+@contextlib.contextmanager
+def errors_to_exit_codes():
+  """For entry points: a UserError prints one line to stderr and exits (2 for config errors)."""
   try:
-    return initialize(argv)
-  except ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
-    sys.exit(2)
+    yield
+  except UserError as e:
+    kind = "config error" if isinstance(e, ConfigError) else "error"
+    print(f"{kind}: {e}", file=sys.stderr)
+    sys.exit(e.exit_code)

@@ -5,7 +5,7 @@ with optax, or vocabulary-tiled) -> gradients summed over microbatches -> optax 
 """
 
 import functools
-import sys
+import math
 import time
 from typing import NamedTuple
 
@@ -16,7 +16,7 @@ import optax
 from absl import app, logging
 from flax.training.train_state import TrainState
 
-from MaxText import input_pipeline, metrics, optimizers, pyconfig, sharding, vocab_tiling
+from MaxText import checkpointing, input_pipeline, metrics, optimizers, pyconfig, sharding, vocab_tiling
 from MaxText.layers.models import Transformer
 
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
@@ -139,20 +139,54 @@ def device_batch(trainer: Trainer, local_batch: dict) -> dict:
           for k in BATCH_KEYS}
 
 
+def evaluate(trainer: Trainer, config, params, data) -> dict:
+  """eval_steps held-out batches: eval/loss (cross entropy, no z-loss), perplexity, accuracy."""
+  batches = input_pipeline.create_eval_iterator(config, data)
+  sums = None
+  for _ in range(config.eval_steps):
+    batch_sums = trainer.eval_step(params, device_batch(trainer, next(batches)))
+    sums = batch_sums if sums is None else jax.tree.map(jnp.add, sums, batch_sums)
+  sums = {k: float(v) for k, v in jax.device_get(sums).items()}
+  weights = max(sums["weights"], 1.0)
+  cross_entropy = (sums["loss"] - sums["z_loss"]) / weights
+  return {"eval/loss": cross_entropy, "eval/perplexity": math.exp(min(cross_entropy, 50.0)),
+          "eval/accuracy": sums["correct"] / weights}
+
+
+def initial_state(trainer: Trainer, config, manager, train_iterator):
+  """The latest checkpoint of this run (moving the iterator to match), else a fresh state,
+  with parameters from load_parameters_path when given."""
+  restored = manager and checkpointing.restore_latest(manager, trainer.abstract_state,
+                                                      trainer.state_sharding, train_iterator)
+  if restored:
+    logging.info("resuming from checkpoint step %d in %s", restored[1], manager.directory)
+    return restored[0]
+  state = trainer.init(jax.random.key(config.init_weights_seed))
+  if config.load_parameters_path:
+    params = checkpointing.load_parameters(config.load_parameters_path, trainer.abstract_state.params,
+                                           trainer.state_sharding.params)
+    logging.info("parameters loaded from %s", config.load_parameters_path)
+    state = state.replace(params=params)
+  return state
+
+
 def train(config) -> None:
+  # Reading and tokenizing first: a bad dataset or tokenizer stops the run before it writes.
+  data = input_pipeline.TextData(config) if config.dataset_type == "text" else None
   mesh = sharding.create_mesh(config)
   trainer = build(config, mesh)
+  train_iterator = input_pipeline.create_train_iterator(config, data)
+  manager = checkpointing.create_manager(config)
+  with sharding.activate(mesh, config):
+    state = initial_state(trainer, config, manager, train_iterator)
   compiled = compile_train_step(trainer, config)
   logging.info("train step memory per device:\n%s", metrics.format_memory_stats(metrics.memory_stats(compiled)))
-  with sharding.activate(mesh, config):
-    state = trainer.init(jax.random.key(config.init_weights_seed))
-  data = input_pipeline.create_train_iterator(config)
   logger = metrics.MetricLogger(config)
   flops_per_device = metrics.training_flops_per_step(config) / config.num_devices
   tokens_per_device = config.global_batch_size_to_train_on * config.max_target_length / config.num_devices
   last = time.perf_counter()
-  for step in range(int(state.step), config.steps):
-    state, step_metrics = compiled(state, device_batch(trainer, next(data)))
+  for step in range(int(state.step) + 1, config.steps + 1):
+    state, step_metrics = compiled(state, device_batch(trainer, next(train_iterator)))
     step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
     now = time.perf_counter()
     seconds, last = now - last, now
@@ -161,13 +195,23 @@ def train(config) -> None:
         "perf/per_device_tokens_per_sec": tokens_per_device / seconds,
         "perf/per_device_tflops_per_sec": flops_per_device / seconds / 1e12,
     })
-    logger.write(step + 1, step_metrics, force_log=step + 1 == config.steps)
+    if config.eval_interval and (step % config.eval_interval == 0 or step == config.steps):
+      with sharding.activate(mesh, config):
+        step_metrics.update(evaluate(trainer, config, state.params, data))
+      last = time.perf_counter()  # evaluation time is not step time
+    logger.write(step, step_metrics, force_log=step == config.steps)
+    if manager and (step % config.checkpoint_period == 0 or step == config.steps):
+      checkpointing.save(manager, step, state, train_iterator)
+  if manager:
+    manager.wait_until_finished()
+    manager.close()
   logger.close()
 
 
 def main(argv):
-  config = pyconfig.initialize_or_exit(argv[1:])
-  train(config)
+  metrics.quiet_library_logs()
+  with pyconfig.errors_to_exit_codes():
+    train(pyconfig.initialize(argv[1:]))
 
 
 if __name__ == "__main__":

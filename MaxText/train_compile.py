@@ -7,7 +7,6 @@ JAX_NUM_CPU_DEVICES=256 python -m MaxText.train_compile ... ici_fsdp_parallelism
 """
 
 import json
-import sys
 
 from absl import app
 
@@ -15,7 +14,8 @@ from MaxText import metrics, pyconfig, sharding, train
 
 
 def main(argv):
-  config = pyconfig.initialize_or_exit(argv[1:])
+  with pyconfig.errors_to_exit_codes():
+    config = pyconfig.initialize(argv[1:])
   trainer = train.build(config, sharding.create_mesh(config))
   stats = metrics.memory_stats(train.compile_train_step(trainer, config))
   print(f"train step memory per device ({config.num_devices} devices, mesh {config.mesh_shape}):")
@@ -23,7 +23,6 @@ def main(argv):
   if config.memory_stats_file:
     with open(config.memory_stats_file, "w") as f:
       json.dump(stats, f, indent=2)
-  sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 # The suite is dominated by XLA:CPU compile time; LLVM's optimisation passes triple it for
 # tiny models and change no result's IEEE semantics. Set before JAX starts, inherited by
 # the subprocesses the tests launch.
@@ -24,12 +26,21 @@ TINY = (
     "vocab_size=128", "base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2",
     "base_mlp_dim=64", "base_num_decoder_layers=2", "max_target_length=16",
     "per_device_batch_size=4", "steps=5", "enable_tensorboard=false", "warmup_steps_fraction=0.0",
+    "dataset_type=synthetic", "eval_interval=0", "enable_checkpointing=false",
 )
+# TINY on real text: the smallest BPE over bytes has 257 tokens.
+TINY_TEXT = ("dataset_type=text", "vocab_size=320")
 
 
 def tiny_config(*overrides, num_devices=None, memory_kinds=None):
   return pyconfig.initialize([BASE_YML, *TINY, *overrides], num_devices=num_devices,
                              memory_kinds=memory_kinds)
+
+
+@pytest.fixture(scope="session")
+def text_cache(tmp_path_factory):
+  """One dataset_cache_dir for the whole session: the corpus is tokenized once."""
+  return f"dataset_cache_dir={tmp_path_factory.mktemp('cache')}"
 
 
 def run_cli(module, *args, env=None, cwd=None, timeout=600):

@@ -1,0 +1,70 @@
+"""Sampling: python -m MaxText.decode configs/base.yml load_parameters_path=DIR prompt="..." max_decode_length=N
+
+Prints the prompt and its continuation. Parameters come from load_parameters_path, or else
+from the latest checkpoint of run_name. Each new token runs the model over the last
+max_target_length tokens (no KV cache: simple, and fast enough for the models that train here).
+"""
+
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app
+
+from MaxText import checkpointing, input_pipeline, metrics, pyconfig
+from MaxText.layers.models import Transformer
+
+
+def _parameters_path(config) -> str:
+  if config.load_parameters_path:
+    return config.load_parameters_path
+  directory = os.path.join(config.run_dir, "checkpoints")
+  steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
+  if not steps:
+    raise pyconfig.ConfigError(f"load_parameters_path='': and run {config.run_dir} has no checkpoint to load")
+  return os.path.join(directory, str(steps[-1]))
+
+
+def generate(config) -> str:
+  if config.dataset_type != "text":
+    raise pyconfig.ConfigError("dataset_type: decoding needs the text tokenizer (dataset_type=text)")
+  tokenizer = input_pipeline.TextData(config).tokenizer
+  model = Transformer(config)
+  length = config.max_target_length
+  window = jnp.zeros((1, length), jnp.int32)
+  abstract = nn.meta.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), window, window, window)))
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  params = checkpointing.load_parameters(_parameters_path(config), abstract["params"],
+                                         jax.tree.map(lambda _: device, abstract["params"]))
+
+  @jax.jit
+  def next_token(tokens, last, key):
+    positions = jnp.arange(length)[None]
+    logits = model.apply({"params": params}, tokens, positions, jnp.ones_like(tokens))[0, last]
+    if config.decode_sampling_strategy == "greedy":
+      return jnp.argmax(logits)
+    return jax.random.categorical(key, logits / config.decode_sampling_temperature)
+
+  prompt = tokenizer.encode(config.prompt, add_special_tokens=False).ids
+  if not prompt:
+    raise pyconfig.ConfigError("prompt='': give some text to continue")
+  tokens = list(prompt)
+  key = jax.random.key(config.decode_sampling_seed)
+  for i in range(config.max_decode_length):
+    context = tokens[-length:]
+    padded = np.zeros((1, length), np.int32)
+    padded[0, :len(context)] = context
+    tokens.append(int(next_token(padded, len(context) - 1, jax.random.fold_in(key, i))))
+  return config.prompt + tokenizer.decode(tokens[len(prompt):])
+
+
+def main(argv):
+  metrics.quiet_library_logs()
+  with pyconfig.errors_to_exit_codes():
+    print(generate(pyconfig.initialize(argv[1:])))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,91 @@
+"""Tokenizers, all Hugging Face `tokenizers` objects with an end-of-document token.
+
+- tokenizer_path=PATH: any HF tokenizer.json.
+- tokenizer_type=bpe: a byte-level BPE trained at vocab_size on the training documents the
+  first time, then cached under dataset_cache_dir, keyed by corpus and vocab size.
+- tokenizer_type=byte: the 256 byte symbols and the end-of-document token (a BPE with no
+  merges), 257 ids.
+"""
+
+import hashlib
+import os
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from MaxText.pyconfig import ConfigError
+
+EOD = "<|endoftext|>"
+# End-of-document tokens of common tokenizers, tried in order for a tokenizer_path.
+EOD_CANDIDATES = (EOD, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
+
+
+def fingerprint(texts) -> str:
+  digest = hashlib.sha256()
+  for text in texts:
+    digest.update(hashlib.sha256(text.encode()).digest())
+  return digest.hexdigest()[:16]
+
+
+def _byte_level(model) -> Tokenizer:
+  tokenizer = Tokenizer(model)
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  return tokenizer
+
+
+def byte_tokenizer() -> Tokenizer:
+  symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+  tokenizer = _byte_level(models.BPE(vocab={s: i for i, s in enumerate(symbols)}, merges=[]))
+  tokenizer.add_special_tokens([EOD])
+  return tokenizer
+
+
+def train_bpe(documents, vocab_size) -> Tokenizer:
+  tokenizer = _byte_level(models.BPE())
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD], show_progress=False,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tokenizer.train_from_iterator(documents, trainer)
+  return tokenizer
+
+
+def save_atomic(tokenizer: Tokenizer, path: str) -> None:
+  """Writes then renames, so a concurrent or killed run never reads half a file."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}"
+  tokenizer.save(tmp)
+  os.replace(tmp, path)
+
+
+def eod_id(tokenizer: Tokenizer, source: str) -> int:
+  for token in EOD_CANDIDATES:
+    token_id = tokenizer.token_to_id(token)
+    if token_id is not None:
+      return token_id
+  raise ConfigError(f"{source}: has no end-of-document token (one of {', '.join(EOD_CANDIDATES)})")
+
+
+def load_or_train(config, train_documents) -> Tokenizer:
+  """The tokenizer the config asks for; larger than vocab_size is a config error."""
+  if config.tokenizer_path:
+    try:
+      tokenizer = Tokenizer.from_file(config.tokenizer_path)
+    except Exception as e:  # tokenizers raises bare Exceptions for missing and malformed files.
+      raise ConfigError(f"tokenizer_path={config.tokenizer_path!r}: cannot load a tokenizer.json "
+                        f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    source = f"tokenizer_path={config.tokenizer_path!r}"
+  elif config.tokenizer_type == "byte":
+    tokenizer, source = byte_tokenizer(), "tokenizer_type='byte'"
+  else:
+    path = os.path.join(config.dataset_cache_dir,
+                        f"bpe-{fingerprint(train_documents)}-{config.vocab_size}.json")
+    if os.path.isfile(path):
+      tokenizer = Tokenizer.from_file(path)
+    else:
+      tokenizer = train_bpe(train_documents, config.vocab_size)
+      save_atomic(tokenizer, path)
+    source = f"tokenizer {path}"
+  if tokenizer.get_vocab_size() > config.vocab_size:
+    raise ConfigError(f"vocab_size={config.vocab_size}: smaller than the {tokenizer.get_vocab_size()} "
+                      f"tokens of {source}")
+  eod_id(tokenizer, source)
+  return tokenizer

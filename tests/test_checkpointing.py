@@ -1,0 +1,154 @@
+"""Checkpoints: exact resume (stopped or SIGKILLed), atomic saves, clear errors, nothing lost."""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import BASE_YML, ROOT, TINY, TINY_TEXT, run_cli
+
+# learning_rate_schedule_steps is pinned: otherwise a run stopped with steps=6 would follow a
+# 6-step schedule, and no resume could match the 12-step run.
+RUN = (*TINY, *TINY_TEXT, "enable_checkpointing=true", "checkpoint_period=2", "eval_interval=0",
+       "learning_rate_schedule_steps=12", "log_period=100")
+
+
+def losses(path):
+  """{step: loss}, the last line written for each step (a resumed run rewrites some)."""
+  return {r["step"]: r["learning/loss"] for r in map(json.loads, open(path).read().splitlines())}
+
+
+def train(tmp_path, run_name, *args):
+  metrics_file = tmp_path / f"{run_name}.jsonl"
+  result = run_cli("train", *RUN, f"base_output_directory={tmp_path}", f"run_name={run_name}",
+                   f"metrics_file={metrics_file}", *args)
+  return result, metrics_file
+
+
+def tree_digest(path):
+  digest = hashlib.sha256()
+  for root, dirs, files in sorted(os.walk(path)):
+    dirs.sort()
+    for name in sorted(files):
+      digest.update(os.path.join(root, name).encode())
+      digest.update(open(os.path.join(root, name), "rb").read())
+  return digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, text_cache):
+  """An uninterrupted 12-step run: (its output directory, its losses)."""
+  tmp_path = tmp_path_factory.mktemp("reference")
+  result, metrics_file = train(tmp_path, "ref", text_cache, "steps=12")
+  assert result.returncode == 0, result.stderr[-3000:]
+  return tmp_path, losses(metrics_file)
+
+
+def test_a_stopped_run_resumes_exactly(tmp_path, reference, text_cache):
+  first, metrics_file = train(tmp_path, "stopped", text_cache, "steps=6")
+  assert first.returncode == 0, first.stderr[-3000:]
+  second, _ = train(tmp_path, "stopped", text_cache, "steps=12")
+  assert second.returncode == 0 and "resuming from checkpoint step 6" in second.stderr
+  resumed = losses(metrics_file)
+  assert sorted(resumed) == list(range(1, 13))
+  assert resumed == reference[1]  # float equality, every step
+
+
+def test_a_sigkilled_run_resumes_exactly(tmp_path, reference, text_cache):
+  metrics_file = tmp_path / "killed.jsonl"
+  args = [sys.executable, "-m", "MaxText.train", BASE_YML, *RUN, text_cache, "steps=12",
+          f"base_output_directory={tmp_path}", "run_name=killed", f"metrics_file={metrics_file}"]
+  process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while time.time() < deadline and process.poll() is None:
+    if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 5:
+      break
+    time.sleep(0.05)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  killed_at = len(metrics_file.read_text().splitlines())
+  assert 5 <= killed_at < 12
+  result, _ = train(tmp_path, "killed", text_cache, "steps=12")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "resuming from checkpoint step" in result.stderr
+  assert losses(metrics_file) == reference[1]
+
+
+def test_a_save_killed_midway_is_never_restored(tmp_path, reference, text_cache):
+  run = tmp_path / "ref"
+  shutil.copytree(reference[0] / "ref", run)
+  checkpoints = run / "checkpoints"
+  shutil.rmtree(checkpoints / "12")
+  # What a kill leaves behind: step 12 written halfway into orbax's temporary directory.
+  partial = checkpoints / "12.orbax-checkpoint-tmp"
+  shutil.copytree(checkpoints / "10", partial)
+  for root, _, files in os.walk(partial / "state"):
+    for name in files:
+      with open(os.path.join(root, name), "r+b") as f:
+        f.truncate(os.path.getsize(os.path.join(root, name)) // 2)
+  metrics_file = tmp_path / "ref.jsonl"
+  result = run_cli("train", *RUN, text_cache, "steps=12", f"base_output_directory={tmp_path}",
+                   "run_name=ref", f"metrics_file={metrics_file}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "resuming from checkpoint step 10" in result.stderr
+  assert not partial.exists() and (checkpoints / "12").is_dir()
+  assert losses(metrics_file) == {s: reference[1][s] for s in (11, 12)}
+
+
+def test_a_corrupt_checkpoint_is_one_line_and_left_untouched(tmp_path, reference, text_cache):
+  run = tmp_path / "ref"
+  shutil.copytree(reference[0] / "ref", run)
+  for path in (run / "checkpoints" / "12" / "state").rglob("*"):
+    if path.is_file() and path.name != "_CHECKPOINT_METADATA":
+      path.write_bytes(b"garbage")
+  before = tree_digest(run / "checkpoints")
+  result, _ = train(tmp_path, "ref", text_cache, "steps=14")
+  assert result.returncode == 1
+  lines = result.stderr.strip().splitlines()
+  assert "Traceback" not in result.stderr and "checkpoints/12" in lines[-1] and lines[-1].startswith("error:")
+  assert tree_digest(run / "checkpoints") == before
+
+
+@pytest.mark.parametrize("bad", ["dataset_path={tmp}/missing", "dataset_path={tmp}/empty.txt",
+                                 "tokenizer_path={tmp}/broken.json"])
+def test_bad_data_inputs_stop_with_one_line_and_lose_nothing(tmp_path, reference, text_cache, bad):
+  (tmp_path / "empty.txt").write_text("")
+  (tmp_path / "broken.json").write_text("{")
+  run = tmp_path / "ref"
+  shutil.copytree(reference[0] / "ref", run)
+  before = tree_digest(run)
+  bad = bad.format(tmp=tmp_path)
+  result, _ = train(tmp_path, "ref", text_cache, "steps=14", bad)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert len(result.stderr.strip().splitlines()) == 1 and bad.split("/")[-1] in result.stderr
+  assert tree_digest(run) == before
+
+
+def test_max_to_keep_keeps_the_newest_checkpoints(reference):
+  assert sorted(os.listdir(reference[0] / "ref" / "checkpoints")) == ["10", "12", "8"]
+
+
+def test_load_parameters_path_starts_a_new_run_from_trained_parameters(tmp_path, reference, text_cache):
+  source = reference[0] / "ref" / "checkpoints" / "12"
+  result, metrics_file = train(tmp_path, "finetune", text_cache, "steps=1", f"load_parameters_path={source}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "parameters loaded from" in result.stderr
+  loss = losses(metrics_file)
+  assert list(loss) == [1] and loss[1] < reference[1][1] - 0.5
+  missing, _ = train(tmp_path, "finetune2", text_cache, "steps=1", f"load_parameters_path={tmp_path}/nope")
+  assert missing.returncode == 2 and "load_parameters_path" in missing.stderr
+
+
+def test_decode_continues_the_prompt(reference, text_cache):
+  args = (*RUN, text_cache, f"base_output_directory={reference[0]}", "run_name=ref", "prompt=ROMEO:",
+          "max_decode_length=8")
+  first, second = run_cli("decode", *args), run_cli("decode", *args)
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert first.stdout.startswith("ROMEO:") and len(first.stdout.strip()) > len("ROMEO:")
+  assert first.stdout == second.stdout
