@@ -77,13 +77,16 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
   """`value` (from YAML or a command-line string) as the type of `default`."""
   kind = type(default)
   if isinstance(value, str) and kind is not str:
-    if kind is bool:
-      if value.lower() not in ("true", "false"):
-        raise ConfigError(f"{key}={value}: must be {_type_name(default)}")
-      return value.lower() == "true"
     try:
-      value = yaml.safe_load(value)
-    except yaml.YAMLError:
+      if kind is bool:
+        if value.lower() not in ("true", "false"):
+          raise ValueError
+        value = value.lower() == "true"
+      elif kind in (int, float):
+        value = kind(value)  # Python's parser: YAML 1.1 would read "1e-3" as a string.
+      else:
+        value = yaml.safe_load(value)
+    except (ValueError, yaml.YAMLError):
       raise ConfigError(f"{key}={value}: must be {_type_name(default)}") from None
   ok = (
       (kind is bool and isinstance(value, bool))
@@ -127,6 +130,10 @@ def _validate(v: dict) -> None:
     raise ConfigError(f"head_dim={head_dim}: must be even (RoPE rotates pairs of features)")
   for key in ("dtype", "weight_dtype"):
     _require(v[key] in DTYPES, key, f"must be one of {', '.join(DTYPES)}", v)
+  _require(v["attention"] in ("dot_product", "chunked"), "attention", "must be one of dot_product, chunked", v)
+  if v["attention"] == "chunked":
+    _require(v["attention_chunk_size"] >= 1 and v["max_target_length"] % v["attention_chunk_size"] == 0,
+             "attention_chunk_size", f"must divide max_target_length={v['max_target_length']}", v)
   _require(v["rope_max_timescale"] > 0, "rope_max_timescale", "must be > 0", v)
   _require(v["normalization_layer_epsilon"] > 0, "normalization_layer_epsilon", "must be > 0", v)
   _require(v["learning_rate"] >= 0, "learning_rate", "must be >= 0", v)

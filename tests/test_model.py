@@ -130,3 +130,15 @@ def test_bfloat16_activations_keep_float32_parameters():
   assert hidden.dtype == jnp.bfloat16 and kernel.dtype == jnp.bfloat16
   logits = Transformer(config).apply({"params": params}, tokens, positions, segments)
   assert logits.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 16])
+def test_chunked_attention_is_exact(chunk_size):
+  full = tiny_config()
+  chunked = tiny_config("attention=chunked", f"attention_chunk_size={chunk_size}")
+  params = init_params(full)
+  inputs = model_inputs(full)
+  want_loss, want_grads = loss_and_grads(full, params, inputs)
+  loss, grads = loss_and_grads(chunked, params, inputs)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  assert_trees_close(grads, want_grads, rtol=1e-5)

@@ -10,10 +10,10 @@ from conftest import BASE_YML, run_cli, tiny_config
 
 
 def test_overrides_are_parsed_to_the_type_of_the_default():
-  cfg = tiny_config("learning_rate=1", "scan_layers=false", "run_name=x", "steps=7",
+  cfg = tiny_config("learning_rate=1", "scan_layers=false", "run_name=x", "steps=7", "adam_eps=1e-6",
                     'logical_axis_rules=[["vocab", ["tensor"]]]')
   assert cfg.learning_rate == 1.0 and isinstance(cfg.learning_rate, float)
-  assert cfg.scan_layers is False and cfg.steps == 7 and cfg.run_name == "x"
+  assert cfg.scan_layers is False and cfg.steps == 7 and cfg.run_name == "x" and cfg.adam_eps == 1e-6
   assert cfg.logical_axis_rules == (("vocab", ("tensor",)),)
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks that print tables and save Markdown, JSON and a PNG plot."""

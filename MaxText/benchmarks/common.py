@@ -1,0 +1,94 @@
+"""Measuring train-step variants in one run: compiled memory, and step time as a median.
+
+Every variant is compiled first (memory comes from `memory_analysis()`, deterministic);
+then steps are timed round-robin, one step of each variant per round, so slow drift of a
+noisy machine lands on every variant alike. Times are reported as ratios to a baseline
+measured in the same rounds.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from MaxText import input_pipeline, metrics, pyconfig, sharding, train
+
+BASE_YML = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "base.yml")
+
+
+def config(*overrides, num_devices=None):
+  return pyconfig.initialize([BASE_YML, *overrides], num_devices=num_devices)
+
+
+def compiled_memory(cfg) -> dict:
+  """Memory stats of cfg's train step, compiled for this process's devices; runs nothing."""
+  trainer = train.build(cfg, sharding.create_mesh(cfg))
+  return metrics.memory_stats(train.compile_train_step(trainer, cfg))
+
+
+def compiled_memory_on(num_devices: int, *overrides) -> dict:
+  """Memory stats from `python -m MaxText.train_compile` on num_devices simulated CPU devices
+  (a device count is fixed when JAX starts, so this runs in a fresh process)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    stats_file = os.path.join(tmp, "memory.json")
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(num_devices)}
+    result = subprocess.run([sys.executable, "-m", "MaxText.train_compile", BASE_YML, *overrides,
+                             f"memory_stats_file={stats_file}"], env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+      raise RuntimeError(f"train_compile {' '.join(overrides)} failed:\n{result.stderr[-2000:]}")
+    with open(stats_file) as f:
+      return json.load(f)
+
+
+def measure(variants: dict, warmup: int, steps: int) -> dict:
+  """{name: {"temp_bytes", "total_bytes", "step_seconds" (median), "times"}} for configs."""
+  runs = {}
+  for name, cfg in variants.items():
+    trainer = train.build(cfg, sharding.create_mesh(cfg))
+    compiled = train.compile_train_step(trainer, cfg)
+    with sharding.activate(trainer.mesh, cfg):
+      state = trainer.init(jax.random.key(cfg.init_weights_seed))
+    batch = train.device_batch(trainer, next(input_pipeline.create_train_iterator(cfg, None)))
+    runs[name] = {"compiled": compiled, "state": state, "batch": batch, "times": [],
+                  **metrics.memory_stats(compiled)}
+    print(f"compiled {name}: temp {runs[name]['temp_bytes'] / 2**20:,.1f} MiB", flush=True)
+  for round_index in range(warmup + steps):
+    for run in runs.values():
+      start = time.perf_counter()
+      run["state"], step_metrics = run["compiled"](run["state"], run["batch"])
+      jax.block_until_ready(step_metrics)
+      if round_index >= warmup:
+        run["times"].append(time.perf_counter() - start)
+  return {name: {"temp_bytes": r["temp_bytes"], "total_bytes": r["total_bytes"],
+                 "step_seconds": statistics.median(r["times"]), "times": r["times"]}
+          for name, r in runs.items()}
+
+
+def markdown_table(header: list, rows: list) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def save(output_dir: str, name: str, markdown: str, data: dict, figure) -> None:
+  os.makedirs(output_dir, exist_ok=True)
+  with open(os.path.join(output_dir, f"{name}.md"), "w") as f:
+    f.write(markdown + "\n")
+  with open(os.path.join(output_dir, f"{name}.json"), "w") as f:
+    json.dump(data, f, indent=2, default=lambda x: x.item() if isinstance(x, np.generic) else str(x))
+  figure.savefig(os.path.join(output_dir, f"{name}.png"), dpi=120, bbox_inches="tight")
+  print(f"wrote {output_dir}/{name}.md, .json and .png")
+
+
+def mib(num_bytes: int) -> str:
+  return f"{num_bytes / 2**20:,.1f}"
+
+
+def gib(num_bytes: int) -> str:
+  return f"{num_bytes / 2**30:,.2f}"
