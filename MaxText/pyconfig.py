@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import jax
 import yaml
+from absl import logging
 
 from MaxText import remat
 
@@ -164,6 +165,8 @@ def _validate(v: dict) -> None:
   _validate_axis_rules(v["logical_axis_rules"])
   _validate_remat(v)
   _validate_vocab_tiling(v)
+  _require(v["jax_num_processes"] >= 0, "jax_num_processes", "must be >= 0 (0: from the environment)", v)
+  _require(v["jax_process_id"] >= -1, "jax_process_id", "must be >= 0, or -1 for the environment", v)
 
 
 def _validate_axis_rules(rules: list) -> None:
@@ -196,29 +199,64 @@ def _validate_vocab_tiling(v: dict) -> None:
            f"per_device_batch_size * max_target_length = {tokens:g}", v)
 
 
-def _mesh_shape(v: dict, num_devices: int) -> tuple:
-  keys = [f"ici_{axis}_parallelism" for axis in MESH_AXES]
+def _resolve(v: dict, prefix: str, total: int, what: str) -> tuple:
+  """The four {prefix}_*_parallelism sizes with a -1 filled, multiplying to `total`."""
+  keys = [f"{prefix}_{axis}_parallelism" for axis in MESH_AXES]
   sizes = [v[k] for k in keys]
   for key, size in zip(keys, sizes):
-    _require(size >= 1 or size == -1, key, "must be >= 1, or -1 to fill the remaining devices", v)
+    _require(size >= 1 or size == -1, key, "must be >= 1, or -1 to fill the rest", v)
   fills = [k for k, s in zip(keys, sizes) if s == -1]
   if len(fills) > 1:
-    raise ConfigError(f"{', '.join(fills)}: at most one ici_*_parallelism may be -1")
+    raise ConfigError(f"{', '.join(fills)}: at most one {prefix}_*_parallelism may be -1")
   known = math.prod(s for s in sizes if s != -1)
   if fills:
-    if num_devices % known:
-      raise ConfigError(f"{fills[0]}=-1: the other ici_*_parallelism multiply to {known}, "
-                        f"which does not divide the {num_devices} devices")
-    sizes = [num_devices // known if s == -1 else s for s in sizes]
-  if math.prod(sizes) != num_devices:
-    raise ConfigError(f"{'*'.join(keys)} = {math.prod(sizes)}: must equal the {num_devices} devices")
+    if total % known:
+      raise ConfigError(f"{fills[0]}=-1: the other {prefix}_*_parallelism multiply to {known}, "
+                        f"which does not divide the {total} {what}")
+    sizes = [total // known if s == -1 else s for s in sizes]
+  if math.prod(sizes) != total:
+    raise ConfigError(f"{'*'.join(keys)} = {math.prod(sizes)}: must equal the {total} {what}")
   return tuple(sizes)
 
 
-def _derive(v: dict, num_devices: int) -> None:
+def _mesh_shapes(v: dict, num_devices: int, num_granules: int) -> tuple[tuple, tuple]:
+  """(ici shape, dcn shape) over MESH_AXES; granules are TPU slices or processes."""
+  if all(v[f"dcn_{axis}_parallelism"] == 1 for axis in MESH_AXES):
+    return _resolve(v, "ici", num_devices, "devices"), (1,) * len(MESH_AXES)
+  dcn = _resolve(v, "dcn", num_granules, "slices/processes")
+  if num_devices % num_granules:
+    raise ConfigError(f"dcn_*_parallelism: the {num_devices} devices do not split evenly over "
+                      f"{num_granules} slices/processes")
+  return _resolve(v, "ici", num_devices // num_granules, "devices per slice/process"), dcn
+
+
+def _initialize_distributed(v: dict) -> None:
+  """jax.distributed.initialize when this is one of several processes (see base.yml)."""
+  launched = any(int(os.environ.get(k, "1")) > 1 for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
+  wanted = (v["jax_distributed_coordinator"] or os.environ.get("JAX_COORDINATOR_ADDRESS")
+            or v["jax_num_processes"] > 1 or launched)
+  if not wanted or jax.distributed.is_initialized():
+    return
+  try:
+    jax.distributed.initialize(coordinator_address=v["jax_distributed_coordinator"] or None,
+                               num_processes=v["jax_num_processes"] or None,
+                               process_id=v["jax_process_id"] if v["jax_process_id"] >= 0 else None)
+  except (ValueError, RuntimeError) as e:
+    raise UserError(f"jax.distributed.initialize failed (jax_distributed_coordinator="
+                    f"{v['jax_distributed_coordinator']!r}): {str(e).splitlines()[0]}") from None
+
+
+def _granules() -> int:
+  """TPU slices, or else processes: the units that dcn_* axes span."""
+  if jax.default_backend() == "tpu":
+    return len({getattr(d, "slice_index", 0) for d in jax.devices()})
+  return jax.process_count()
+
+
+def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   """Adds the values every module would otherwise recompute."""
   v["num_devices"] = num_devices
-  v["mesh_shape"] = _mesh_shape(v, num_devices)
+  v["mesh_shape"], v["dcn_mesh_shape"] = _mesh_shapes(v, num_devices, num_granules)
   micro = v["per_device_batch_size"] * num_devices
   if micro != int(micro):
     raise ConfigError(f"per_device_batch_size={v['per_device_batch_size']}: times the {num_devices} "
@@ -239,10 +277,11 @@ def _freeze(value):
 
 
 def initialize(argv: Sequence[str], num_devices: int | None = None,
-               memory_kinds: Sequence[str] | None = None) -> Config:
+               memory_kinds: Sequence[str] | None = None, num_granules: int | None = None) -> Config:
   """argv = [config.yml, key=value, ...].
 
-  `num_devices` and `memory_kinds` (of one device) default to what JAX sees.
+  `num_devices`, `memory_kinds` (of one device) and `num_granules` (slices or processes)
+  default to what JAX sees, after jax.distributed is initialised if this is a multi-process run.
   """
   if not argv:
     raise ConfigError("usage: <config.yml> [key=value ...]")
@@ -265,14 +304,18 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
   _merge(values, overrides, "the command line")
   _validate(values)
   if num_devices is None:
+    _initialize_distributed(values)
     num_devices = jax.device_count()
   if memory_kinds is None:
     memory_kinds = [m.kind for m in jax.devices()[0].addressable_memories()]
   policy = values["remat_policy"]
-  if policy != "none" and remat.saved_names(policy, values)[1] and "pinned_host" not in memory_kinds:
-    raise ConfigError(f"remat_policy={values['remat_policy']!r}: offloads to host memory, which "
-                      f"this backend lacks (it has {', '.join(memory_kinds)})")
-  _derive(values, num_devices)
+  if policy != "none" and remat.saved_names(policy, values)[1]:
+    if "pinned_host" not in memory_kinds:
+      raise ConfigError(f"remat_policy={policy!r}: offloads to host memory, which this backend lacks "
+                        f"(it has {', '.join(memory_kinds)})")
+    if jax.default_backend() == "cpu":
+      logging.warning("remat_policy=%s: on CPU, host and device memory are one; offloading changes nothing", policy)
+  _derive(values, num_devices, num_granules or _granules())
   return Config({k: _freeze(x) for k, x in values.items()})
 
 

@@ -1,9 +1,11 @@
 """The device mesh and logical-axis sharding (flax logical axis rules over jax.sharding)."""
 
 import contextlib
+import math
 
 import flax.linen as nn
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from MaxText.pyconfig import MESH_AXES
@@ -12,8 +14,15 @@ BATCH = ("activation_batch", "activation_length")
 
 
 def create_mesh(config) -> jax.sharding.Mesh:
+  """The (data, fsdp, tensor, sequence) mesh; with dcn_* sizes, a hybrid mesh whose dcn part
+  spans slices (TPU) or processes (GPU, CPU) and whose ici part spans devices within one."""
   # Auto axes: XLA's SPMD partitioner propagates shardings from the constraints we place.
-  return jax.make_mesh(config.mesh_shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+  axis_types = (AxisType.Auto,) * len(MESH_AXES)
+  if math.prod(config.dcn_mesh_shape) == 1:
+    return jax.make_mesh(config.mesh_shape, MESH_AXES, axis_types=axis_types)
+  devices = mesh_utils.create_hybrid_device_mesh(config.mesh_shape, config.dcn_mesh_shape, jax.devices(),
+                                                 process_is_granule=jax.default_backend() != "tpu")
+  return jax.sharding.Mesh(devices, MESH_AXES, axis_types=axis_types)
 
 
 def axis_rules(config) -> tuple:

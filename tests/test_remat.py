@@ -1,0 +1,81 @@
+"""Remat policies and every-N-th-layer checkpointing: same math, less memory, clear errors."""
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import metrics, remat, sharding, train
+from conftest import assert_trees_close, fixed_batch, loop_to_scan_params, tiny_config, trainer_and_state
+
+DEPTH = 4
+# Enough activations per layer (32 tokens x 8 rows) for the policies' differences to show;
+# adam_eps=1 makes the update linear in the gradient, so comparing updated parameters
+# compares gradients.
+MODEL = ("base_num_decoder_layers=4", "max_target_length=32", "per_device_batch_size=8", "adam_eps=1")
+CUSTOM_QKV = ("remat_policy=custom", "query_proj=device", "key_proj=device", "value_proj=device")
+VARIANTS = {
+    "none, loop": ("remat_policy=none", "scan_layers=false"),
+    **{policy: (f"remat_policy={policy}",) for policy in remat.POLICY_NAMES if policy != "custom"},
+    "custom qkv": CUSTOM_QKV,
+    "custom mixed": ("remat_policy=custom", "attention_out=device", "mlpwi_0=offload", "decoder_layer_input=offload"),
+    "full, interval 2": ("remat_policy=full", "remat_layer_interval=2"),
+    "full, interval 3": ("remat_policy=full", "remat_layer_interval=3"),
+    "full, interval 4": ("remat_policy=full", "remat_layer_interval=4"),
+    "minimal, interval 4": ("remat_policy=minimal", "remat_layer_interval=4"),
+    "full, interval 3, loop": ("remat_policy=full", "remat_layer_interval=3", "scan_layers=false"),
+}
+
+
+def in_layout(params, config):
+  """Loop-layout parameters in the layout of `config`'s stack."""
+  return loop_to_scan_params(params, DEPTH, config.remat_layer_interval) if config.scan_layers else params
+
+
+@pytest.fixture(scope="module")
+def steps():
+  """One train step of every variant from the same parameters:
+  {name: (temp bytes, loss, updated params, config)}."""
+  reference_config = tiny_config(*MODEL, "scan_layers=false", "remat_policy=none")
+  _, reference_state = trainer_and_state(reference_config)
+  params = jax.device_get(reference_state.params)
+  batch = fixed_batch(reference_config)
+  results = {}
+  for name, overrides in VARIANTS.items():
+    config = tiny_config(*MODEL, *overrides)
+    trainer, state = trainer_and_state(config)
+    state = state.replace(params=jax.device_put(in_layout(params, config), trainer.state_sharding.params))
+    compiled = train.compile_train_step(trainer, config)
+    with sharding.activate(trainer.mesh, config):
+      new_state, step_metrics = compiled(state, train.device_batch(trainer, batch))
+    results[name] = (metrics.memory_stats(compiled)["temp_bytes"], float(step_metrics["learning/loss"]),
+                     jax.device_get(new_state.params), config)
+  return results
+
+
+def test_every_policy_and_interval_computes_the_same_loss_and_gradients(steps):
+  _, want_loss, want_params, _ = steps["none, loop"]
+  for name, (_, loss, new_params, config) in steps.items():
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6, err_msg=name)
+    assert_trees_close(new_params, in_layout(want_params, config), rtol=1e-6)
+
+
+def test_every_policy_saves_memory_in_the_documented_order(steps):
+  temp = {name: r[0] for name, r in steps.items()}
+  assert temp["none"] > temp["minimal"] > temp["save_qkv_proj"] > temp["full"]
+  for name, value in temp.items():
+    if not name.startswith("none"):
+      assert value < temp["none"], name  # a missing checkpoint_name would leave it at `none`
+  # Fewer checkpointed layers keep more: 1 of 4, then 2 of 4, then all.
+  assert temp["none"] > temp["full, interval 4"] > temp["full, interval 2"] > temp["full"]
+  assert temp["none"] > temp["full, interval 3"] > temp["full"]  # layers 0 and 3 (a leftover group)
+  assert temp["custom qkv"] == temp["save_qkv_proj"]
+
+
+def test_interval_groups_are_scanned_not_unrolled():
+  config = tiny_config(*MODEL, "remat_layer_interval=3")
+  _, state = trainer_and_state(config)
+  decoder = state.params["decoder"]
+  assert set(decoder) == {"layers", "layers_rest", "decoder_norm"}
+  assert set(decoder["layers"]) == {"layer_0", "layer_1", "layer_2"}
+  assert decoder["layers"]["layer_0"]["mlp"]["wo"]["kernel"].shape[0] == 1  # 4 // 3 groups
+  assert set(decoder["layers_rest"]) == {"layer_0"}  # 4 % 3 layers left over
