@@ -232,7 +232,8 @@ def _mesh_shapes(v: dict, num_devices: int, num_granules: int) -> tuple[tuple, t
 
 def _initialize_distributed(v: dict) -> None:
   """jax.distributed.initialize when this is one of several processes (see base.yml)."""
-  launched = any(int(os.environ.get(k, "1")) > 1 for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
+  launched = (any(int(os.environ.get(k, "1")) > 1 for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
+              or "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""))
   wanted = (v["jax_distributed_coordinator"] or os.environ.get("JAX_COORDINATOR_ADDRESS")
             or v["jax_num_processes"] > 1 or launched)
   if not wanted or jax.distributed.is_initialized():

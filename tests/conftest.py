@@ -113,3 +113,43 @@ def fixed_batch(config, seed=0):
   mask = segments * (np.arange(tokens.shape[1]) < tokens.shape[1] - 1)
   return {"inputs": tokens, "targets": targets, "inputs_position": positions,
           "inputs_segmentation": segments, "targets_segmentation": mask.astype(np.int32)}
+
+
+# A model every test mesh of 8 devices divides: 8 query / 4 kv heads and MLP 128 over
+# tensor=4, 16 positions over sequence=4, width 48 over fsdp. Vocabulary 1000 is a size no
+# other dimension has, so logits are recognisable in compiled HLO.
+SHARDED = (
+    "vocab_size=1000", "base_emb_dim=48", "base_num_query_heads=8", "base_num_kv_heads=4",
+    "head_dim=6", "base_mlp_dim=128", "base_num_decoder_layers=2", "max_target_length=16",
+    "steps=5", "enable_tensorboard=false", "warmup_steps_fraction=0.0", "dataset_type=synthetic",
+    "eval_interval=0", "enable_checkpointing=false", "log_period=100", "remat_policy=full",
+)
+MESHES = {
+    "fsdp=8": ("ici_fsdp_parallelism=8",),
+    "data=2 fsdp=2 tensor=2": ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
+    "fsdp=2 sequence=4": ("ici_fsdp_parallelism=2", "ici_sequence_parallelism=4"),
+    "tensor=4 data=2": ("ici_tensor_parallelism=4", "ici_data_parallelism=2", "ici_fsdp_parallelism=1"),
+}
+
+
+def metrics_losses(path):
+  """{step: loss} of a metrics file, the last line written for each step."""
+  import json
+  with open(path) as f:
+    return {r["step"]: r["learning/loss"] for r in map(json.loads, f)}
+
+
+def logits_tokens(hlo_text, vocab_sizes, hidden_sizes):
+  """For every array in compiled HLO with a vocabulary-sized dimension (other than [hidden,
+  vocab] weights), how many tokens it holds: the largest such count."""
+  import re
+  import numpy as np
+  counts = [0]
+  for dims in re.findall(r"\[([\d,]+)\]", hlo_text):
+    shape = [int(d) for d in dims.split(",")]
+    vocab = [d for d in shape if d in vocab_sizes]
+    if vocab:
+      others = int(np.prod(shape)) // vocab[0]
+      if not (len(shape) == 2 and others in hidden_sizes):
+        counts.append(others)
+  return max(counts)

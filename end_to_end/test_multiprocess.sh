@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Multi-host training on one machine: 2 processes x 4 CPU devices talking over 127.0.0.1
+# through jax.distributed must give the losses of 1 process x 8 devices on the same mesh
+# (data=2 across processes, fsdp=4 within each), including across a checkpoint that both
+# processes save and restore.
+# Usage: bash end_to_end/test_multiprocess.sh [OUTPUT_DIR] [extra key=value ...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-$(mktemp -d)}; shift || true
+python=${PYTHON:-.venv/bin/python}
+limit=${LIMIT_SECONDS:-300}
+common=(configs/base.yml "base_output_directory=$out" steps=5 learning_rate_schedule_steps=5
+        eval_interval=0 log_period=1 base_num_decoder_layers=2 per_device_batch_size=1
+        max_target_length=64 vocab_size=512 checkpoint_period=3 "$@")
+pids=()
+stop() { for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; done; }
+trap stop EXIT
+
+echo "== 1 process x 8 devices"
+JAX_NUM_CPU_DEVICES=8 timeout "$limit" "$python" -m MaxText.train "${common[@]}" run_name=single \
+  ici_data_parallelism=2 ici_fsdp_parallelism=4 enable_checkpointing=false metrics_file="$out/single.jsonl"
+
+# Both processes, then wait for both; a failure in either fails the script.
+two_processes() {
+  local port=$((20000 + RANDOM % 20000))
+  pids=()
+  for id in 0 1; do
+    JAX_NUM_CPU_DEVICES=4 timeout "$limit" "$python" -m MaxText.train "${common[@]}" run_name=multi \
+      dcn_data_parallelism=2 ici_fsdp_parallelism=4 metrics_file="$out/multi.jsonl" \
+      jax_distributed_coordinator=127.0.0.1:$port jax_num_processes=2 jax_process_id=$id "$@" \
+      > "$out/process_$id.log" 2>&1 &
+    pids+=($!)
+  done
+  local status=0
+  for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+  if [ "$status" != 0 ]; then tail -n 20 "$out"/process_*.log; return "$status"; fi
+}
+
+echo "== 2 processes x 4 devices: steps 1-3, checkpoint at step 3"
+two_processes steps=3
+echo "== 2 processes x 4 devices: restore the checkpoint, steps 4-5"
+two_processes
+grep -q "resuming from checkpoint step 3" "$out/process_1.log"
+"$python" end_to_end/compare_losses.py "$out/single.jsonl" "$out/multi.jsonl" 1 5 1e-5
+echo "PASS: 2 processes x 4 devices reproduce 1 process x 8 devices"
