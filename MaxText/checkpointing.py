@@ -23,6 +23,17 @@ def _first_line(e: Exception) -> str:
   return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
+def checkpoint_dir(config) -> str:
+  return os.path.abspath(os.path.join(config.run_dir, "checkpoints"))
+
+
+def latest_checkpoint(config) -> str | None:
+  """The newest complete step directory of this run (orbax's temporary ones never count)."""
+  directory = checkpoint_dir(config)
+  steps = [int(d) for d in os.listdir(directory) if d.isdigit()] if os.path.isdir(directory) else []
+  return os.path.join(directory, str(max(steps))) if steps else None
+
+
 def create_manager(config) -> ocp.CheckpointManager | None:
   if not config.enable_checkpointing:
     return None
@@ -30,8 +41,7 @@ def create_manager(config) -> ocp.CheckpointManager | None:
   options = ocp.CheckpointManagerOptions(
       max_to_keep=config.max_to_keep,
       enable_async_checkpointing=config.async_checkpointing, cleanup_tmp_directories=True)
-  return ocp.CheckpointManager(os.path.abspath(os.path.join(config.run_dir, "checkpoints")),
-                               options=options, item_names=("state", "data"))
+  return ocp.CheckpointManager(checkpoint_dir(config), options=options, item_names=("state", "data"))
 
 
 def save(manager, step: int, state, data_iterator) -> None:

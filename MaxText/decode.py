@@ -5,8 +5,6 @@ from the latest checkpoint of run_name. Each new token runs the model over the l
 max_target_length tokens (no KV cache: simple, and fast enough for the models that train here).
 """
 
-import os
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,13 +16,10 @@ from MaxText.layers.models import Transformer
 
 
 def _parameters_path(config) -> str:
-  if config.load_parameters_path:
-    return config.load_parameters_path
-  directory = os.path.join(config.run_dir, "checkpoints")
-  steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
-  if not steps:
+  path = config.load_parameters_path or checkpointing.latest_checkpoint(config)
+  if not path:
     raise pyconfig.ConfigError(f"load_parameters_path='': and run {config.run_dir} has no checkpoint to load")
-  return os.path.join(directory, str(steps[-1]))
+  return path
 
 
 def generate(config) -> str:

@@ -7,7 +7,7 @@ with optax, or vocabulary-tiled) -> gradients summed over microbatches -> optax 
 import functools
 import math
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -90,9 +90,9 @@ class Trainer(NamedTuple):
   abstract_state: TrainState  # ShapeDtypeStructs
   state_sharding: TrainState  # NamedShardings
   batch_sharding: dict
-  init: callable  # rng -> sharded TrainState
-  train_step: callable  # (state, batch) -> (state, metrics); donates state
-  eval_step: callable  # (params, batch) -> loss sums
+  init: Callable  # rng -> sharded TrainState
+  train_step: Callable  # (state, batch) -> (state, metrics); donates state
+  eval_step: Callable  # (params, batch) -> loss sums
 
 
 def _abstract_batch(config, rows):

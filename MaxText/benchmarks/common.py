@@ -6,6 +6,7 @@ noisy machine lands on every variant alike. Times are reported as ratios to a ba
 measured in the same rounds.
 """
 
+import argparse
 import json
 import os
 import statistics
@@ -21,6 +22,16 @@ import numpy as np
 from MaxText import input_pipeline, metrics, pyconfig, sharding, train
 
 BASE_YML = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "base.yml")
+
+
+def parse_args(doc: str, steps: int | None = None) -> argparse.Namespace:
+  """--output_dir, and --warmup/--steps for benchmarks that time steps."""
+  parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+  parser.add_argument("--output_dir", default="outputs/benchmarks")
+  if steps is not None:
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=steps)
+  return parser.parse_args()
 
 
 def config(*overrides, num_devices=None):

@@ -7,7 +7,6 @@ Table 2 (compile only): llama3-8b at 8192 tokens per device on 8 simulated devic
 (fsdp=8, num_vocab_tiling=8), every policy at interval 1.
 """
 
-import argparse
 
 import matplotlib
 
@@ -56,11 +55,7 @@ def plot(results, front):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--output_dir", default="outputs/benchmarks")
-  parser.add_argument("--warmup", type=int, default=2)
-  parser.add_argument("--steps", type=int, default=9)
-  args = parser.parse_args()
+  args = common.parse_args(__doc__, 9)
   results = common.measure({n: common.config(*MODEL, *o) for n, o in variants().items()}, args.warmup, args.steps)
   base = results["none"]
   for r in results.values():

@@ -8,7 +8,6 @@ and tabulates the compiled per-device memory. Each cell is what
 prints.
 """
 
-import argparse
 import itertools
 
 import matplotlib
@@ -24,9 +23,7 @@ POLICIES = ("full", "minimal")
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--output_dir", default="outputs/benchmarks")
-  args = parser.parse_args()
+  args = common.parse_args(__doc__)
   results, rows = {}, []
   for devices, tiles, policy in itertools.product(DEVICES, TILES, POLICIES):
     name = f"fsdp={devices} num_vocab_tiling={tiles} remat_policy={policy}"

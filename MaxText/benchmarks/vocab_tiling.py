@@ -10,7 +10,6 @@ Table 3 (compile only): llama3-8b at 8192 tokens per device on 8 simulated devic
 num_vocab_tiling 1 and 8.
 """
 
-import argparse
 
 import matplotlib
 
@@ -85,11 +84,7 @@ def plot(results):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--output_dir", default="outputs/benchmarks")
-  parser.add_argument("--warmup", type=int, default=2)
-  parser.add_argument("--steps", type=int, default=7)
-  args = parser.parse_args()
+  args = common.parse_args(__doc__, 7)
   head_table, head_results = head_dominated_table(args.warmup, args.steps)
   rest_table, rest_results = body_table(head_results["full logits"]["temp_bytes"])
   llama_table, llama_results = llama3_8b_table()
