@@ -153,8 +153,8 @@ def _validate(v: dict) -> None:
   if v["dataset_type"] == "text" and not v["tokenizer_path"]:
     _require(v["vocab_size"] >= 257, "vocab_size",
              f"must be >= 257 (256 bytes + end-of-document) for tokenizer_type={v['tokenizer_type']}", v)
-  for key in ("eval_interval", "eval_steps"):
-    _require(v[key] >= 0, key, "must be >= 0", v)
+  _require(v["eval_interval"] >= 0, "eval_interval", "must be >= 0 (0 disables evaluation)", v)
+  _require(v["eval_steps"] >= 1, "eval_steps", "must be >= 1 (eval_interval=0 disables evaluation)", v)
   for key in ("checkpoint_period", "max_to_keep", "max_decode_length"):
     _require(v[key] >= 1, key, "must be >= 1", v)
   _require(v["decode_sampling_strategy"] in ("greedy", "weighted"), "decode_sampling_strategy",

@@ -184,6 +184,9 @@ def train(config) -> None:
   logger = metrics.MetricLogger(config)
   flops_per_device = metrics.training_flops_per_step(config) / config.num_devices
   tokens_per_device = config.global_batch_size_to_train_on * config.max_target_length / config.num_devices
+  if int(state.step) >= config.steps:
+    logging.info("run %s is already at step %d, steps=%d: nothing to train", config.run_dir, int(state.step),
+                 config.steps)
   last = time.perf_counter()
   for step in range(int(state.step) + 1, config.steps + 1):
     state, step_metrics = compiled(state, device_batch(trainer, next(train_iterator)))

@@ -134,6 +134,15 @@ def test_max_to_keep_keeps_the_newest_checkpoints(reference):
   assert sorted(os.listdir(reference[0] / "ref" / "checkpoints")) == ["10", "12", "8"]
 
 
+def test_a_finished_run_rerun_trains_nothing_and_keeps_its_checkpoints(tmp_path, reference, text_cache):
+  run = tmp_path / "ref"
+  shutil.copytree(reference[0] / "ref", run)
+  before = tree_digest(run / "checkpoints")
+  result, metrics_file = train(tmp_path, "ref", text_cache, "steps=12")
+  assert result.returncode == 0 and "nothing to train" in result.stderr
+  assert metrics_file.read_text() == "" and tree_digest(run / "checkpoints") == before
+
+
 def test_load_parameters_path_starts_a_new_run_from_trained_parameters(tmp_path, reference, text_cache):
   source = reference[0] / "ref" / "checkpoints" / "12"
   result, metrics_file = train(tmp_path, "finetune", text_cache, "steps=1", f"load_parameters_path={source}")

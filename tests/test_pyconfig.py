@@ -66,6 +66,7 @@ def test_config_is_read_only():
     ("num_vocab_tiling=65", "num_vocab_tiling"),
     ("vocab_tiling_mode=magic", "vocab_tiling_mode"),
     ("noequals", "noequals"),
+    ("eval_steps=0", "eval_steps"),
 ])
 def test_bad_values_name_the_key(override, key):
   with pytest.raises(pyconfig.ConfigError, match=key):
