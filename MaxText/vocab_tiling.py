@@ -78,50 +78,46 @@ def _zeros_like_kernel(kernel):
   return nn.with_logical_constraint(jnp.zeros(kernel.shape, jnp.float32), KERNEL)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _tiled_sums(hidden, kernel, targets, weights, z_loss_multiplier, mode):
-  """Tiled inputs -> [loss, z_loss, correct], each summed over all tiles."""
-  return _tiled_forward(hidden, kernel, targets, weights, z_loss_multiplier, mode)[0]
-
-
-def _tiled_forward(hidden, kernel, targets, weights, z_loss_multiplier, mode):
-  fused = mode == "fused"
+def _scan_tiles(hidden, kernel, targets, weights, z_loss_multiplier, with_grads):
+  """Walks the tiles: ([loss, z_loss, correct] summed, and when with_grads the loss's
+  gradients: d_hidden in tiles and d_kernel accumulated in float32, in the inputs' dtypes)."""
 
   def step(carry, tile):
     sums, d_kernel = carry
     h, t, w = tile
     logits = _tile_logits(h, kernel)
     tile_sums, lse = _tile_loss(logits, t, w, z_loss_multiplier)
-    if not fused:
+    if not with_grads:
       return (sums + tile_sums, None), None
     d_h, d_k = _tile_grads(h, kernel, t, w, logits, lse, z_loss_multiplier)
     return (sums + tile_sums, d_kernel + d_k), d_h.astype(h.dtype)
 
-  init = (jnp.zeros(3, jnp.float32), _zeros_like_kernel(kernel) if fused else None)
+  init = (jnp.zeros(3, jnp.float32), _zeros_like_kernel(kernel) if with_grads else None)
   (sums, d_kernel), d_hidden = jax.lax.scan(step, init, (hidden, targets, weights))
-  if fused:
-    return sums, (d_hidden, d_kernel.astype(kernel.dtype))
+  return sums, d_hidden, d_kernel.astype(kernel.dtype) if with_grads else None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _tiled_sums(hidden, kernel, targets, weights, z_loss_multiplier, mode):
+  """Tiled inputs -> [loss, z_loss, correct], each summed over all tiles."""
+  return _scan_tiles(hidden, kernel, targets, weights, z_loss_multiplier, with_grads=False)[0]
+
+
+def _tiled_forward(hidden, kernel, targets, weights, z_loss_multiplier, mode):
+  if mode == "fused":
+    sums, d_hidden, d_kernel = _scan_tiles(hidden, kernel, targets, weights, z_loss_multiplier, with_grads=True)
+    return sums, (d_hidden, d_kernel)
+  sums = _scan_tiles(hidden, kernel, targets, weights, z_loss_multiplier, with_grads=False)[0]
   return sums, (hidden, kernel, targets, weights)
-
-
-def _recompute_grads(hidden, kernel, targets, weights, z_loss_multiplier):
-  """The fused forward's gradients, recomputed tile by tile from the inputs."""
-
-  def step(d_kernel, tile):
-    h, t, w = tile
-    logits = _tile_logits(h, kernel)
-    _, lse = _tile_loss(logits, t, w, z_loss_multiplier)
-    d_h, d_k = _tile_grads(h, kernel, t, w, logits, lse, z_loss_multiplier)
-    return d_kernel + d_k, d_h.astype(h.dtype)
-
-  d_kernel, d_hidden = jax.lax.scan(step, _zeros_like_kernel(kernel), (hidden, targets, weights))
-  return d_hidden, d_kernel.astype(kernel.dtype)
 
 
 def _tiled_backward(z_loss_multiplier, mode, residuals, cotangent):
   # Only the loss is differentiated: z-loss (already inside the loss) and the accuracy are
   # reported through stop_gradient, so their cotangents are always zero.
-  d_hidden, d_kernel = residuals if mode == "fused" else _recompute_grads(*residuals, z_loss_multiplier)
+  if mode == "fused":
+    d_hidden, d_kernel = residuals
+  else:  # the same gradients, recomputed tile by tile from the inputs
+    _, d_hidden, d_kernel = _scan_tiles(*residuals, z_loss_multiplier, with_grads=True)
   scale = lambda x: (cotangent[0] * x.astype(jnp.float32)).astype(x.dtype)
   return scale(d_hidden), scale(d_kernel), None, None
 
