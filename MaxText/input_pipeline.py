@@ -27,13 +27,13 @@ def synthetic_rows(config) -> grain.MapDataset:
   """Random tokens, one document per row; row i depends only on (data_shuffle_seed, i)."""
   length, vocab, seed = config.max_target_length, config.vocab_size, config.data_shuffle_seed
 
-  def row(index, _):
+  def row(index):
     tokens = np.random.default_rng([seed, index]).integers(0, vocab, length + 1, dtype=np.int32)
     ones = np.ones(length, np.int32)
     return {"inputs": tokens[:-1], "targets": tokens[1:], "inputs_position": np.arange(length, dtype=np.int32),
             "inputs_segmentation": ones, "targets_segmentation": ones}
 
-  return grain.MapDataset.range(2**62).map_with_index(row)
+  return grain.MapDataset.range(2**62).map(row)
 
 
 def pack(window: np.ndarray, eod: int) -> dict:

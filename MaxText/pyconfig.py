@@ -113,6 +113,10 @@ def _require(ok: bool, key: str, message: str, values: dict) -> None:
     raise ConfigError(f"{key}={values[key]!r}: {message}")
 
 
+def _one_of(v: dict, key: str, choices) -> None:
+  _require(v[key] in choices, key, f"must be one of {', '.join(choices)}", v)
+
+
 def _validate(v: dict) -> None:
   """Range checks that need no devices."""
   for key in ("steps", "log_period", "max_target_length", "vocab_size", "base_emb_dim",
@@ -130,8 +134,8 @@ def _validate(v: dict) -> None:
   if head_dim % 2:
     raise ConfigError(f"head_dim={head_dim}: must be even (RoPE rotates pairs of features)")
   for key in ("dtype", "weight_dtype"):
-    _require(v[key] in DTYPES, key, f"must be one of {', '.join(DTYPES)}", v)
-  _require(v["attention"] in ("dot_product", "chunked"), "attention", "must be one of dot_product, chunked", v)
+    _one_of(v, key, DTYPES)
+  _one_of(v, "attention", ("dot_product", "chunked"))
   if v["attention"] == "chunked":
     _require(v["attention_chunk_size"] >= 1 and v["max_target_length"] % v["attention_chunk_size"] == 0,
              "attention_chunk_size", f"must divide max_target_length={v['max_target_length']}", v)
@@ -148,8 +152,8 @@ def _validate(v: dict) -> None:
   _require(v["adam_eps"] > 0, "adam_eps", "must be > 0", v)
   for key in ("adam_weight_decay", "gradient_clipping_threshold", "z_loss_multiplier"):
     _require(v[key] >= 0, key, "must be >= 0", v)
-  _require(v["dataset_type"] in ("text", "synthetic"), "dataset_type", "must be one of text, synthetic", v)
-  _require(v["tokenizer_type"] in ("bpe", "byte"), "tokenizer_type", "must be one of bpe, byte", v)
+  _one_of(v, "dataset_type", ("text", "synthetic"))
+  _one_of(v, "tokenizer_type", ("bpe", "byte"))
   if v["dataset_type"] == "text" and not v["tokenizer_path"]:
     _require(v["vocab_size"] >= 257, "vocab_size",
              f"must be >= 257 (256 bytes + end-of-document) for tokenizer_type={v['tokenizer_type']}", v)
@@ -157,8 +161,7 @@ def _validate(v: dict) -> None:
   _require(v["eval_steps"] >= 1, "eval_steps", "must be >= 1 (eval_interval=0 disables evaluation)", v)
   for key in ("checkpoint_period", "max_to_keep", "max_decode_length"):
     _require(v[key] >= 1, key, "must be >= 1", v)
-  _require(v["decode_sampling_strategy"] in ("greedy", "weighted"), "decode_sampling_strategy",
-           "must be one of greedy, weighted", v)
+  _one_of(v, "decode_sampling_strategy", ("greedy", "weighted"))
   _require(v["decode_sampling_temperature"] > 0, "decode_sampling_temperature", "must be > 0", v)
   for key in ("run_name", "base_output_directory"):
     _require(bool(v[key]) and "\n" not in v[key], key, "must be a non-empty path", v)
@@ -181,18 +184,16 @@ def _validate_axis_rules(rules: list) -> None:
 
 
 def _validate_remat(v: dict) -> None:
-  _require(v["remat_policy"] in remat.POLICY_NAMES, "remat_policy",
-           f"must be one of {', '.join(remat.POLICY_NAMES)}", v)
+  _one_of(v, "remat_policy", remat.POLICY_NAMES)
   _require(1 <= v["remat_layer_interval"] <= v["base_num_decoder_layers"], "remat_layer_interval",
            f"must be in [1, base_num_decoder_layers={v['base_num_decoder_layers']}]", v)
   for name in remat.TENSOR_NAMES:
-    _require(v[name] in remat.ACTIONS, name, f"must be one of {', '.join(remat.ACTIONS)}", v)
+    _one_of(v, name, remat.ACTIONS)
 
 
 def _validate_vocab_tiling(v: dict) -> None:
   _require(v["num_vocab_tiling"] >= 1, "num_vocab_tiling", "must be >= 1 (1: no tiling)", v)
-  _require(v["vocab_tiling_mode"] in ("fused", "recompute"), "vocab_tiling_mode",
-           "must be one of fused, recompute", v)
+  _one_of(v, "vocab_tiling_mode", ("fused", "recompute"))
   tokens = v["per_device_batch_size"] * v["max_target_length"]
   _require(v["num_vocab_tiling"] <= tokens, "num_vocab_tiling",
            f"each tile must hold at least one token per device; at most "
