@@ -2,7 +2,9 @@
 
 import json
 import logging as python_logging
+import math
 import os
+import re
 
 import jax
 from absl import logging
@@ -45,6 +47,25 @@ def memory_stats(compiled) -> dict:
   stats["total_bytes"] = (stats["argument_bytes"] + stats["output_bytes"] - stats["alias_bytes"]
                           + stats["temp_bytes"])
   return stats
+
+
+# Bytes per element of the HLO element types an array of a train step can have.
+_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+              "f64": 8, "s64": 8, "u64": 8}
+
+
+def largest_vocab_arrays(compiled, vocab_size: int, num_devices: int, count: int = 5) -> list:
+  """[(shape, bytes)] of the `count` largest distinct array shapes in the per-device program
+  with a vocabulary dimension (vocab_size, or a shard of it), largest first: the loss side's
+  buffers (logits tiles, the head kernel as the matmuls see it, its gradient and optimizer
+  state), as named by the compiled HLO."""
+  vocab = {vocab_size // k for k in range(1, num_devices + 1) if vocab_size % k == 0}
+  sizes = {}
+  for dtype, dims in re.findall(r"= (\w+)\[([\d,]+)\]", compiled.as_text()):
+    shape = [int(d) for d in dims.split(",")]
+    if dtype in _HLO_BYTES and vocab & set(shape):
+      sizes[f"{dtype}[{dims}]"] = math.prod(shape) * _HLO_BYTES[dtype]
+  return sorted(sizes.items(), key=lambda item: -item[1])[:count]
 
 
 def format_memory_stats(stats: dict) -> str:

@@ -19,10 +19,12 @@ A length not divisible by num_tiles is padded with zero-weight tokens.
 """
 
 import functools
+import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 TILE_TOKENS = (None, "activation_batch", "activation_length")
 TILE_HIDDEN = TILE_TOKENS + ("activation_embed",)
@@ -60,6 +62,63 @@ def _tile_loss(logits, targets, weights, z_loss_multiplier):
   return jnp.stack([loss, z_loss, correct]), lse
 
 
+def _mesh_axes(logical_names) -> list[tuple[str, ...]]:
+  """The mesh axes each logical axis name maps to under the active rules, as tuples."""
+  spec = nn.logical_to_mesh_axes(logical_names)
+  return [() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec]
+
+
+def _kernel_grad(hidden, d_logits):
+  """sum over tokens of hidden^T d_logits: [D, V] in float32, laid out as the kernel.
+
+  Under FSDP the tokens are sharded over the mesh axes that also shard the kernel's rows,
+  so the plain contraction leaves every device a partial sum of the whole [D, V] matrix,
+  the largest buffer of the loss (2 GiB at llama3-8b), before the partitioner reduces it.
+  Here each device forms its partial one vocabulary chunk at a time and reduce-scatters
+  that chunk at once: it never holds more than its own shard of the gradient plus one
+  chunk of the same size. The sums are the same; only their order of reduction differs.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  batch, length, act_embed = _mesh_axes(TILE_HIDDEN[1:])
+  vocab = _mesh_axes(TILE_LOGITS)[2]
+  rows, cols = _mesh_axes(KERNEL)
+  tokens = batch + length
+  shards = math.prod(mesh.shape[a] for a in rows) if not mesh.empty else 1
+  if (shards == 1 or act_embed or cols != vocab or not set(rows) <= set(tokens) or set(vocab) & set(tokens)
+      or hidden.shape[-1] % shards):
+    # Nothing to gain (no sharded rows) or a layout this scheme does not cover.
+    d_kernel = jnp.einsum("btd,btv->dv", hidden, d_logits, preferred_element_type=jnp.float32)
+    return nn.with_logical_constraint(d_kernel, KERNEL)
+  summed_only = tuple(a for a in tokens if a not in rows)  # e.g. `data`: parameters replicated there
+  spec = lambda *axes: PartitionSpec(*(a or None for a in axes))
+
+  def local(h, g):
+    width = g.shape[-1]
+    chunk = -(-width // shards)
+    g = jnp.pad(g, [(0, 0), (0, 0), (0, chunk * shards - width)])
+
+    def add_chunk(c, d_kernel):
+      part = jnp.einsum("btd,btv->dv", h, jax.lax.dynamic_slice_in_dim(g, c * chunk, chunk, axis=2),
+                        preferred_element_type=jnp.float32)
+      part = jax.lax.psum_scatter(part, rows, scatter_dimension=0, tiled=True)
+      return jax.lax.dynamic_update_slice_in_dim(d_kernel, part, c * chunk, axis=1)
+
+    d_kernel = jax.lax.fori_loop(0, shards, add_chunk, jnp.zeros((h.shape[-1] // shards, chunk * shards), jnp.float32))
+    d_kernel = d_kernel[:, :width]
+    return jax.lax.psum(d_kernel, summed_only) if summed_only else d_kernel
+
+  return jax.shard_map(local, in_specs=(spec(batch, length, ()), spec(batch, length, vocab)),
+                       out_specs=spec(rows, cols), check_vma=False)(hidden, d_logits)
+
+
+def _head_grads(hidden, kernel, d_logits):
+  """The head matmul's gradients for the logits' gradient d_logits [B, T, V]: d_hidden
+  [B, T, D] and d_kernel [D, V], both float32, d_kernel laid out as the kernel."""
+  d_logits = d_logits.astype(kernel.dtype)
+  d_hidden = jnp.einsum("btv,dv->btd", d_logits, kernel, preferred_element_type=jnp.float32)
+  return d_hidden, _kernel_grad(hidden, d_logits)
+
+
 def _tile_grads(hidden, kernel, targets, weights, logits, lse, z_loss_multiplier):
   """d(tile loss)/d(hidden) in float32 [B, T', D] and d(tile loss)/d(kernel) in float32 [D, V].
 
@@ -68,10 +127,27 @@ def _tile_grads(hidden, kernel, targets, weights, logits, lse, z_loss_multiplier
   probs = jnp.exp(logits - lse[..., None])
   scale = weights * (1.0 + 2.0 * z_loss_multiplier * lse)
   one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
-  d_logits = (scale[..., None] * probs - weights[..., None] * one_hot).astype(kernel.dtype)
-  d_hidden = jnp.einsum("btv,dv->btd", d_logits, kernel, preferred_element_type=jnp.float32)
-  d_kernel = jnp.einsum("btd,btv->dv", hidden, d_logits, preferred_element_type=jnp.float32)
-  return d_hidden, nn.with_logical_constraint(d_kernel, KERNEL)
+  return _head_grads(hidden, kernel, scale[..., None] * probs - weights[..., None] * one_hot)
+
+
+@jax.custom_vjp
+def head_logits(hidden, kernel):
+  """Untiled float32 logits hidden [B, T, D] @ kernel [D, V]. Differentiated like the
+  tiles, so the kernel's gradient is reduced shard by shard (see _kernel_grad)."""
+  return _tile_logits(hidden, kernel)
+
+
+def _head_logits_forward(hidden, kernel):
+  return _tile_logits(hidden, kernel), (hidden, kernel)
+
+
+def _head_logits_backward(residuals, d_logits):
+  hidden, kernel = residuals
+  d_hidden, d_kernel = _head_grads(hidden, kernel, d_logits)
+  return d_hidden.astype(hidden.dtype), d_kernel.astype(kernel.dtype)
+
+
+head_logits.defvjp(_head_logits_forward, _head_logits_backward)
 
 
 def _zeros_like_kernel(kernel):

@@ -153,3 +153,27 @@ def logits_tokens(hlo_text, vocab_sizes, hidden_sizes):
       if not (len(shape) == 2 and others in hidden_sizes):
         counts.append(others)
   return max(counts)
+
+
+def hlo_arrays(hlo_text):
+  """(shape, opcode, op_name) of every array-valued instruction in compiled HLO text; op_name
+  is the JAX operation it came from (e.g. ".../btd,btv->dv/dot_general")."""
+  import re
+  arrays = []
+  for dims, opcode, rest in re.findall(r"= \w+\[([\d,]*)\]\S* ([\w-]+)\((.*)", hlo_text):
+    name = re.search(r'op_name="([^"]*)"', rest)
+    arrays.append((tuple(int(d) for d in dims.split(",") if d), opcode, name.group(1) if name else ""))
+  return arrays
+
+
+def loss_gradients(config):
+  """{parameter path: gradient} of the summed training loss at config's initial parameters on
+  fixed_batch, computed on config's mesh and gathered."""
+  import jax
+  import numpy as np
+  from MaxText import sharding, train
+  trainer, state = trainer_and_state(config)
+  loss = lambda params, batch: train.loss_sums(trainer.model, config, params, batch)[0]
+  with sharding.activate(trainer.mesh, config):
+    grads = jax.jit(jax.grad(loss))(state.params, train.device_batch(trainer, fixed_batch(config)))
+  return {jax.tree_util.keystr(path): np.asarray(g) for path, g in jax.tree_util.tree_leaves_with_path(jax.device_get(grads))}

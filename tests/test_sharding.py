@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from MaxText import train
-from conftest import MESHES, ROOT, SHARDED, metrics_losses, tiny_config
+from conftest import MESHES, ROOT, SHARDED, assert_trees_close, loss_gradients, metrics_losses, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def mesh_results(tmp_path_factory):
                           capture_output=True, text=True, timeout=900)
   assert result.returncode == 0, result.stderr[-4000:]
   with open(out / "results.json") as f:
-    return json.load(f)
+    return {**json.load(f), "dir": out}
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +60,34 @@ def test_no_device_ever_holds_more_than_its_share_of_a_tile(mesh_results, mesh, 
   # 8 rows x 16 positions in 4 tiles: a tile is 32 tokens, spread over the batch-like axes.
   assert mesh_results["logits_tokens"][f"{mesh} tiles=4"] == tokens_per_device_tile
   assert mesh_results["logits_tokens"][f"{mesh} tiles=1"] >= 4 * tokens_per_device_tile  # the check can see logits
+
+
+@pytest.fixture(scope="module")
+def one_device_gradients():
+  return {(tiles, tied): loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=8", f"num_vocab_tiling={tiles}",
+                                                    f"logits_via_embedding={tied}"))
+          for tiles in (1, 4) for tied in (False, True)}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("tiles", [1, 4])
+@pytest.mark.parametrize("tied", [False, True])
+def test_mesh_gradients_equal_one_device(mesh_results, one_device_gradients, mesh, tiles, tied):
+  got = np.load(mesh_results["dir"] / f"grads_{mesh.replace(' ', '_')}_tiles={tiles}_tied={tied}.npz")
+  want = one_device_gradients[tiles, tied]
+  assert sorted(got.files) == sorted(want)
+  assert_trees_close({k: got[k] for k in want}, want, rtol=1e-5)
+
+
+# The [D, V] = [48, 1000] head kernel and [V, D] embedding are split over this many devices.
+KERNEL_SHARDS = {"fsdp=8": 8, "data=2 fsdp=2 tensor=2": 4, "fsdp=2 sequence=4": 8, "tensor=4 data=2": 4}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("tiles", [1, 4])
+def test_no_device_forms_more_than_its_share_of_the_head_or_embedding_gradient(mesh_results, mesh, tiles):
+  share = 48 * 1000 // KERNEL_SHARDS[mesh]
+  # The head's kernel gradient is contracted over tokens sharded like the kernel's rows: a
+  # plain contraction would form all 48 x 1000 partial sums on every device.
+  assert 0 < mesh_results["kernel_grad_elements"][f"{mesh} tiles={tiles}"] <= share
+  assert 0 < mesh_results["embedding_grad_elements"][f"{mesh} tiles={tiles}"] <= share

@@ -88,8 +88,13 @@ def test_train_compile_reports_the_train_step_memory(tmp_path):
   result = run_cli("train_compile", *TINY, f"memory_stats_file={stats_file}")
   assert result.returncode == 0, result.stderr[-3000:]
   stats = json.loads(stats_file.read_text())
+  vocab_arrays = stats.pop("largest_vocab_arrays")
   assert stats["temp_bytes"] > 0 and stats["total_bytes"] > 0
   config = tiny_config()
   trainer, _ = trainer_and_state(config)
   assert metrics.memory_stats(train.compile_train_step(trainer, config)) == stats
+  # Untiled, the largest array with a vocabulary dimension is the float32 [batch, length, vocab] logits.
+  batch, length, vocab = config.global_batch_size_to_train_on, config.max_target_length, config.vocab_size
+  assert vocab_arrays[0][0].startswith("f32[") and vocab_arrays[0][1] == batch * length * vocab * 4
+  assert "largest arrays with a vocabulary dimension" in result.stdout
   assert "temp_bytes" in result.stdout and "GiB" in result.stdout

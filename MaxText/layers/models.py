@@ -3,6 +3,7 @@
 import flax.linen as nn
 import jax.numpy as jnp
 
+from MaxText import vocab_tiling
 from MaxText.layers.decoders import Decoder
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import kernel_init
@@ -33,5 +34,4 @@ class Transformer(nn.Module):
     kernel = kernel.astype(dtype)
     if return_hidden:
       return hidden, kernel
-    logits = jnp.einsum("btd,dv->btv", hidden, kernel, preferred_element_type=jnp.float32)
-    return nn.with_logical_constraint(logits, ("activation_batch", "activation_length", "activation_vocab"))
+    return vocab_tiling.head_logits(hidden, kernel)
