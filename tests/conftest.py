@@ -176,4 +176,5 @@ def loss_gradients(config):
   loss = lambda params, batch: train.loss_sums(trainer.model, config, params, batch)[0]
   with sharding.activate(trainer.mesh, config):
     grads = jax.jit(jax.grad(loss))(state.params, train.device_batch(trainer, fixed_batch(config)))
-  return {jax.tree_util.keystr(path): np.asarray(g) for path, g in jax.tree_util.tree_leaves_with_path(jax.device_get(grads))}
+  leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(grads))
+  return {jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}

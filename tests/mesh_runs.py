@@ -40,7 +40,8 @@ def main(out):
       results["logits_tokens"][key] = logits_tokens(hlo, {1000, 500}, {48, 24, 12, 6})
       arrays = hlo_arrays(hlo)
       results["kernel_grad_elements"][key] = largest(arrays, lambda s, op, name: "btd,btv->dv" in name)
-      results["embedding_grad_elements"][key] = largest(arrays, lambda s, op, name: op == "scatter" and "token_embedder" in name)
+      results["embedding_grad_elements"][key] = largest(
+          arrays, lambda s, op, name: op == "scatter" and "token_embedder" in name)
       for tied in (False, True):
         grads = loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=1", *overrides,
                                            f"num_vocab_tiling={tiles}", f"logits_via_embedding={tied}"))
