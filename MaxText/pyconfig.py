@@ -27,12 +27,14 @@ class UserError(Exception):
   """A failure caused by the user's input or files: reported as one line, no traceback."""
 
   exit_code = 1
+  label = "error"
 
 
 class ConfigError(UserError, ValueError):
   """A bad config: the message names the key and what is allowed."""
 
   exit_code = 2
+  label = "config error"
 
 
 class Config:
@@ -98,6 +100,8 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
   )
   if not ok:
     raise ConfigError(f"{key}={value!r}: must be {_type_name(default)}")
+  if kind is float and not math.isfinite(value):
+    raise ConfigError(f"{key}={value}: must be a finite number")
   return float(value) if kind is float else value
 
 
@@ -143,8 +147,9 @@ def _validate(v: dict) -> None:
   _require(v["normalization_layer_epsilon"] > 0, "normalization_layer_epsilon", "must be > 0", v)
   _require(v["learning_rate"] >= 0, "learning_rate", "must be >= 0", v)
   _require(0 <= v["warmup_steps_fraction"] < 1, "warmup_steps_fraction", "must be in [0, 1)", v)
-  _require(v["learning_rate_schedule_steps"] == -1 or v["learning_rate_schedule_steps"] >= 1,
-           "learning_rate_schedule_steps", "must be >= 1, or -1 for `steps`", v)
+  _require(v["learning_rate_schedule_steps"] == -1 or v["learning_rate_schedule_steps"] >= v["steps"],
+           "learning_rate_schedule_steps", f"must be >= steps={v['steps']}, or -1 for `steps`", v)
+  _require(v["max_nonfinite_steps"] >= 1, "max_nonfinite_steps", "must be >= 1", v)
   _require(0 <= v["cosine_learning_rate_final_fraction"] <= 1, "cosine_learning_rate_final_fraction",
            "must be in [0, 1]", v)
   for key in ("adam_b1", "adam_b2"):
@@ -163,8 +168,11 @@ def _validate(v: dict) -> None:
     _require(v[key] >= 1, key, "must be >= 1", v)
   _one_of(v, "decode_sampling_strategy", ("greedy", "weighted"))
   _require(v["decode_sampling_temperature"] > 0, "decode_sampling_temperature", "must be > 0", v)
-  for key in ("run_name", "base_output_directory"):
-    _require(bool(v[key]) and "\n" not in v[key], key, "must be a non-empty path", v)
+  _require(bool(v["base_output_directory"]) and "\n" not in v["base_output_directory"], "base_output_directory",
+           "must be a non-empty path", v)
+  # A run owns base_output_directory/run_name; a path here could reach another run's directory.
+  _require(v["run_name"] not in ("", ".", "..") and not any(c in v["run_name"] for c in "/\\\n"), "run_name",
+           "must be a plain directory name (no '/', '\\', '.' or '..')", v)
   _validate_axis_rules(v["logical_axis_rules"])
   _validate_remat(v)
   _validate_vocab_tiling(v)
@@ -327,6 +335,5 @@ def errors_to_exit_codes():
   try:
     yield
   except UserError as e:
-    kind = "config error" if isinstance(e, ConfigError) else "error"
-    print(f"{kind}: {e}", file=sys.stderr)
+    print(f"{e.label}: {e}", file=sys.stderr)
     sys.exit(e.exit_code)

@@ -16,7 +16,7 @@ import optax
 from absl import app, logging
 from flax.training.train_state import TrainState
 
-from MaxText import checkpointing, input_pipeline, metrics, optimizers, pyconfig, sharding, vocab_tiling
+from MaxText import checkpointing, input_pipeline, metrics, optimizers, pyconfig, run_control, sharding, vocab_tiling
 from MaxText.layers.models import Transformer
 
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
@@ -73,7 +73,14 @@ def train_step(model, config, state, batch):
   step_metrics = {f"learning/{k}": v for k, v in _per_token(loss, sums).items()}
   step_metrics["learning/grad_norm"] = optax.tree.norm(grads)
   step_metrics["learning/current_learning_rate"] = optimizers.learning_rate_schedule(config)(state.step)
-  return state.apply_gradients(grads=grads), step_metrics
+  # A non-finite loss or gradient leaves parameters and optimizer state as they were (the step
+  # still counts), so divergence never reaches the state; the host stops after a streak of them.
+  finite = jnp.isfinite(loss) & jnp.isfinite(step_metrics["learning/grad_norm"])
+  step_metrics["learning/nonfinite"] = 1.0 - finite.astype(jnp.float32)
+  new_state = state.apply_gradients(grads=grads)
+  kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), (new_state.params, new_state.opt_state),
+                      (state.params, state.opt_state))
+  return new_state.replace(params=kept[0], opt_state=kept[1]), step_metrics
 
 
 def eval_step(model, config, params, batch):
@@ -158,6 +165,9 @@ def initial_state(trainer: Trainer, config, manager, train_iterator):
   with parameters from load_parameters_path when given."""
   restored = manager and checkpointing.restore_latest(manager, trainer.abstract_state,
                                                       trainer.state_sharding, train_iterator)
+  if restored and config.load_parameters_path:
+    raise pyconfig.ConfigError(f"load_parameters_path={config.load_parameters_path!r}: run {config.run_dir} already "
+                               f"has checkpoints (latest step {restored[1]}); use a new run_name to start from it")
   if restored:
     logging.info("resuming from checkpoint step %d in %s", restored[1], manager.directory)
     return restored[0]
@@ -170,45 +180,77 @@ def initial_state(trainer: Trainer, config, manager, train_iterator):
   return state
 
 
+def save_if_finite(manager, step: int, state, train_iterator, params_finite) -> None:
+  """Saves checkpoint `step` only from finite parameters: a non-finite checkpoint would become
+  the one every resume starts from, and max_to_keep would delete good ones for it."""
+  if not bool(params_finite(state.params)):
+    raise run_control.Diverged(f"step {step}: the parameters are not finite; not saved (latest checkpoint: "
+                               f"{manager.latest_step()})")
+  checkpointing.save(manager, step, state, train_iterator)
+
+
 def train(config) -> None:
   # Reading and tokenizing first: a bad dataset or tokenizer stops the run before it writes.
   data = input_pipeline.TextData(config) if config.dataset_type == "text" else None
   mesh = sharding.create_mesh(config)
   trainer = build(config, mesh)
   train_iterator = input_pipeline.create_train_iterator(config, data)
-  manager = checkpointing.create_manager(config)
-  with sharding.activate(mesh, config):
-    state = initial_state(trainer, config, manager, train_iterator)
+  with run_control.run_lock(config.run_dir), run_control.stop_signals() as signals:
+    manager = checkpointing.create_manager(config)
+    try:
+      with sharding.activate(mesh, config):
+        state = initial_state(trainer, config, manager, train_iterator)
+      _train_steps(trainer, config, state, data, train_iterator, manager, signals)
+    finally:
+      if manager:  # whatever stopped the run, saves already under way are good: let them commit
+        manager.wait_until_finished()
+        manager.close()
+
+
+def _train_steps(trainer, config, state, data, train_iterator, manager, signals) -> None:
   compiled = compile_train_step(trainer, config)
   logging.info("train step memory per device:\n%s", metrics.format_memory_stats(metrics.memory_stats(compiled)))
+  params_finite = jax.jit(lambda params: jnp.all(jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(params)])))
   logger = metrics.MetricLogger(config)
   flops_per_device = metrics.training_flops_per_step(config) / config.num_devices
   tokens_per_device = config.global_batch_size_to_train_on * config.max_target_length / config.num_devices
   if int(state.step) >= config.steps:
     logging.info("run %s is already at step %d, steps=%d: nothing to train", config.run_dir, int(state.step),
                  config.steps)
+  nonfinite_streak = 0
   last = time.perf_counter()
-  for step in range(int(state.step) + 1, config.steps + 1):
-    state, step_metrics = compiled(state, device_batch(trainer, next(train_iterator)))
-    step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-    now = time.perf_counter()
-    seconds, last = now - last, now
-    step_metrics.update({
-        "perf/step_time_seconds": seconds,
-        "perf/per_device_tokens_per_sec": tokens_per_device / seconds,
-        "perf/per_device_tflops_per_sec": flops_per_device / seconds / 1e12,
-    })
-    if config.eval_interval and (step % config.eval_interval == 0 or step == config.steps):
-      with sharding.activate(mesh, config):
-        step_metrics.update(evaluate(trainer, config, state.params, data))
-      last = time.perf_counter()  # evaluation time is not step time
-    logger.write(step, step_metrics, force_log=step == config.steps)
-    if manager and (step % config.checkpoint_period == 0 or step == config.steps):
-      checkpointing.save(manager, step, state, train_iterator)
-  if manager:
-    manager.wait_until_finished()
-    manager.close()
-  logger.close()
+  try:
+    for step in range(int(state.step) + 1, config.steps + 1):
+      state, step_metrics = compiled(state, device_batch(trainer, next(train_iterator)))
+      step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+      now = time.perf_counter()
+      seconds, last = now - last, now
+      step_metrics.update({
+          "perf/step_time_seconds": seconds,
+          "perf/per_device_tokens_per_sec": tokens_per_device / seconds,
+          "perf/per_device_tflops_per_sec": flops_per_device / seconds / 1e12,
+      })
+      if config.eval_interval and (step % config.eval_interval == 0 or step == config.steps):
+        with sharding.activate(trainer.mesh, config):
+          step_metrics.update(evaluate(trainer, config, state.params, data))
+        last = time.perf_counter()  # evaluation time is not step time
+      logger.write(step, step_metrics, force_log=step == config.steps)
+      nonfinite_streak = nonfinite_streak + 1 if step_metrics["learning/nonfinite"] else 0
+      if nonfinite_streak >= config.max_nonfinite_steps:
+        raise run_control.Diverged(
+            f"step {step}: loss or gradient norm not finite for {nonfinite_streak} steps in a row "
+            f"(max_nonfinite_steps={config.max_nonfinite_steps}); stopped, latest checkpoint: "
+            f"{manager.latest_step() if manager else None}")
+      signum = run_control.stop_requested(signals)
+      # Mid-streak the state is the one from before it; saving that again would only let
+      # max_to_keep prune older checkpoints for a copy.
+      if manager and not nonfinite_streak and (step % config.checkpoint_period == 0 or step == config.steps or signum):
+        save_if_finite(manager, step, state, train_iterator, params_finite)
+      if signum:
+        saved = f"checkpoint {step} saved" if manager and not nonfinite_streak else "no checkpoint saved"
+        raise run_control.Preempted(signum, f"{run_control.SIGNALS[signum]} at step {step}: {saved}; rerun to resume")
+  finally:
+    logger.close()
 
 
 def main(argv):

@@ -2,7 +2,9 @@
 # Train, interrupt, resume: the resumed losses must equal an uninterrupted run's exactly.
 #   1. a 20-step reference run;
 #   2. the same run stopped with steps=10, then rerun with steps=20;
-#   3. the same run killed with SIGKILL at a random moment, then rerun.
+#   3. the same run killed with SIGKILL at a random moment, then rerun;
+#   4. the same run sent SIGTERM (preemption) at a random moment: it saves the step it is on,
+#      exits with code 143, and the rerun resumes from that step.
 # Usage: bash end_to_end/test_checkpointing.sh [OUTPUT_DIR] [extra key=value ...]
 # learning_rate_schedule_steps is pinned so that the run stopped at 10 follows the 20-step
 # schedule; checkpoint_period=2 makes the kill land between, or during, saves.
@@ -37,4 +39,19 @@ pid=
 echo "killed after $(wc -l < "$out/killed.jsonl") logged steps"
 "$python" -m MaxText.train "${common[@]}" run_name=killed metrics_file="$out/killed.jsonl"
 "$python" end_to_end/compare_losses.py "$out/reference.jsonl" "$out/killed.jsonl" 1 20
+
+echo "== sent SIGTERM at a random moment, then resumed"
+"$python" -m MaxText.train "${common[@]}" run_name=preempted metrics_file="$out/preempted.jsonl" &
+pid=$!
+target=$((RANDOM % 12 + 4))
+while kill -0 "$pid" 2>/dev/null && [ "$(cat "$out/preempted.jsonl" 2>/dev/null | wc -l)" -lt "$target" ]; do
+  sleep 0.$((RANDOM % 10))
+done
+kill -TERM "$pid"
+status=0; wait "$pid" || status=$?
+pid=
+[ "$status" = 143 ] || { echo "FAIL: exit code $status after SIGTERM, expected 143"; exit 1; }
+echo "preempted after $(wc -l < "$out/preempted.jsonl") logged steps"
+"$python" -m MaxText.train "${common[@]}" run_name=preempted metrics_file="$out/preempted.jsonl"
+"$python" end_to_end/compare_losses.py "$out/reference.jsonl" "$out/preempted.jsonl" 1 20
 echo "PASS: resumed runs reproduce the uninterrupted run exactly"

@@ -60,24 +60,69 @@ def test_a_stopped_run_resumes_exactly(tmp_path, reference, text_cache):
   assert resumed == reference[1]  # float equality, every step
 
 
-def test_a_sigkilled_run_resumes_exactly(tmp_path, reference, text_cache):
-  metrics_file = tmp_path / "killed.jsonl"
+def signal_mid_run(tmp_path, text_cache, run_name, signum):
+  """Starts a 12-step run, sends `signum` once 5 steps are logged: (exit code, stderr, metrics file)."""
+  metrics_file = tmp_path / f"{run_name}.jsonl"
   args = [sys.executable, "-m", "MaxText.train", BASE_YML, *RUN, text_cache, "steps=12",
-          f"base_output_directory={tmp_path}", "run_name=killed", f"metrics_file={metrics_file}"]
-  process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+          f"base_output_directory={tmp_path}", f"run_name={run_name}", f"metrics_file={metrics_file}"]
+  process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 300
   while time.time() < deadline and process.poll() is None:
     if metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 5:
       break
     time.sleep(0.05)
-  process.send_signal(signal.SIGKILL)
-  process.wait()
-  killed_at = len(metrics_file.read_text().splitlines())
-  assert 5 <= killed_at < 12
-  result, _ = train(tmp_path, "killed", text_cache, "steps=12")
+  process.send_signal(signum)
+  _, stderr = process.communicate(timeout=300)
+  assert 5 <= len(metrics_file.read_text().splitlines()) < 12
+  return process.returncode, stderr, metrics_file
+
+
+def test_a_sigkilled_run_resumes_exactly(tmp_path, reference, text_cache):
+  signal_mid_run(tmp_path, text_cache, "killed", signal.SIGKILL)
+  # The killed run left its lock behind; the rerun takes it over.
+  assert (tmp_path / "killed" / ".lock").exists()
+  result, metrics_file = train(tmp_path, "killed", text_cache, "steps=12")
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "resuming from checkpoint step" in result.stderr
+  assert "resuming from checkpoint step" in result.stderr and "stale lock" in result.stderr
   assert losses(metrics_file) == reference[1]
+  assert not (tmp_path / "killed" / ".lock").exists()
+
+
+@pytest.mark.parametrize("signum, name", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")])
+def test_a_preempted_run_saves_its_last_step_and_resumes_exactly(tmp_path, reference, text_cache, signum, name):
+  code, stderr, metrics_file = signal_mid_run(tmp_path, text_cache, "preempted", signum)
+  assert code == 128 + signum and "Traceback" not in stderr, stderr[-3000:]
+  last_line = stderr.strip().splitlines()[-1]
+  stopped_at = len(metrics_file.read_text().splitlines())
+  assert last_line == f"stopped: {name} at step {stopped_at}: checkpoint {stopped_at} saved; rerun to resume"
+  assert (tmp_path / "preempted" / "checkpoints" / str(stopped_at)).is_dir()
+  result, _ = train(tmp_path, "preempted", text_cache, "steps=12")
+  assert result.returncode == 0 and f"resuming from checkpoint step {stopped_at}" in result.stderr
+  assert losses(metrics_file) == reference[1]
+
+
+def test_divergence_stops_the_run_and_keeps_every_good_checkpoint(tmp_path, reference, text_cache):
+  run = tmp_path / "ref"
+  shutil.copytree(reference[0] / "ref", run)
+  before = tree_digest(run / "checkpoints")
+  result, metrics_file = train(tmp_path, "ref", text_cache, "steps=20", "learning_rate_schedule_steps=20",
+                               "learning_rate=1e30")
+  assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  last_line = result.stderr.strip().splitlines()[-1]
+  assert last_line.startswith("error: step ") and "not finite for 3 steps in a row" in last_line
+  rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+  assert [r["learning/nonfinite"] for r in rows][-3:] == [1.0, 1.0, 1.0] and rows[-1]["step"] < 20
+  assert tree_digest(run / "checkpoints") == before  # nothing saved, nothing pruned
+  assert not (run / ".lock").exists()
+
+
+def test_a_second_process_on_the_same_run_is_refused(tmp_path, text_cache):
+  (tmp_path / "busy").mkdir()
+  (tmp_path / "busy" / ".lock").write_text(str(os.getpid()))  # this test's own, live process
+  result, _ = train(tmp_path, "busy", text_cache, "steps=2")
+  assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+  assert f"being trained by process {os.getpid()}" in result.stderr
+  assert os.listdir(tmp_path / "busy") == [".lock"]
 
 
 def test_a_save_killed_midway_is_never_restored(tmp_path, reference, text_cache):
@@ -108,7 +153,7 @@ def test_a_corrupt_checkpoint_is_one_line_and_left_untouched(tmp_path, reference
     if path.is_file() and path.name != "_CHECKPOINT_METADATA":
       path.write_bytes(b"garbage")
   before = tree_digest(run / "checkpoints")
-  result, _ = train(tmp_path, "ref", text_cache, "steps=14")
+  result, _ = train(tmp_path, "ref", text_cache, "steps=14", "learning_rate_schedule_steps=14")
   assert result.returncode == 1
   lines = result.stderr.strip().splitlines()
   assert "Traceback" not in result.stderr and "checkpoints/12" in lines[-1] and lines[-1].startswith("error:")
@@ -124,7 +169,7 @@ def test_bad_data_inputs_stop_with_one_line_and_lose_nothing(tmp_path, reference
   shutil.copytree(reference[0] / "ref", run)
   before = tree_digest(run)
   bad = bad.format(tmp=tmp_path)
-  result, _ = train(tmp_path, "ref", text_cache, "steps=14", bad)
+  result, _ = train(tmp_path, "ref", text_cache, "steps=14", "learning_rate_schedule_steps=14", bad)
   assert result.returncode == 2, result.stderr[-2000:]
   assert len(result.stderr.strip().splitlines()) == 1 and bad.split("/")[-1] in result.stderr
   assert tree_digest(run) == before
@@ -152,6 +197,9 @@ def test_load_parameters_path_starts_a_new_run_from_trained_parameters(tmp_path,
   assert list(loss) == [1] and loss[1] < reference[1][1] - 0.5
   missing, _ = train(tmp_path, "finetune2", text_cache, "steps=1", f"load_parameters_path={tmp_path}/nope")
   assert missing.returncode == 2 and "load_parameters_path" in missing.stderr
+  # Into a run that already has checkpoints it would be silently ignored: refused instead.
+  again, _ = train(tmp_path, "finetune", text_cache, "steps=2", f"load_parameters_path={source}")
+  assert again.returncode == 2 and "already has checkpoints" in again.stderr.strip().splitlines()[-1]
 
 
 def test_decode_continues_the_prompt(reference, text_cache):

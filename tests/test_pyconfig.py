@@ -67,6 +67,14 @@ def test_config_is_read_only():
     ("vocab_tiling_mode=magic", "vocab_tiling_mode"),
     ("noequals", "noequals"),
     ("eval_steps=0", "eval_steps"),
+    ("learning_rate=inf", "learning_rate"),
+    ("adam_eps=nan", "adam_eps"),
+    ("z_loss_multiplier=-inf", "z_loss_multiplier"),
+    ("learning_rate_schedule_steps=4", "learning_rate_schedule_steps"),
+    ("max_nonfinite_steps=0", "max_nonfinite_steps"),
+    ("run_name=../other", "run_name"),
+    ("run_name=/tmp/elsewhere", "run_name"),
+    ("run_name=..", "run_name"),
 ])
 def test_bad_values_name_the_key(override, key):
   with pytest.raises(pyconfig.ConfigError, match=key):

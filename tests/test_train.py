@@ -98,3 +98,23 @@ def test_train_compile_reports_the_train_step_memory(tmp_path):
   assert vocab_arrays[0][0].startswith("f32[") and vocab_arrays[0][1] == batch * length * vocab * 4
   assert "largest arrays with a vocabulary dimension" in result.stdout
   assert "temp_bytes" in result.stdout and "GiB" in result.stdout
+
+
+def test_a_nonfinite_step_is_not_applied_and_the_next_one_is():
+  config = tiny_config()
+  trainer, state = trainer_and_state(config)
+  batch = fixed_batch(config)
+  # Token ids past the vocabulary look up NaN embeddings: the loss and gradients are NaN.
+  poisoned = {**batch, "inputs": np.full_like(batch["inputs"], config.vocab_size)}
+  before = jax.device_get(state)  # the step donates its input state
+  with sharding.activate(trainer.mesh, config):
+    state, bad = trainer.train_step(state, train.device_batch(trainer, poisoned))
+    after_bad = jax.device_get(state)
+    state, good = trainer.train_step(state, train.device_batch(trainer, batch))
+  assert float(bad["learning/nonfinite"]) == 1.0 and not np.isfinite(float(bad["learning/loss"]))
+  assert int(after_bad.step) == int(before.step) + 1
+  jax.tree.map(np.testing.assert_array_equal, (after_bad.params, after_bad.opt_state),
+               (before.params, before.opt_state))
+  assert float(good["learning/nonfinite"]) == 0.0 and np.isfinite(float(good["learning/loss"]))
+  changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), jax.device_get(state.params), before.params)
+  assert all(jax.tree.leaves(changed))

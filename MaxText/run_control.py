@@ -1,0 +1,102 @@
+"""What keeps a run's directory safe while it trains: one process per run, a clean stop on
+preemption signals, and a stop (saving nothing) when training diverges.
+"""
+
+import contextlib
+import os
+import signal
+
+import jax
+from absl import logging
+from jax.experimental import multihost_utils
+
+from MaxText.pyconfig import ConfigError, UserError
+
+# Exit codes of a run stopped by a signal, the shell's convention (128 + signal number).
+SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
+
+
+class Preempted(UserError):
+  """A signal stopped the run after saving; rerunning resumes it."""
+
+  label = "stopped"
+
+  def __init__(self, signum: int, message: str):
+    super().__init__(message)
+    self.exit_code = 128 + signum
+
+
+class Diverged(UserError):
+  """Training produced non-finite values; nothing was saved from them."""
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # someone else's live process
+    return True
+  return True
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: str):
+  """Holds <run_dir>/.lock (this process's pid) while the run trains; process 0 only.
+
+  A second live process on the same run would interleave saves with this one's, so it is
+  refused. A lock left by a killed process (its pid no longer alive on this host) is taken over.
+  """
+  if jax.process_index() != 0:
+    yield
+    return
+  os.makedirs(run_dir, exist_ok=True)
+  path = os.path.join(run_dir, ".lock")
+  while True:
+    try:
+      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+      break
+    except FileExistsError:
+      try:
+        with open(path) as f:
+          owner = int(f.read().strip() or 0)
+      except (OSError, ValueError):
+        owner = 0
+      if owner and owner != os.getpid() and _alive(owner):
+        raise ConfigError(f"run_name: {run_dir} is being trained by process {owner} ({path}); "
+                          "use another run_name or stop that process") from None
+      logging.warning("taking over the stale lock %s of process %d, which is no longer running", path, owner)
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+  with os.fdopen(fd, "w") as f:
+    f.write(str(os.getpid()))
+  try:
+    yield
+  finally:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(path)
+
+
+@contextlib.contextmanager
+def stop_signals():
+  """Yields a list that SIGTERM and SIGINT append their number to, instead of killing the
+  process, so the train loop can finish its step and save first. Handlers are restored after."""
+  received = []
+  previous = {s: signal.signal(s, lambda signum, _: received.append(signum)) for s in SIGNALS}
+  try:
+    yield received
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
+def stop_requested(received: list) -> int:
+  """The signal every process has agreed to stop on after this step, or 0.
+
+  With several processes, each one's flag is gathered every step, so all stop (and save) at
+  the same step; a signal reaches hosts at different moments.
+  """
+  signum = received[0] if received else 0
+  if jax.process_count() > 1:
+    signum = int(max(multihost_utils.process_allgather(signum)))
+  return signum
