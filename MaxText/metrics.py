@@ -35,6 +35,17 @@ def training_flops_per_step(config) -> float:
   return 3 * (matmul + attention)
 
 
+# Peak dense bfloat16 TFLOP/s of one chip, by a fragment of JAX's device_kind; the first
+# fragment found wins (so "v5 lite", v5e, is tried before "v5", v5p).
+PEAK_BF16_TFLOPS = (("v5 lite", 197.0), ("v5e", 197.0), ("v5p", 459.0), ("v5", 459.0), ("v6 lite", 918.0),
+                    ("v6e", 918.0), ("v4", 275.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
+
+
+def peak_tflops(device_kind: str) -> float | None:
+  """The chip's peak bfloat16 TFLOP/s, or None where unknown (CPUs among them)."""
+  return next((peak for fragment, peak in PEAK_BF16_TFLOPS if fragment in device_kind), None)
+
+
 def memory_stats(compiled) -> dict:
   """Per-device bytes of a compiled step. total = arguments + outputs - aliased + temporaries."""
   m = compiled.memory_analysis()
@@ -81,6 +92,7 @@ LOG_LINE = (
     ("perf/step_time_seconds", "s", "{:.3f}"),
     ("perf/per_device_tokens_per_sec", "tokens/s/device", "{:,.0f}"),
     ("perf/per_device_tflops_per_sec", "TFLOP/s/device", "{:.3f}"),
+    ("perf/mfu", "MFU", "{:.1%}"),
     ("eval/loss", "eval_loss", "{:.4f}"),
     ("eval/perplexity", "eval_ppl", "{:.2f}"),
     ("eval/accuracy", "eval_acc", "{:.3f}"),

@@ -120,7 +120,9 @@ def build(config, mesh) -> Trainer:
   with sharding.activate(mesh, config):
     # Parameters and optimizer state carry logical axis names; turn them into shardings
     # and create them sharded, never whole on one device.
-    boxed = jax.eval_shape(init_boxed, jax.random.key(0))
+    # The key too is abstract: nothing may run here, so this also works for devices that
+    # exist only to be compiled for (a TPU topology on a CPU machine).
+    boxed = jax.eval_shape(lambda: init_boxed(jax.random.key(0)))
     state_sharding = sharding.logical_to_sharding(nn.get_partition_spec(boxed), mesh, config)
   abstract_state = nn.meta.unbox(boxed)
   batch_sharding = {k: sharding.batch_sharding(mesh, config) for k in BATCH_KEYS}
@@ -214,6 +216,7 @@ def _train_steps(trainer, config, state, data, train_iterator, manager, signals)
   logger = metrics.MetricLogger(config)
   flops_per_device = metrics.training_flops_per_step(config) / config.num_devices
   tokens_per_device = config.global_batch_size_to_train_on * config.max_target_length / config.num_devices
+  peak_tflops = metrics.peak_tflops(jax.devices()[0].device_kind)
   if int(state.step) >= config.steps:
     logging.info("run %s is already at step %d, steps=%d: nothing to train", config.run_dir, int(state.step),
                  config.steps)
@@ -230,6 +233,8 @@ def _train_steps(trainer, config, state, data, train_iterator, manager, signals)
           "perf/per_device_tokens_per_sec": tokens_per_device / seconds,
           "perf/per_device_tflops_per_sec": flops_per_device / seconds / 1e12,
       })
+      if peak_tflops:  # model FLOPs utilisation: model FLOPs only, recomputation not counted
+        step_metrics["perf/mfu"] = step_metrics["perf/per_device_tflops_per_sec"] / peak_tflops
       if config.eval_interval and (step % config.eval_interval == 0 or step == config.steps):
         with sharding.activate(trainer.mesh, config):
           step_metrics.update(evaluate(trainer, config, state.params, data))

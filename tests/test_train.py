@@ -118,3 +118,14 @@ def test_a_nonfinite_step_is_not_applied_and_the_next_one_is():
   assert float(good["learning/nonfinite"]) == 0.0 and np.isfinite(float(good["learning/loss"]))
   changed = jax.tree.map(lambda a, b: not np.array_equal(a, b), jax.device_get(state.params), before.params)
   assert all(jax.tree.leaves(changed))
+
+
+def test_mfu_is_reported_against_the_chip_peak_where_it_is_known(tmp_path, monkeypatch):
+  assert metrics.peak_tflops("TPU v5 lite") == 197 and metrics.peak_tflops("TPU v5p") == 459
+  assert metrics.peak_tflops("TPU v4") == 275 and metrics.peak_tflops("NVIDIA H100 80GB HBM3") == 989
+  assert metrics.peak_tflops("cpu") is None
+  metrics_file = tmp_path / "m.jsonl"
+  monkeypatch.setattr(metrics, "peak_tflops", lambda kind: 0.5)  # pretend this CPU peaks at 0.5 TFLOP/s
+  train.train(tiny_config(f"base_output_directory={tmp_path}", "steps=2", f"metrics_file={metrics_file}"))
+  for row in map(json.loads, metrics_file.read_text().splitlines()):
+    assert row["perf/mfu"] == pytest.approx(row["perf/per_device_tflops_per_sec"] / 0.5)
