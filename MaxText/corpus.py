@@ -36,8 +36,10 @@ def strip_markdown(text: str) -> str:
 
 def _files(path: str) -> list[str]:
   if os.path.isdir(path):
-    files = [f for ext in ("txt", "jsonl", "md") for f in glob.glob(os.path.join(path, "**", f"*.{ext}"),
-                                                                     recursive=True)]
+    # os.walk does not descend into linked directories: a link back up the tree would loop,
+    # and one out of it would mix another corpus (or its held-out documents) into this one.
+    files = [os.path.join(root, name) for root, _, names in os.walk(path) for name in names
+             if name.endswith((".txt", ".jsonl", ".md"))]
   elif any(c in path for c in "*?["):
     files = glob.glob(path, recursive=True)
   elif os.path.isfile(path):

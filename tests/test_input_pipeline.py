@@ -62,6 +62,18 @@ def test_user_text_files_directories_globs_and_jsonl(tmp_path):
     read(tmp_path / "empty.txt")
 
 
+def test_directories_do_not_follow_links_out_of_or_back_into_themselves(tmp_path):
+  (tmp_path / "corpus" / "sub").mkdir(parents=True)
+  (tmp_path / "corpus" / "sub" / "a.txt").write_text("inside")
+  (tmp_path / "other").mkdir()
+  (tmp_path / "other" / "b.txt").write_text("outside")
+  (tmp_path / "corpus" / "loop").symlink_to(tmp_path / "corpus")
+  (tmp_path / "corpus" / "sub" / "up").symlink_to(tmp_path)
+  (tmp_path / "corpus" / "elsewhere").symlink_to(tmp_path / "other")
+  config = text_config(tmp_path, f"dataset_path={tmp_path / 'corpus'}")
+  assert corpus.read_documents(config) == ["inside"]
+
+
 def test_one_document_holds_out_its_last_tenth():
   text = "".join(f"line {i}\n" for i in range(100))
   train, held_out = corpus.split_documents([text])
