@@ -77,10 +77,9 @@ def train_step(model, config, state, batch):
   # still counts), so divergence never reaches the state; the host stops after a streak of them.
   finite = jnp.isfinite(loss) & jnp.isfinite(step_metrics["learning/grad_norm"])
   step_metrics["learning/nonfinite"] = 1.0 - finite.astype(jnp.float32)
-  new_state = state.apply_gradients(grads=grads)
-  kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), (new_state.params, new_state.opt_state),
-                      (state.params, state.opt_state))
-  return new_state.replace(params=kept[0], opt_state=kept[1]), step_metrics
+  # A cond, not a select: a select would hold the new and the old state at once.
+  state = jax.lax.cond(finite, lambda s: s.apply_gradients(grads=grads), lambda s: s.replace(step=s.step + 1), state)
+  return state, step_metrics
 
 
 def eval_step(model, config, params, batch):
