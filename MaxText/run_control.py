@@ -12,7 +12,7 @@ from jax.experimental import multihost_utils
 
 from MaxText.pyconfig import ConfigError, UserError
 
-# Exit codes of a run stopped by a signal, the shell's convention (128 + signal number).
+# The signals that stop a run cleanly, by name; the exit code is then 128 + the signal number.
 SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
 
 
