@@ -7,8 +7,11 @@ import os
 import re
 
 import jax
+import jax.extend
 from absl import logging
 from tensorboardX import SummaryWriter
+
+from MaxText import accelerators
 
 
 def quiet_library_logs() -> None:
@@ -35,19 +38,64 @@ def training_flops_per_step(config) -> float:
   return 3 * (matmul + attention)
 
 
-# Peak dense bfloat16 TFLOP/s of one chip, by a fragment of JAX's device_kind; the first
-# fragment found wins (so "v5 lite", v5e, is tried before "v5", v5p).
-PEAK_BF16_TFLOPS = (("v5 lite", 197.0), ("v5e", 197.0), ("v5p", 459.0), ("v5", 459.0), ("v6 lite", 918.0),
-                    ("v6e", 918.0), ("v4", 275.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
+def matmul_flops(jaxpr) -> float:
+  """FLOPs of the matrix products a jaxpr executes, all devices together: loop bodies times
+  their trip counts, remat's recomputation included (it is in the traced backward pass), the
+  larger branch of a cond. XLA's cost analysis counts a loop body once, which undercounts
+  scanned layers and vocabulary tiles."""
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (contracting, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval
+      total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in contracting)
+      continue
+    inner = [matmul_flops(getattr(sub, "jaxpr", sub)) for value in eqn.params.values()
+             for sub in (value if isinstance(value, (tuple, list)) else (value,))
+             if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))]
+    if eqn.primitive.name == "scan":
+      total += eqn.params["length"] * sum(inner)
+    elif eqn.primitive.name == "cond":
+      total += max(inner)
+    elif eqn.primitive.name == "shard_map":  # the body sees one device's shard
+      total += eqn.params["mesh"].size * sum(inner)
+    else:
+      total += sum(inner)
+  return total
 
 
 def peak_tflops(device_kind: str) -> float | None:
-  """The chip's peak bfloat16 TFLOP/s, or None where unknown (CPUs among them)."""
-  return next((peak for fragment, peak in PEAK_BF16_TFLOPS if fragment in device_kind), None)
+  """The chip's peak dense bfloat16 TFLOP/s, or None where unknown (CPUs among them)."""
+  chip = accelerators.chip_of(device_kind)
+  return chip.peak_bf16_tflops if chip else None
+
+
+def memory_limit_bytes(device) -> int | None:
+  """Memory of one device: what the runtime reports for a device this process drives, the
+  chip's HBM for one it only compiles for (compile_topology), None for CPUs (host memory)."""
+  if device.platform == "cpu":
+    return None
+  if device in jax.local_devices():
+    stats = device.memory_stats()
+    if stats and "bytes_limit" in stats:
+      return int(stats["bytes_limit"])
+  chip = accelerators.chip_of(device.device_kind)
+  return int(chip.hbm_gib * 2**30) if chip else None
+
+
+def fit_message(stats: dict, device) -> str | None:
+  """None when the compiled step fits one device's memory (or that is unknown); else one line."""
+  limit = memory_limit_bytes(device)
+  if limit is None or stats["total_bytes"] <= limit:
+    return None
+  return (f"does not fit: the train step needs {stats['total_bytes'] / 2**30:.2f} GiB per device, "
+          f"{(stats['total_bytes'] - limit) / 2**30:.2f} GiB more than the {limit / 2**30:.1f} GiB of one "
+          f"{device.device_kind}")
 
 
 def memory_stats(compiled) -> dict:
-  """Per-device bytes of a compiled step. total = arguments + outputs - aliased + temporaries."""
+  """Per-device bytes of a compiled step. total = arguments + outputs - aliased + temporaries,
+  all in device memory; host_bytes the same sum in host memory."""
   m = compiled.memory_analysis()
   stats = {
       "argument_bytes": int(m.argument_size_in_bytes),
@@ -57,6 +105,9 @@ def memory_stats(compiled) -> dict:
   }
   stats["total_bytes"] = (stats["argument_bytes"] + stats["output_bytes"] - stats["alias_bytes"]
                           + stats["temp_bytes"])
+  # Host memory (pinned_host): what *_offloaded remat policies move off the device.
+  stats["host_bytes"] = int(m.host_argument_size_in_bytes + m.host_output_size_in_bytes
+                            - m.host_alias_size_in_bytes + m.host_temp_size_in_bytes)
   return stats
 
 

@@ -17,7 +17,7 @@ import jax
 import yaml
 from absl import logging
 
-from MaxText import remat
+from MaxText import accelerators, remat
 
 MESH_AXES = ("data", "fsdp", "tensor", "sequence")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -176,6 +176,12 @@ def _validate(v: dict) -> None:
   _validate_axis_rules(v["logical_axis_rules"])
   _validate_remat(v)
   _validate_vocab_tiling(v)
+  if v["compile_topology"]:
+    try:
+      accelerators.parse_slice(v["compile_topology"])
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
+  _require(v["compile_topology_num_slices"] >= 1, "compile_topology_num_slices", "must be >= 1", v)
   _require(v["jax_num_processes"] >= 0, "jax_num_processes", "must be >= 0 (0: from the environment)", v)
   _require(v["jax_process_id"] >= -1, "jax_process_id", "must be >= 0, or -1 for the environment", v)
 
@@ -256,10 +262,20 @@ def _initialize_distributed(v: dict) -> None:
                     f"{v['jax_distributed_coordinator']!r}): {str(e).splitlines()[0]}") from None
 
 
-def _granules() -> int:
+def devices(compile_topology: str, num_slices: int) -> list:
+  """The devices a run is for: compile_topology's TPU slices (for train_compile), or JAX's."""
+  if not compile_topology:
+    return jax.devices()
+  try:
+    return accelerators.slice_devices(compile_topology, num_slices)
+  except RuntimeError as e:
+    raise UserError(str(e)) from None
+
+
+def _granules(devices: list) -> int:
   """TPU slices, or else processes: the units that dcn_* axes span."""
-  if jax.default_backend() == "tpu":
-    return len({getattr(d, "slice_index", 0) for d in jax.devices()})
+  if devices[0].platform == "tpu":
+    return len({getattr(d, "slice_index", 0) for d in devices})
   return jax.process_count()
 
 
@@ -291,7 +307,8 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
   """argv = [config.yml, key=value, ...].
 
   `num_devices`, `memory_kinds` (of one device) and `num_granules` (slices or processes)
-  default to what JAX sees, after jax.distributed is initialised if this is a multi-process run.
+  default to those of `devices(...)`: compile_topology's, or else what JAX sees, after
+  jax.distributed is initialised if this is a multi-process run.
   """
   if not argv:
     raise ConfigError("usage: <config.yml> [key=value ...]")
@@ -313,19 +330,19 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
     _merge(values, _load_yaml(model_path), model_path)
   _merge(values, overrides, "the command line")
   _validate(values)
-  if num_devices is None:
+  if num_devices is None and not values["compile_topology"]:
     _initialize_distributed(values)
-    num_devices = jax.device_count()
-  if memory_kinds is None:
-    memory_kinds = [m.kind for m in jax.devices()[0].addressable_memories()]
+  run_devices = devices(values["compile_topology"], values["compile_topology_num_slices"])
+  num_devices = num_devices or len(run_devices)
+  memory_kinds = memory_kinds or [m.kind for m in run_devices[0].addressable_memories()]
   policy = values["remat_policy"]
   if policy != "none" and remat.saved_names(policy, values)[1]:
     if "pinned_host" not in memory_kinds:
       raise ConfigError(f"remat_policy={policy!r}: offloads to host memory, which this backend lacks "
                         f"(it has {', '.join(memory_kinds)})")
-    if jax.default_backend() == "cpu":
+    if run_devices[0].platform == "cpu":
       logging.warning("remat_policy=%s: on CPU, host and device memory are one; offloading changes nothing", policy)
-  _derive(values, num_devices, num_granules or _granules())
+  _derive(values, num_devices, num_granules or _granules(run_devices))
   return Config({k: _freeze(x) for k, x in values.items()})
 
 

@@ -8,6 +8,7 @@ import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from MaxText import pyconfig
 from MaxText.pyconfig import MESH_AXES
 
 BATCH = ("activation_batch", "activation_length")
@@ -15,13 +16,15 @@ BATCH = ("activation_batch", "activation_length")
 
 def create_mesh(config) -> jax.sharding.Mesh:
   """The (data, fsdp, tensor, sequence) mesh; with dcn_* sizes, a hybrid mesh whose dcn part
-  spans slices (TPU) or processes (GPU, CPU) and whose ici part spans devices within one."""
+  spans slices (TPU) or processes (GPU, CPU) and whose ici part spans devices within one.
+  With compile_topology, the devices are that TPU slice's, to compile for."""
   # Auto axes: XLA's SPMD partitioner propagates shardings from the constraints we place.
   axis_types = (AxisType.Auto,) * len(MESH_AXES)
+  devices = pyconfig.devices(config.compile_topology, config.compile_topology_num_slices)
   if math.prod(config.dcn_mesh_shape) == 1:
-    return jax.make_mesh(config.mesh_shape, MESH_AXES, axis_types=axis_types)
-  devices = mesh_utils.create_hybrid_device_mesh(config.mesh_shape, config.dcn_mesh_shape, jax.devices(),
-                                                 process_is_granule=jax.default_backend() != "tpu")
+    return jax.make_mesh(config.mesh_shape, MESH_AXES, axis_types=axis_types, devices=devices)
+  devices = mesh_utils.create_hybrid_device_mesh(config.mesh_shape, config.dcn_mesh_shape, devices,
+                                                 process_is_granule=devices[0].platform != "tpu")
   return jax.sharding.Mesh(devices, MESH_AXES, axis_types=axis_types)
 
 

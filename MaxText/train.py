@@ -138,7 +138,20 @@ def compile_train_step(trainer: Trainer, config):
   """AOT-compiles the train step for the global batch; runs nothing."""
   with sharding.activate(trainer.mesh, config):
     batch = _abstract_batch(config, config.global_batch_size_to_train_on)
-    return trainer.train_step.lower(trainer.abstract_state, batch).compile()
+    lowered = trainer.train_step.lower(trainer.abstract_state, batch)
+  try:
+    return lowered.compile()
+  except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program larger than HBM
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    raise pyconfig.UserError(f"does not fit: {str(e).splitlines()[0]}") from None
+
+
+def trace_train_step(trainer: Trainer, config):
+  """The train step's jaxpr for the global batch (what compile_train_step compiles)."""
+  with sharding.activate(trainer.mesh, config):
+    batch = _abstract_batch(config, config.global_batch_size_to_train_on)
+    return jax.make_jaxpr(trainer.train_step)(trainer.abstract_state, batch)
 
 
 def device_batch(trainer: Trainer, local_batch: dict) -> dict:
@@ -210,7 +223,11 @@ def train(config) -> None:
 
 def _train_steps(trainer, config, state, data, train_iterator, manager, signals) -> None:
   compiled = compile_train_step(trainer, config)
-  logging.info("train step memory per device:\n%s", metrics.format_memory_stats(metrics.memory_stats(compiled)))
+  stats = metrics.memory_stats(compiled)
+  logging.info("train step memory per device:\n%s", metrics.format_memory_stats(stats))
+  problem = metrics.fit_message(stats, trainer.mesh.devices.flat[0])
+  if problem:  # fail now, not at the first allocation of a run that cannot fit
+    raise pyconfig.UserError(problem)
   params_finite = jax.jit(lambda params: jnp.all(jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(params)])))
   logger = metrics.MetricLogger(config)
   flops_per_device = metrics.training_flops_per_step(config) / config.num_devices
@@ -260,7 +277,11 @@ def _train_steps(trainer, config, state, data, train_iterator, manager, signals)
 def main(argv):
   metrics.quiet_library_logs()
   with pyconfig.errors_to_exit_codes():
-    train(pyconfig.initialize(argv[1:]))
+    config = pyconfig.initialize(argv[1:])
+    if config.compile_topology:
+      raise pyconfig.ConfigError(f"compile_topology={config.compile_topology!r}: only MaxText.train_compile "
+                                 "compiles for a topology; train runs on the devices it sees (set it to \"\")")
+    train(config)
 
 
 if __name__ == "__main__":

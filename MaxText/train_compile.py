@@ -1,12 +1,17 @@
-"""Ahead-of-time memory sizing: python -m MaxText.train_compile configs/base.yml [key=value ...]
+"""Ahead-of-time sizing: python -m MaxText.train_compile configs/base.yml [key=value ...]
 
 Lowers and compiles exactly the train step that `MaxText.train` runs (same config, same
-mesh, same shardings) for the visible devices, runs nothing, and prints the compiled
-per-device memory. To size a mesh larger than this machine, simulate devices on CPU:
-JAX_NUM_CPU_DEVICES=256 python -m MaxText.train_compile ... ici_fsdp_parallelism=256
+mesh, same shardings), runs nothing, and prints the compiled per-device memory against the
+device's, the step's FLOPs and the MFU it would reach at the chip's peak. Exit code 1 when it
+does not fit. Devices: the visible ones; a TPU slice with compile_topology (libtpu compiles
+for it on any machine):
+  python -m MaxText.train_compile configs/base.yml model_name=llama3-8b compile_topology=v5p-256 \\
+    compile_topology_num_slices=2 dcn_data_parallelism=2 num_vocab_tiling=8
+or N simulated CPU devices: JAX_NUM_CPU_DEVICES=N python -m MaxText.train_compile ...
 """
 
 import json
+import sys
 
 from absl import app
 
@@ -14,19 +19,47 @@ from MaxText import metrics, pyconfig, sharding, train
 
 
 def main(argv):
+  metrics.quiet_library_logs()
   with pyconfig.errors_to_exit_codes():
     config = pyconfig.initialize(argv[1:])
-  trainer = train.build(config, sharding.create_mesh(config))
-  compiled = train.compile_train_step(trainer, config)
+    trainer = train.build(config, sharding.create_mesh(config))
+    try:
+      compiled = train.compile_train_step(trainer, config)
+    except pyconfig.UserError as e:
+      if config.memory_stats_file:
+        with open(config.memory_stats_file, "w") as f:
+          json.dump({"fits": False, "error": str(e)}, f, indent=2)
+      raise
+  device = trainer.mesh.devices.flat[0]
+  where = (f"{config.compile_topology} x {config.compile_topology_num_slices} slice(s)" if config.compile_topology
+           else device.platform)
   stats = metrics.memory_stats(compiled)
-  print(f"train step memory per device ({config.num_devices} devices, mesh {config.mesh_shape}):")
+  print(f"train step memory per device ({config.num_devices} {device.device_kind} devices of {where}, "
+        f"mesh {config.mesh_shape}, dcn {config.dcn_mesh_shape}):")
   print(metrics.format_memory_stats(stats))
+  limit = metrics.memory_limit_bytes(device)
+  if limit:
+    print(f"  device memory   {limit:16,d} bytes  {limit / 2**30:9.3f} GiB  ({device.device_kind})")
   vocab_arrays = metrics.largest_vocab_arrays(compiled, config.vocab_size, config.num_devices)
   print("largest arrays with a vocabulary dimension, per device:")
   print("\n".join(f"  {shape:28s} {size / 2**20:12,.1f} MiB" for shape, size in vocab_arrays))
+  model_flops = metrics.training_flops_per_step(config)
+  step_flops = metrics.matmul_flops(train.trace_train_step(trainer, config).jaxpr)
+  peak = metrics.peak_tflops(device.device_kind)
+  print(f"FLOPs per step, all devices: model {model_flops:.4g}; matmuls as traced {step_flops:.4g} "
+        f"({step_flops / model_flops - 1:+.1%}: recomputation, and the causal mask's half of the attention products)")
+  if peak:
+    seconds = step_flops / config.num_devices / (peak * 1e12)
+    print(f"at the {device.device_kind} peak of {peak:g} TFLOP/s: a step takes at least {seconds:.3g} s, "
+          f"MFU at most {model_flops / step_flops:.1%}")
+  problem = metrics.fit_message(stats, device)
   if config.memory_stats_file:
     with open(config.memory_stats_file, "w") as f:
-      json.dump({**stats, "largest_vocab_arrays": vocab_arrays}, f, indent=2)
+      json.dump({**stats, "fits": problem is None, "device_memory_bytes": limit, "model_flops_per_step": model_flops,
+                 "traced_flops_per_step": step_flops, "largest_vocab_arrays": vocab_arrays}, f, indent=2)
+  if problem:
+    print(f"error: {problem}", file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,27 @@ def test_flops_match_a_hand_count():
   assert metrics.training_flops_per_step(config) == pytest.approx(3 * forward)
 
 
+@pytest.mark.parametrize("overrides", [(), ("scan_layers=false", "gradient_accumulation_steps=2")])
+def test_traced_matmul_flops_count_loops_and_recomputation(overrides):
+  def traced(*more):
+    config = tiny_config(*overrides, *more)
+    return metrics.matmul_flops(train.trace_train_step(train.build(config, sharding.create_mesh(config)),
+                                                       config).jaxpr), config
+  untiled, config = traced("remat_policy=none")
+  # Without remat the backward is twice the forward for every product, and attention's scores
+  # and context are computed for the whole T x T (the model FLOPs count the causal half).
+  b, t, h, hd, layers = (config.global_batch_size_to_train_on, config.max_target_length,
+                         config.base_num_query_heads, config.head_dim, config.base_num_decoder_layers)
+  causal_half = 2 * 2 * b * t * t * h * hd * layers / 2
+  assert untiled == metrics.training_flops_per_step(config) + 3 * causal_half
+  assert traced("remat_policy=none", "num_vocab_tiling=4")[0] == untiled
+  full = traced("remat_policy=full", "num_vocab_tiling=4")[0]
+  assert full > untiled
+  # Each recomputed tile's logits: one more [tokens, D] x [D, V] product.
+  head_forward = 2 * b * t * config.base_emb_dim * config.vocab_size
+  assert traced("remat_policy=full", "num_vocab_tiling=4", "vocab_tiling_mode=recompute")[0] == full + head_forward
+
+
 def test_cli_run_writes_metrics_file_and_tensorboard(tmp_path):
   metrics_file = tmp_path / "m.jsonl"
   result = run_cli("train", *TINY, f"base_output_directory={tmp_path}", "run_name=cli", "steps=4",
@@ -89,6 +110,10 @@ def test_train_compile_reports_the_train_step_memory(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   stats = json.loads(stats_file.read_text())
   vocab_arrays = stats.pop("largest_vocab_arrays")
+  # XLA:CPU: no device memory to fit into, and no chip peak for an MFU bound.
+  assert stats.pop("fits") is True and stats.pop("device_memory_bytes") is None
+  assert stats.pop("model_flops_per_step") == metrics.training_flops_per_step(tiny_config())
+  assert stats.pop("traced_flops_per_step") > 0 and "MFU" not in result.stdout
   assert stats["temp_bytes"] > 0 and stats["total_bytes"] > 0
   config = tiny_config()
   trainer, _ = trainer_and_state(config)

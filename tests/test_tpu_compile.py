@@ -1,0 +1,97 @@
+"""The train step compiled by libtpu for TPU slices that this machine does not have.
+
+libtpu (installed by setup.sh) compiles for any slice on any machine: these tests build the
+trainer over a v5p-8's devices (4 chips, one JAX device per megacore chip) and read the TPU
+compiler's memory figures. Nothing runs on a TPU.
+"""
+
+import json
+
+import pytest
+
+from MaxText import accelerators, metrics, sharding, train
+from conftest import TINY, run_cli, tiny_config
+
+# A head-dominated model: float32 logits [4 x 512, 32768] per chip are 256 MiB, the layers little.
+HEAD_HEAVY = ("vocab_size=32768", "base_emb_dim=64", "max_target_length=512", "per_device_batch_size=4",
+              "compile_topology=v5p-8")
+
+
+@pytest.mark.parametrize("name, topology, chips", [
+    # From Cloud TPU's documentation of slice shapes.
+    ("v4-8", "v4:2x2x1", 4), ("v4-16", "v4:2x2x2", 8), ("v5p-64", "v5p:2x4x4", 32),
+    ("v5p-256", "v5p:4x4x8", 128), ("v5e-8", "v5e:2x4", 8), ("v5litepod-16", "v5e:4x4", 16),
+    ("v6e-256", "v6e:16x16", 256),
+])
+def test_slice_names_give_the_documented_topologies(name, topology, chips):
+  assert accelerators.parse_slice(name).topology == topology
+  assert len(accelerators.slice_devices(name, 1)) == chips
+
+
+@pytest.fixture(scope="module")
+def tpu_memory():
+  """{variant: memory stats} of the HEAD_HEAVY train step compiled for a v5p-8."""
+  variants = {
+      "untiled": (), "tiles8": ("num_vocab_tiling=8",),
+      "minimal": ("remat_policy=minimal",), "minimal_offloaded": ("remat_policy=minimal_offloaded",),
+  }
+  stats = {}
+  for name, overrides in variants.items():
+    config = tiny_config(*HEAD_HEAVY, *overrides)
+    trainer = train.build(config, sharding.create_mesh(config))
+    assert {d.platform for d in trainer.mesh.devices.flat} == {"tpu"} and config.num_devices == 4
+    stats[name] = metrics.memory_stats(train.compile_train_step(trainer, config))
+  return stats
+
+
+def test_vocab_tiling_lowers_tpu_temp_memory_of_a_head_heavy_model(tpu_memory):
+  logits = 4 * 512 * 32768 * 4
+  assert tpu_memory["untiled"]["temp_bytes"] > logits
+  assert tpu_memory["tiles8"]["temp_bytes"] < tpu_memory["untiled"]["temp_bytes"] - logits / 2
+
+
+def test_an_offloaded_policy_holds_host_memory_its_on_device_twin_does_not(tpu_memory):
+  assert tpu_memory["minimal"]["host_bytes"] == 0
+  assert tpu_memory["minimal_offloaded"]["host_bytes"] > 0
+
+
+def test_dcn_axes_span_the_slices_of_a_multi_slice_compile():
+  config = tiny_config("compile_topology=v5p-8", "compile_topology_num_slices=2", "dcn_data_parallelism=2")
+  mesh = sharding.create_mesh(config)
+  assert config.mesh_shape == (1, 4, 1, 1) and config.dcn_mesh_shape == (2, 1, 1, 1)
+  # The data axis crosses slices; every other axis stays inside one.
+  assert [{d.slice_index for d in mesh.devices[i].flat} for i in range(2)] == [{0}, {1}]
+  stats = metrics.memory_stats(train.compile_train_step(train.build(config, mesh), config))
+  assert stats["total_bytes"] > 0
+
+
+def test_train_compile_reports_against_the_chip_and_exits_1_when_it_does_not_fit(tmp_path):
+  stats_file = tmp_path / "fits.json"
+  result = run_cli("train_compile", *TINY, "compile_topology=v5p-8", f"memory_stats_file={stats_file}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  stats = json.loads(stats_file.read_text())
+  assert stats["fits"] is True and stats["device_memory_bytes"] == 95 * 2**30
+  assert "MFU at most" in result.stdout and "TPU v5" in result.stdout
+  # float32 logits of 64 x 2048 tokens x 32768 are 16 GiB: more than a v5e chip's 16 GiB HBM.
+  stats_file = tmp_path / "too_big.json"
+  result = run_cli("train_compile", *TINY, "vocab_size=32768", "max_target_length=2048",
+                   "per_device_batch_size=64", "compile_topology=v5e-1", f"memory_stats_file={stats_file}")
+  assert result.returncode == 1, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+  assert result.stderr.startswith("error: does not fit")
+  assert json.loads(stats_file.read_text())["fits"] is False
+
+
+@pytest.mark.parametrize("module, args, message", [
+    ("train_compile", ("compile_topology=v9-8",), "expected <generation>-<count>"),
+    ("train_compile", ("compile_topology=v5p-6",), "a v5p slice has one of 8, 16"),
+    ("train_compile", ("compile_topology=v5p-8", "ici_fsdp_parallelism=8"), "must equal the 4 devices"),
+    ("train_compile", ("compile_topology=v5p-8", "dcn_data_parallelism=2"), "slices/processes"),
+    ("train", ("compile_topology=v5p-8",), "only MaxText.train_compile compiles for a topology"),
+])
+def test_bad_topologies_are_config_errors(module, args, message, tmp_path):
+  result = run_cli(module, *TINY, f"base_output_directory={tmp_path}", *args)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert result.stderr.startswith("config error:") and message in result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1
+  assert not list(tmp_path.iterdir())
