@@ -12,6 +12,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # (train_compile compile_topology=...). Nothing else needs it.
   jax_version=$(.venv/bin/python -c "import jax; print(jax.__version__)")
   .venv/bin/python -m pip install -q --disable-pip-version-check "jax[tpu]==$jax_version"
+  # The XPK command-line tool, apart from the venv (it pins older pyyaml and friends): the tests
+  # check end_to_end/launch_xpk.sh's command against its argument parser.
+  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade --target .venv/xpk "xpk==1.16.0" \
+    2> >(grep -v "dependency resolver\|which is incompatible" >&2)
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
   echo "$want" > "$stamp"
 fi
