@@ -236,40 +236,63 @@ def _train_steps(trainer, config, state, data, train_iterator, manager, signals)
   if int(state.step) >= config.steps:
     logging.info("run %s is already at step %d, steps=%d: nothing to train", config.run_dir, int(state.step),
                  config.steps)
-  nonfinite_streak = 0
-  last = time.perf_counter()
+  nonfinite_streak, last = 0, time.perf_counter()
+
+  def fetch(step_metrics) -> dict:
+    """A dispatched step's metrics as floats; waits for that step only."""
+    nonlocal last
+    fetched = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+    now = time.perf_counter()
+    seconds, last = now - last, now  # between completions: the step's time once the pipeline is full
+    fetched.update({
+        "perf/step_time_seconds": seconds,
+        "perf/per_device_tokens_per_sec": tokens_per_device / seconds,
+        "perf/per_device_tflops_per_sec": flops_per_device / seconds / 1e12,
+    })
+    if peak_tflops:  # model FLOPs utilisation: model FLOPs only, recomputation not counted
+      fetched["perf/mfu"] = fetched["perf/per_device_tflops_per_sec"] / peak_tflops
+    return fetched
+
+  def log(step: int, fetched: dict) -> None:
+    nonlocal nonfinite_streak
+    logger.write(step, fetched, force_log=step == config.steps)
+    nonfinite_streak = nonfinite_streak + 1 if fetched["learning/nonfinite"] else 0
+    if nonfinite_streak >= config.max_nonfinite_steps:
+      raise run_control.Diverged(
+          f"step {step}: loss or gradient norm not finite for {nonfinite_streak} steps in a row "
+          f"(max_nonfinite_steps={config.max_nonfinite_steps}); stopped, latest checkpoint: "
+          f"{manager.latest_step() if manager else None}")
+
+  # The host never makes the device wait: step N is dispatched before step N-1's metrics are
+  # fetched (waiting for N-1 only), and batch N+1 is prepared while N runs. Evaluation, saves,
+  # a stop and the last step need their step finished, so there the pipeline drains.
+  pending = None
+  batch = device_batch(trainer, next(train_iterator)) if int(state.step) < config.steps else None
   try:
     for step in range(int(state.step) + 1, config.steps + 1):
-      state, step_metrics = compiled(state, device_batch(trainer, next(train_iterator)))
-      step_metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-      now = time.perf_counter()
-      seconds, last = now - last, now
-      step_metrics.update({
-          "perf/step_time_seconds": seconds,
-          "perf/per_device_tokens_per_sec": tokens_per_device / seconds,
-          "perf/per_device_tflops_per_sec": flops_per_device / seconds / 1e12,
-      })
-      if peak_tflops:  # model FLOPs utilisation: model FLOPs only, recomputation not counted
-        step_metrics["perf/mfu"] = step_metrics["perf/per_device_tflops_per_sec"] / peak_tflops
-      if config.eval_interval and (step % config.eval_interval == 0 or step == config.steps):
-        with sharding.activate(trainer.mesh, config):
-          step_metrics.update(evaluate(trainer, config, state.params, data))
-        last = time.perf_counter()  # evaluation time is not step time
-      logger.write(step, step_metrics, force_log=step == config.steps)
-      nonfinite_streak = nonfinite_streak + 1 if step_metrics["learning/nonfinite"] else 0
-      if nonfinite_streak >= config.max_nonfinite_steps:
-        raise run_control.Diverged(
-            f"step {step}: loss or gradient norm not finite for {nonfinite_streak} steps in a row "
-            f"(max_nonfinite_steps={config.max_nonfinite_steps}); stopped, latest checkpoint: "
-            f"{manager.latest_step() if manager else None}")
+      state, step_metrics = compiled(state, batch)
+      if pending:
+        log(pending[0], fetch(pending[1]))
+      pending = (step, step_metrics)
       signum = run_control.stop_requested(signals)
-      # Mid-streak the state is the one from before it; saving that again would only let
-      # max_to_keep prune older checkpoints for a copy.
-      if manager and not nonfinite_streak and (step % config.checkpoint_period == 0 or step == config.steps or signum):
-        save_if_finite(manager, step, state, train_iterator, params_finite)
-      if signum:
-        saved = f"checkpoint {step} saved" if manager and not nonfinite_streak else "no checkpoint saved"
-        raise run_control.Preempted(signum, f"{run_control.SIGNALS[signum]} at step {step}: {saved}; rerun to resume")
+      evaluating = config.eval_interval and (step % config.eval_interval == 0 or step == config.steps)
+      saving = manager and (step % config.checkpoint_period == 0 or step == config.steps or signum)
+      if evaluating or saving or signum or step == config.steps:
+        fetched, pending = fetch(step_metrics), None
+        if evaluating:
+          with sharding.activate(trainer.mesh, config):
+            fetched.update(evaluate(trainer, config, state.params, data))
+          last = time.perf_counter()  # evaluation time is not step time
+        log(step, fetched)
+        # Mid-streak the state is the one from before it; saving that again would only let
+        # max_to_keep prune older checkpoints for a copy.
+        if saving and not nonfinite_streak:
+          save_if_finite(manager, step, state, train_iterator, params_finite)
+        if signum:
+          saved = f"checkpoint {step} saved" if manager and not nonfinite_streak else "no checkpoint saved"
+          raise run_control.Preempted(signum, f"{run_control.SIGNALS[signum]} at step {step}: {saved}; rerun to resume")
+      if step < config.steps:  # the iterator moves past batch N+1 only after checkpoint N saved it at N
+        batch = device_batch(trainer, next(train_iterator))
   finally:
     logger.close()
 

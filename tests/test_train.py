@@ -145,6 +145,40 @@ def test_a_nonfinite_step_is_not_applied_and_the_next_one_is():
   assert all(jax.tree.leaves(changed))
 
 
+def test_the_host_fetches_metrics_a_step_late_and_prepares_the_next_batch_while_a_step_runs(tmp_path, monkeypatch):
+  events = []
+  compile_train_step, device_get = train.compile_train_step, jax.device_get
+  create_train_iterator = train.input_pipeline.create_train_iterator
+
+  class Recording:
+    def __init__(self, compiled):
+      self.compiled = compiled
+
+    def __call__(self, state, batch):
+      events.append("dispatch")
+      return self.compiled(state, batch)
+
+    def __getattr__(self, name):  # memory_analysis and the rest
+      return getattr(self.compiled, name)
+
+  def recording_compile(trainer, config):
+    return Recording(compile_train_step(trainer, config))
+
+  def recording_iterator(config, data):
+    for batch in create_train_iterator(config, data):
+      events.append("batch")
+      yield batch
+
+  monkeypatch.setattr(train, "compile_train_step", recording_compile)
+  monkeypatch.setattr(train.input_pipeline, "create_train_iterator", recording_iterator)
+  monkeypatch.setattr(jax, "device_get", lambda x: events.append("fetch") or device_get(x))
+  train.train(tiny_config(f"base_output_directory={tmp_path}", "steps=4"))
+  # Step N+1 is dispatched before step N's metrics are fetched, and batch N+2 is made while N+1
+  # runs; only the last step waits for itself.
+  assert events == ["batch", "dispatch", "batch", "dispatch", "fetch", "batch", "dispatch", "fetch", "batch",
+                    "dispatch", "fetch", "fetch"]
+
+
 def test_mfu_is_reported_against_the_chip_peak_where_it_is_known(tmp_path, monkeypatch):
   assert metrics.peak_tflops("TPU v5 lite") == 197 and metrics.peak_tflops("TPU v5p") == 459
   assert metrics.peak_tflops("TPU v4") == 275 and metrics.peak_tflops("NVIDIA H100 80GB HBM3") == 989
