@@ -139,7 +139,11 @@ def _validate(v: dict) -> None:
     raise ConfigError(f"head_dim={head_dim}: must be even (RoPE rotates pairs of features)")
   for key in ("dtype", "weight_dtype"):
     _one_of(v, key, DTYPES)
-  _one_of(v, "attention", ("dot_product", "chunked"))
+  _one_of(v, "attention", ("dot_product", "chunked", "flash"))
+  if v["attention"] == "flash":  # the splash kernel's blocks: min(512, length), whole 128-lane tiles
+    length = v["max_target_length"]
+    _require(length % 128 == 0 and (length <= 512 or length % 512 == 0), "max_target_length",
+             "must be a multiple of 128, and of 512 above 512, for attention=flash", v)
   if v["attention"] == "chunked":
     _require(v["attention_chunk_size"] >= 1 and v["max_target_length"] % v["attention_chunk_size"] == 0,
              "attention_chunk_size", f"must divide max_target_length={v['max_target_length']}", v)
@@ -335,6 +339,9 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
   run_devices = devices(values["compile_topology"], values["compile_topology_num_slices"])
   num_devices = num_devices or len(run_devices)
   memory_kinds = memory_kinds or [m.kind for m in run_devices[0].addressable_memories()]
+  if values["attention"] == "flash" and run_devices[0].platform != "tpu":
+    raise ConfigError(f"attention='flash': its kernel (Pallas splash attention) runs on TPU only, not on "
+                      f"{run_devices[0].platform}; use attention=chunked (or dot_product)")
   policy = values["remat_policy"]
   if policy != "none" and remat.saved_names(policy, values)[1]:
     if "pinned_host" not in memory_kinds:

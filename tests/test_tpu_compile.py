@@ -6,6 +6,7 @@ compiler's memory figures. Nothing runs on a TPU.
 """
 
 import json
+import math
 
 import pytest
 
@@ -55,6 +56,19 @@ def test_an_offloaded_policy_holds_host_memory_its_on_device_twin_does_not(tpu_m
   assert tpu_memory["minimal_offloaded"]["host_bytes"] > 0
 
 
+@pytest.mark.parametrize("mesh", [(), ("ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
+                                  ("ici_fsdp_parallelism=2", "ici_sequence_parallelism=2")])
+def test_flash_attention_compiles_for_tpu_without_the_score_matrix(mesh):
+  # Attention-dominated: float32 scores of 4 heads x 2048^2 per row are 64 MiB.
+  long_rows = ("compile_topology=v5p-8", "max_target_length=2048", "per_device_batch_size=1", *mesh)
+  temp = {}
+  for attention in ("dot_product", "flash"):
+    config = tiny_config(*long_rows, f"attention={attention}")
+    compiled = train.compile_train_step(train.build(config, sharding.create_mesh(config)), config)
+    temp[attention] = metrics.memory_stats(compiled)["temp_bytes"]
+  assert temp["flash"] < temp["dot_product"] - 4 * 2048**2 * 4 // math.prod(config.mesh_shape[2:])
+
+
 def test_dcn_axes_span_the_slices_of_a_multi_slice_compile():
   config = tiny_config("compile_topology=v5p-8", "compile_topology_num_slices=2", "dcn_data_parallelism=2")
   mesh = sharding.create_mesh(config)
@@ -88,6 +102,9 @@ def test_train_compile_reports_against_the_chip_and_exits_1_when_it_does_not_fit
     ("train_compile", ("compile_topology=v5p-8", "ici_fsdp_parallelism=8"), "must equal the 4 devices"),
     ("train_compile", ("compile_topology=v5p-8", "dcn_data_parallelism=2"), "slices/processes"),
     ("train", ("compile_topology=v5p-8",), "only MaxText.train_compile compiles for a topology"),
+    ("train", ("attention=flash", "max_target_length=128"), "runs on TPU only, not on cpu"),
+    ("train_compile", ("attention=flash", "compile_topology=v5p-8", "max_target_length=200"),
+     "must be a multiple of 128"),
 ])
 def test_bad_topologies_are_config_errors(module, args, message, tmp_path):
   result = run_cli(module, *TINY, f"base_output_directory={tmp_path}", *args)

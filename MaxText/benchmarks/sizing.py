@@ -2,8 +2,8 @@
 
 TPU (sizing_tpu.*): the TPU compiler (libtpu, compile only, runs here without TPUs) sizes
 llama3-8b (8192 tokens per chip) on a v5p-64 and a v6e-256 and qwen3-0.6b (4096 tokens per
-chip) on a v5e-16, FSDP over every chip, num_vocab_tiling x remat_policy; per chip, against
-the chip's HBM. Each cell is what
+chip) on a v5e-16, FSDP over every chip, num_vocab_tiling x remat_policy, and llama3-8b's
+attention implementations; per chip, against the chip's HBM. Each cell is what
   python -m MaxText.train_compile configs/base.yml model_name=M compile_topology=S \\
     per_device_batch_size=1 num_vocab_tiling=T remat_policy=P
 prints (exit code 1 and the compiler's line where it does not fit).
@@ -34,12 +34,27 @@ CPU_POLICIES = ("full", "minimal")
 
 def _cell(r: dict) -> list:
   """[params+opt, temp, host, total, verdict] in GiB per chip."""
-  if not r["fits"]:
+  if "error" in r:  # the TPU compiler refused: its temporaries alone exceed HBM
     needed = re.search(r"temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)", r["error"])
-    verdict = f"does not fit (temp {needed[1]} > {needed[2]})" if needed else "does not fit"
-    return ["", "", "", "", verdict]
+    return ["", "", "", "", f"does not fit (compiler: temp {needed[1]} > {needed[2]})" if needed else "does not fit"]
+  verdict = "fits" if r["fits"] else "does not fit"
   return [common.gib(r["argument_bytes"]), common.gib(r["temp_bytes"]), common.gib(r["host_bytes"]),
-          common.gib(r["total_bytes"]), f"fits ({r['device_memory_bytes'] / 2**30:.0f} GiB)"]
+          common.gib(r["total_bytes"]), f"{verdict} ({r['device_memory_bytes'] / 2**30:.0f} GiB)"]
+
+
+def attention_table(results: dict) -> str:
+  """llama3-8b at 8192 tokens on v5p-64, 8 tiles, remat full, by attention implementation."""
+  rows = []
+  for attention in ("dot_product", "chunked", "flash"):
+    name = f"llama3-8b v5p-64 num_vocab_tiling=8 remat_policy=full attention={attention}"
+    r = results[name] = common.compiled_memory_on(
+        None, "model_name=llama3-8b", "compile_topology=v5p-64", "dataset_type=synthetic", "per_device_batch_size=1",
+        "num_vocab_tiling=8", "remat_policy=full", f"attention={attention}")
+    rows.append([attention, *_cell(r)])
+    print(f"{name}: {rows[-1][-1]} {rows[-1][-2]}", flush=True)
+  return ("## llama3-8b on v5p-64, 8192 tokens per chip, 8 tiles, remat full: attention implementations "
+          "(TPU compiler)\n\n" + common.markdown_table(
+              ["attention", "params+opt GiB", "temp GiB", "host GiB", "total GiB/chip", "verdict"], rows))
 
 
 def tpu_tables(output_dir: str) -> None:
@@ -65,6 +80,7 @@ def tpu_tables(output_dir: str) -> None:
     axis.legend(fontsize=7)
     axis.set_xlabel("compiled memory per chip, GiB (red: does not fit)")
     axis.set_title(f"{model} on {topology}", fontsize=9)
+  sections.append(attention_table(results))
   markdown = "\n\n".join(sections)
   print(markdown)
   common.save(output_dir, "sizing_tpu", markdown, results, figure)

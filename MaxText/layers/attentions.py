@@ -44,6 +44,44 @@ def chunked_attention(q, k, v, segment_ids, num_chunks):
   return jnp.moveaxis(out, 0, 2).reshape(q.shape)
 
 
+FLASH_BLOCK = 512  # query and key block of the splash kernel, or the whole row when shorter
+
+
+def flash_attention(q, k, v, segment_ids, interpret=False):
+  """Pallas splash attention (TPU): causal within each packed document, blocks of queries
+  against blocks of keys, never a whole [T, T] score matrix; blocks that the causal mask
+  empties are skipped. Under a mesh the kernel runs per device in shard_map, on its rows
+  (batch over data/fsdp) and heads (tensor). Queries, keys and values are whole rows there:
+  under sequence parallelism the queries are gathered too and every sequence shard computes
+  its rows' whole attention (correct, but that work is repeated; chunked attention splits
+  it). `interpret` runs the kernel in Pallas's interpreter (any backend, slowly: for tests)."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # noqa: PLC0415 (TPU only)
+  length, head_dim = q.shape[1], q.shape[3]
+  block = min(FLASH_BLOCK, length)
+
+  def attend(q, k, v, segment_ids):  # [B, T, N, H] in and out, as the kernel's [N, T, H] per row
+    mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * q.shape[2])
+    kernel = splash.make_splash_mha(
+        mask=mask, head_shards=1, q_seq_shards=1, interpret=interpret,
+        block_sizes=splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                                      block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
+                                      block_kv_dq=block))
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * head_dim**-0.5, k, v))
+    out = jax.vmap(kernel)(q, k, v, segment_ids=splash.SegmentIds(segment_ids, segment_ids))
+    return jnp.swapaxes(out, 1, 2)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return attend(q, k, v, segment_ids)
+  batch, _, heads, _ = nn.logical_to_mesh_axes(BATCH_LENGTH_HEADS)
+  kv_heads = nn.logical_to_mesh_axes(BATCH_FULL_LENGTH_KV_HEADS)[2]
+  rows = jax.sharding.PartitionSpec(batch, None, heads, None)
+  return jax.shard_map(attend, in_specs=(rows, jax.sharding.PartitionSpec(batch, None, kv_heads, None),
+                                         jax.sharding.PartitionSpec(batch, None, kv_heads, None),
+                                         jax.sharding.PartitionSpec(batch, None)),
+                       out_specs=rows, check_vma=False)(q, k, v, segment_ids)
+
+
 class Attention(nn.Module):
   """Self-attention; base_num_kv_heads divides base_num_query_heads (GQA, MQA at 1)."""
 
@@ -66,6 +104,8 @@ class Attention(nn.Module):
     v = nn.with_logical_constraint(v, BATCH_FULL_LENGTH_KV_HEADS)
     if cfg.attention == "chunked":
       context = chunked_attention(q, k, v, segment_ids, cfg.max_target_length // cfg.attention_chunk_size)
+    elif cfg.attention == "flash":
+      context = flash_attention(q, k, v, segment_ids)
     else:
       context = dot_product_attention(q, k, v, segment_ids)
     context = checkpoint_name(nn.with_logical_constraint(context, BATCH_LENGTH_HEADS), "attention_out")
