@@ -174,6 +174,10 @@ def _validate(v: dict) -> None:
   _require(v["decode_sampling_temperature"] > 0, "decode_sampling_temperature", "must be > 0", v)
   _require(bool(v["base_output_directory"]) and "\n" not in v["base_output_directory"], "base_output_directory",
            "must be a non-empty path", v)
+  for key in ("base_output_directory", "dataset_cache_dir", "metrics_file", "memory_stats_file", "dataset_path",
+              "tokenizer_path", "load_parameters_path"):
+    _require("://" not in v[key], key, "must be a local path (URLs such as gs:// are not supported; mount a "
+             "bucket with GCS FUSE and give its local path)", v)
   # A run owns base_output_directory/run_name; a path here could reach another run's directory.
   _require(v["run_name"] not in ("", ".", "..") and not any(c in v["run_name"] for c in "/\\\n"), "run_name",
            "must be a plain directory name (no '/', '\\', '.' or '..')", v)
@@ -283,6 +287,33 @@ def _granules(devices: list) -> int:
   return jax.process_count()
 
 
+def _check_divisible(v: dict) -> None:
+  """Every sharded dimension splits evenly over the mesh axes its logical axis rule names
+  (the first rule for each name), so no shape reaches the partitioner that it cannot divide."""
+  shards = {axis: ici * dcn for axis, ici, dcn in zip(MESH_AXES, v["mesh_shape"], v["dcn_mesh_shape"])}
+  sizes = {  # logical axis -> (what sets its size, size)
+      "activation_batch": ("rows per step (per_device_batch_size x devices)", v["micro_batch_size"]),
+      "activation_length": ("max_target_length", v["max_target_length"]),
+      "activation_heads": ("base_num_query_heads", v["base_num_query_heads"]),
+      "activation_kv_heads": ("base_num_kv_heads", v["base_num_kv_heads"]),
+      "activation_mlp": ("base_mlp_dim", v["base_mlp_dim"]), "activation_vocab": ("vocab_size", v["vocab_size"]),
+      "activation_embed": ("base_emb_dim", v["base_emb_dim"]), "embed": ("base_emb_dim", v["base_emb_dim"]),
+      "vocab": ("vocab_size", v["vocab_size"]), "q_heads": ("base_num_query_heads", v["base_num_query_heads"]),
+      "kv_heads": ("base_num_kv_heads", v["base_num_kv_heads"]), "heads": ("base_num_query_heads",
+                                                                         v["base_num_query_heads"]),
+      "mlp": ("base_mlp_dim", v["base_mlp_dim"]), "kv": ("head_dim", v["head_dim"]),
+  }
+  for name, axes in reversed(v["logical_axis_rules"]):  # reversed: the first rule for a name wins
+    axes = axes if isinstance(axes, list) else [] if axes is None else [axes]
+    if name in sizes and math.prod(shards[a] for a in axes) > 1:
+      sizes[name] = (*sizes[name][:2], axes)
+  for name, (what, size, *axes) in sizes.items():
+    if axes and size % math.prod(shards[a] for a in axes[0]):
+      parallelism = " x ".join(f"{a} ({shards[a]})" for a in axes[0] if shards[a] > 1)
+      raise ConfigError(f"{what}={size}: not divisible by the mesh axes that shard {name}: {parallelism} "
+                        f"(set by ici_*/dcn_*_parallelism and logical_axis_rules)")
+
+
 def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   """Adds the values every module would otherwise recompute."""
   v["num_devices"] = num_devices
@@ -294,6 +325,7 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   v["micro_batch_size"] = int(micro)
   v["global_batch_size_to_train_on"] = int(micro) * v["gradient_accumulation_steps"]
   v["head_dim"] = v["head_dim"] or v["base_emb_dim"] // v["base_num_query_heads"]
+  _check_divisible(v)
   if v["learning_rate_schedule_steps"] == -1:
     v["learning_rate_schedule_steps"] = v["steps"]
   v["run_dir"] = os.path.join(v["base_output_directory"], v["run_name"])

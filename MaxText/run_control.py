@@ -40,6 +40,22 @@ def _alive(pid: int) -> bool:
   return True
 
 
+def check_writable(key: str, path: str, is_file: bool = False) -> None:
+  """ConfigError unless the directory `path` (or, is_file, the file `path`) can be written or
+  made: checked before a run writes anything, so a bad path costs one line, not a crash later."""
+  path = os.path.abspath(path)
+  if is_file and os.path.exists(path):
+    if os.path.isdir(path) or not os.access(path, os.W_OK):
+      raise ConfigError(f"{key}={path!r}: not a writable file")
+    return
+  existing = os.path.dirname(path) if is_file else path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+    problem = "is not a directory" if not os.path.isdir(existing) else "is not writable"
+    raise ConfigError(f"{key}: cannot write {path!r}: {existing!r} {problem}")
+
+
 @contextlib.contextmanager
 def run_lock(run_dir: str):
   """Holds <run_dir>/.lock (this process's pid) while the run trains; process 0 only.

@@ -204,6 +204,10 @@ def save_if_finite(manager, step: int, state, train_iterator, params_finite) -> 
 
 
 def train(config) -> None:
+  run_control.check_writable("base_output_directory", config.run_dir)
+  run_control.check_writable("dataset_cache_dir", config.dataset_cache_dir)
+  if config.metrics_file:
+    run_control.check_writable("metrics_file", config.metrics_file, is_file=True)
   # Reading and tokenizing first: a bad dataset or tokenizer stops the run before it writes.
   data = input_pipeline.TextData(config) if config.dataset_type == "text" else None
   mesh = sharding.create_mesh(config)

@@ -15,13 +15,15 @@ import sys
 
 from absl import app
 
-from MaxText import metrics, pyconfig, sharding, train
+from MaxText import metrics, pyconfig, run_control, sharding, train
 
 
 def main(argv):
   metrics.quiet_library_logs()
   with pyconfig.errors_to_exit_codes():
     config = pyconfig.initialize(argv[1:])
+    if config.memory_stats_file:
+      run_control.check_writable("memory_stats_file", config.memory_stats_file, is_file=True)
     trainer = train.build(config, sharding.create_mesh(config))
     try:
       compiled = train.compile_train_step(trainer, config)

@@ -209,3 +209,19 @@ def test_decode_continues_the_prompt(reference, text_cache):
   assert first.returncode == 0, first.stderr[-3000:]
   assert first.stdout.startswith("ROMEO:") and len(first.stdout.strip()) > len("ROMEO:")
   assert first.stdout == second.stdout
+
+
+@pytest.mark.parametrize("key, where", [
+    ("base_output_directory", "{file}/outputs"), ("dataset_cache_dir", "{file}/cache"),
+    ("metrics_file", "{file}/m.jsonl"), ("metrics_file", "{dir}"), ("base_output_directory", "gs://bucket/runs"),
+])
+def test_a_path_that_cannot_be_written_stops_the_run_before_it_writes(tmp_path, key, where):
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
+  out = tmp_path / "out"
+  args = [f"base_output_directory={out}", f"{key}={where.format(file=a_file, dir=tmp_path)}"]
+  result = run_cli("train", *TINY, *dict.fromkeys(args))  # key may repeat base_output_directory: the last wins
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert result.stderr.startswith("config error:") and key in result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1
+  assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]

@@ -9,6 +9,7 @@ measured in the same rounds.
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -104,6 +105,14 @@ def save(output_dir: str, name: str, markdown: str, data: dict, figure) -> None:
     json.dump(data, f, indent=2, default=lambda x: x.item() if isinstance(x, np.generic) else str(x))
   figure.savefig(os.path.join(output_dir, f"{name}.png"), dpi=120, bbox_inches="tight")
   print(f"wrote {output_dir}/{name}.md, .json and .png")
+
+
+def gib_or_refusal(r: dict, key: str) -> str:
+  """r[key] in GiB, or, where the TPU compiler refused the step, the temporaries it needed."""
+  if "error" not in r:
+    return gib(r[key])
+  needed = re.search(r"temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)", r["error"])
+  return f"does not fit (compiler: temp {needed[1]} > {needed[2]})" if needed else "does not fit"
 
 
 def mib(num_bytes: int) -> str:

@@ -14,7 +14,6 @@ loss side's largest arrays (those with a vocabulary dimension) on 8.
 
 import argparse
 import itertools
-import re
 
 import matplotlib
 
@@ -34,9 +33,8 @@ CPU_POLICIES = ("full", "minimal")
 
 def _cell(r: dict) -> list:
   """[params+opt, temp, host, total, verdict] in GiB per chip."""
-  if "error" in r:  # the TPU compiler refused: its temporaries alone exceed HBM
-    needed = re.search(r"temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)", r["error"])
-    return ["", "", "", "", f"does not fit (compiler: temp {needed[1]} > {needed[2]})" if needed else "does not fit"]
+  if "error" in r:
+    return ["", "", "", "", common.gib_or_refusal(r, "total_bytes")]
   verdict = "fits" if r["fits"] else "does not fit"
   return [common.gib(r["argument_bytes"]), common.gib(r["temp_bytes"]), common.gib(r["host_bytes"]),
           common.gib(r["total_bytes"]), f"{verdict} ({r['device_memory_bytes'] / 2**30:.0f} GiB)"]
