@@ -5,11 +5,14 @@ from the latest checkpoint of run_name. Each new token runs the model over the l
 max_target_length tokens (no KV cache: simple, and fast enough for the models that train here).
 """
 
+import os
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app
+from tokenizers import Tokenizer
 
 from MaxText import checkpointing, input_pipeline, metrics, pyconfig
 from MaxText.layers.models import Transformer
@@ -25,7 +28,10 @@ def _parameters_path(config) -> str:
 def generate(config) -> str:
   if config.dataset_type != "text":
     raise pyconfig.ConfigError("dataset_type: decoding needs the text tokenizer (dataset_type=text)")
-  tokenizer = input_pipeline.TextData(config).tokenizer
+  run_tokenizer = os.path.join(config.run_dir, "tokenizer.json")
+  # The tokenizer the run trained with, which train keeps in its directory; else the flags'.
+  tokenizer = (Tokenizer.from_file(run_tokenizer) if os.path.exists(run_tokenizer) and not config.load_parameters_path
+               else input_pipeline.TextData(config).tokenizer)
   model = Transformer(config)
   length = config.max_target_length
   window = jnp.zeros((1, length), jnp.int32)

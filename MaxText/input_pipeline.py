@@ -18,6 +18,7 @@ import os
 import grain
 import jax
 import numpy as np
+from absl import logging
 
 from MaxText import corpus, tokenizer as tokenizers
 from MaxText.pyconfig import ConfigError
@@ -63,14 +64,18 @@ def _tokenize_cached(config, documents, tokenizer, split) -> np.ndarray:
   were seen before."""
   key = tokenizers.fingerprint(documents + [tokenizer.to_str()])
   path = os.path.join(config.dataset_cache_dir, f"tokens-{split}-{key}.npy")
-  if not os.path.isfile(path):
-    eod = tokenizers.eod_id(tokenizer, "tokenizer")
-    encoded = tokenizer.encode_batch(documents, add_special_tokens=False)
-    stream = np.fromiter((t for e in encoded for t in (*e.ids, eod)), dtype=np.int32)
-    os.makedirs(config.dataset_cache_dir, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}.npy"
-    np.save(tmp, stream)
-    os.replace(tmp, path)
+  if os.path.isfile(path):
+    try:
+      return np.load(path, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as e:  # written atomically, so damaged after the fact
+      logging.warning("token cache %s is unreadable (%s); tokenizing again", path, e)
+  eod = tokenizers.eod_id(tokenizer, "tokenizer")
+  encoded = tokenizer.encode_batch(documents, add_special_tokens=False)
+  stream = np.fromiter((t for e in encoded for t in (*e.ids, eod)), dtype=np.int32)
+  os.makedirs(config.dataset_cache_dir, exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}.npy"
+  np.save(tmp, stream)
+  os.replace(tmp, path)
   return np.load(path, mmap_mode="r")
 
 

@@ -7,8 +7,10 @@ import os
 import signal
 
 import jax
+import yaml
 from absl import logging
 from jax.experimental import multihost_utils
+from tokenizers import Tokenizer
 
 from MaxText.pyconfig import ConfigError, UserError
 
@@ -91,6 +93,31 @@ def run_lock(run_dir: str):
   finally:
     with contextlib.suppress(FileNotFoundError):
       os.remove(path)
+
+
+def _write_atomic(path: str, text: str) -> None:
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+def record_run_files(config, tokenizer) -> None:
+  """Writes run_dir/config.yml (the resolved config of this start) and, for text runs, keeps
+  run_dir/tokenizer.json: written by the run's first start, and afterwards the tokenizer every
+  start and `decode` must use. A resume whose flags give another tokenizer is refused: its
+  token ids would mean other text to the trained model. Process 0 only; call under run_lock."""
+  if jax.process_index() != 0:
+    return
+  _write_atomic(os.path.join(config.run_dir, "config.yml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
+  if tokenizer is None:
+    return
+  path = os.path.join(config.run_dir, "tokenizer.json")
+  if not os.path.exists(path):
+    _write_atomic(path, tokenizer.to_str())
+  elif Tokenizer.from_file(path).to_str() != tokenizer.to_str():
+    raise ConfigError(f"dataset_path, tokenizer_type, tokenizer_path, vocab_size: they give a tokenizer other "
+                      f"than the one run {config.run_dir} trained with ({path}); use the run's flags, or a new run_name")
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@
 import hashlib
 import os
 
+from absl import logging
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from MaxText.pyconfig import ConfigError
@@ -78,9 +79,13 @@ def load_or_train(config, train_documents) -> Tokenizer:
   else:
     path = os.path.join(config.dataset_cache_dir,
                         f"bpe-{fingerprint(train_documents)}-{config.vocab_size}.json")
+    tokenizer = None
     if os.path.isfile(path):
-      tokenizer = Tokenizer.from_file(path)
-    else:
+      try:
+        tokenizer = Tokenizer.from_file(path)
+      except Exception as e:  # written atomically, so damaged after the fact: train it again
+        logging.warning("tokenizer cache %s is unreadable (%s); training it again", path, str(e).splitlines()[0])
+    if tokenizer is None:
       tokenizer = train_bpe(train_documents, config.vocab_size)
       save_atomic(tokenizer, path)
     source = f"tokenizer {path}"

@@ -214,6 +214,7 @@ def train(config) -> None:
   trainer = build(config, mesh)
   train_iterator = input_pipeline.create_train_iterator(config, data)
   with run_control.run_lock(config.run_dir), run_control.stop_signals() as signals:
+    run_control.record_run_files(config, data.tokenizer if data else None)
     manager = checkpointing.create_manager(config)
     try:
       with sharding.activate(mesh, config):

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import yaml
 
 from conftest import BASE_YML, ROOT, TINY, TINY_TEXT, run_cli
 
@@ -209,6 +210,23 @@ def test_decode_continues_the_prompt(reference, text_cache):
   assert first.returncode == 0, first.stderr[-3000:]
   assert first.stdout.startswith("ROMEO:") and len(first.stdout.strip()) > len("ROMEO:")
   assert first.stdout == second.stdout
+  # The run's own tokenizer.json decodes: the data flags are not even read.
+  elsewhere = run_cli("decode", *args, "dataset_path=/no/such/corpus")
+  assert elsewhere.returncode == 0 and elsewhere.stdout == first.stdout
+
+
+def test_the_run_keeps_its_config_and_tokenizer_and_a_resume_may_not_change_the_tokenizer(tmp_path, reference,
+                                                                                         text_cache):
+  run = reference[0] / "ref"
+  config = yaml.safe_load((run / "config.yml").read_text())
+  assert config["run_name"] == "ref" and config["vocab_size"] == 320 and config["steps"] == 12
+  assert json.loads((run / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+  shutil.copytree(run, tmp_path / "ref")
+  before = tree_digest(tmp_path / "ref" / "checkpoints")
+  result, _ = train(tmp_path, "ref", text_cache, "steps=14", "learning_rate_schedule_steps=14", "tokenizer_type=byte")
+  assert result.returncode == 2 and "tokenizer other than the one run" in result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1
+  assert tree_digest(tmp_path / "ref" / "checkpoints") == before
 
 
 @pytest.mark.parametrize("key, where", [

@@ -181,3 +181,18 @@ def test_each_process_loads_its_slice_of_the_global_batch(shared, monkeypatch):
     for key in whole[step]:
       np.testing.assert_array_equal(np.concatenate([parts[0][step][key], parts[1][step][key]]),
                                     whole[step][key])
+
+
+def test_a_damaged_cache_entry_is_rebuilt_not_fatal(tmp_path):
+  config = text_config(tmp_path)
+  first = input_pipeline.TextData(config)
+  want_tokenizer, want_train, want_eval = first.tokenizer.to_str(), np.array(first.train), np.array(first.eval)
+  del first  # its streams map the cache files cut below
+  caches = sorted(tmp_path.rglob("*.npy")) + sorted(tmp_path.rglob("bpe-*.json"))
+  assert [p.suffix for p in caches] == [".npy", ".npy", ".json"]
+  for path in caches:  # cut each to half, as a full disk or a bad copy would
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+  second = input_pipeline.TextData(config)
+  assert second.tokenizer.to_str() == want_tokenizer
+  np.testing.assert_array_equal(second.train, want_train)
+  np.testing.assert_array_equal(second.eval, want_eval)
