@@ -303,13 +303,13 @@ def _check_divisible(v: dict) -> None:
                                                                          v["base_num_query_heads"]),
       "mlp": ("base_mlp_dim", v["base_mlp_dim"]), "kv": ("head_dim", v["head_dim"]),
   }
-  for name, axes in reversed(v["logical_axis_rules"]):  # reversed: the first rule for a name wins
-    axes = axes if isinstance(axes, list) else [] if axes is None else [axes]
-    if name in sizes and math.prod(shards[a] for a in axes) > 1:
-      sizes[name] = (*sizes[name][:2], axes)
-  for name, (what, size, *axes) in sizes.items():
-    if axes and size % math.prod(shards[a] for a in axes[0]):
-      parallelism = " x ".join(f"{a} ({shards[a]})" for a in axes[0] if shards[a] > 1)
+  rules = {}
+  for name, axes in v["logical_axis_rules"]:
+    rules.setdefault(name, axes if isinstance(axes, list) else [] if axes is None else [axes])
+  for name, (what, size) in sizes.items():
+    axes = [a for a in rules.get(name, []) if shards[a] > 1]
+    if size % math.prod(shards[a] for a in axes):
+      parallelism = " x ".join(f"{a} ({shards[a]})" for a in axes)
       raise ConfigError(f"{what}={size}: not divisible by the mesh axes that shard {name}: {parallelism} "
                         f"(set by ici_*/dcn_*_parallelism and logical_axis_rules)")
 
