@@ -6,7 +6,6 @@ libtpu's compiler runs on any machine: `slice_devices("v5p-256", 2)` returns the
 of two v5p-256 slices, which a Mesh can be built over and a step AOT-compiled for.
 """
 
-import glob
 import math
 import os
 from typing import NamedTuple
@@ -14,13 +13,12 @@ from typing import NamedTuple
 
 def _quiet_libtpu_without_tpus() -> None:
   """libtpu loads with JAX whenever it is installed (setup.sh installs it). On a machine with
-  no TPU (none of Google's PCI devices) it then logs errors about the TPU it cannot find, and
-  its lock on the TPU keeps a second process from compiling for one. Telling it a topology
-  quiets it; with no TPU to guard, the lock goes. A TPU VM is left to describe itself."""
-  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
-    with open(vendor) as f:
-      if f.read().strip() == "0x1ae0":  # Google
-        return
+  no TPU chip it then logs errors about the TPU it cannot find, and its lock on the TPU keeps
+  a second process from compiling for one. Telling it a topology quiets it; with no TPU to
+  guard, the lock goes. A TPU VM is left to describe itself."""
+  from jax._src import hardware_utils  # noqa: PLC0415 (JAX's own PCI scan for TPU chips; imports no backend)
+  if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+    return
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
