@@ -18,6 +18,7 @@ import yaml
 from absl import logging
 
 from MaxText import accelerators, remat
+from MaxText.layers.attentions import FLASH_KERNELS
 
 MESH_AXES = ("data", "fsdp", "tensor", "sequence")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -140,7 +141,7 @@ def _validate(v: dict) -> None:
   for key in ("dtype", "weight_dtype"):
     _one_of(v, key, DTYPES)
   _one_of(v, "attention", ("dot_product", "chunked", "flash"))
-  if v["attention"] == "flash":  # the splash kernel's blocks: min(512, length), whole 128-lane tiles
+  if v["attention"] == "flash":  # the kernels' blocks: min(512, length) on TPU, 128 on GPU
     length = v["max_target_length"]
     _require(length % 128 == 0 and (length <= 512 or length % 512 == 0), "max_target_length",
              "must be a multiple of 128, and of 512 above 512, for attention=flash", v)
@@ -371,15 +372,16 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
   run_devices = devices(values["compile_topology"], values["compile_topology_num_slices"])
   num_devices = num_devices or len(run_devices)
   memory_kinds = memory_kinds or [m.kind for m in run_devices[0].addressable_memories()]
-  if values["attention"] == "flash" and run_devices[0].platform != "tpu":
-    raise ConfigError(f"attention='flash': its kernel (Pallas splash attention) runs on TPU only, not on "
-                      f"{run_devices[0].platform}; use attention=chunked (or dot_product)")
+  values["platform"] = run_devices[0].platform
+  if values["attention"] == "flash" and values["platform"] not in FLASH_KERNELS:
+    raise ConfigError(f"attention='flash': its kernels run on {' and '.join(sorted(FLASH_KERNELS))}, not on "
+                      f"{values['platform']}; use attention=chunked (or dot_product)")
   policy = values["remat_policy"]
   if policy != "none" and remat.saved_names(policy, values)[1]:
     if "pinned_host" not in memory_kinds:
       raise ConfigError(f"remat_policy={policy!r}: offloads to host memory, which this backend lacks "
                         f"(it has {', '.join(memory_kinds)})")
-    if run_devices[0].platform == "cpu":
+    if values["platform"] == "cpu":
       logging.warning("remat_policy=%s: on CPU, host and device memory are one; offloading changes nothing", policy)
   _derive(values, num_devices, num_granules or _granules(run_devices))
   return Config({k: _freeze(x) for k, x in values.items()})

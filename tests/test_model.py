@@ -144,11 +144,13 @@ def test_chunked_attention_is_exact(chunk_size):
   assert_trees_close(grads, want_grads, rtol=1e-5)
 
 
-@pytest.mark.parametrize("length, under_mesh", [(256, False), (1024, True)])
-def test_flash_attention_is_exact_in_the_pallas_interpreter(length, under_mesh):
-  """The splash kernel (TPU) run by Pallas's interpreter, against dot_product attention:
+@pytest.mark.parametrize("platform, length, under_mesh",
+                         [("tpu", 256, False), ("tpu", 1024, True), ("gpu", 256, False), ("gpu", 256, True)])
+def test_flash_attention_is_exact_in_the_pallas_interpreter(platform, length, under_mesh):
+  """Each platform's kernel run by Pallas's interpreter, against dot_product attention:
   values and gradients, float32, GQA, three packed documents whose boundaries fall inside
-  kernel blocks; at 1024 tokens two 512-blocks, the upper one skipped by the causal mask."""
+  kernel blocks; on TPU at 1024 tokens two 512-blocks, the upper one skipped by the causal
+  mask (the GPU kernel's blocks are 128 forward, 32 backward)."""
   from MaxText import sharding
   from MaxText.layers.attentions import dot_product_attention, flash_attention
   rng = np.random.default_rng(0)
@@ -160,12 +162,15 @@ def test_flash_attention_is_exact_in_the_pallas_interpreter(length, under_mesh):
     out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, segments), q, k, v)
     return out, vjp(jnp.cos(out))  # the gradients of sum(sin(out))
 
+  def flash(*args):
+    return flash_attention(*args, platform=platform, interpret=True)
+
   want = loss_and_grads(dot_product_attention)
   if under_mesh:  # through shard_map over a mesh and the logical rules, as in the model
     config = tiny_config()
     with sharding.activate(sharding.create_mesh(config), config):
-      got = loss_and_grads(lambda *args: flash_attention(*args, interpret=True))
+      got = loss_and_grads(flash)
   else:
-    got = loss_and_grads(lambda *args: flash_attention(*args, interpret=True))
+    got = loss_and_grads(flash)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
   assert_trees_close(got[1], want[1], rtol=1e-5)

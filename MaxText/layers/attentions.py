@@ -1,5 +1,7 @@
 """Grouped-query causal self-attention with RoPE and document (segment) masking."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -47,29 +49,44 @@ def chunked_attention(q, k, v, segment_ids, num_chunks):
 FLASH_BLOCK = 512  # query and key block of the splash kernel, or the whole row when shorter
 
 
-def flash_attention(q, k, v, segment_ids, interpret=False):
-  """Pallas splash attention (TPU): causal within each packed document, blocks of queries
-  against blocks of keys, never a whole [T, T] score matrix; blocks that the causal mask
-  empties are skipped. Under a mesh the kernel runs per device in shard_map, on its rows
-  (batch over data/fsdp) and heads (tensor). Queries, keys and values are whole rows there:
-  under sequence parallelism the queries are gathered too and every sequence shard computes
-  its rows' whole attention (correct, but that work is repeated; chunked attention splits
-  it). `interpret` runs the kernel in Pallas's interpreter (any backend, slowly: for tests)."""
-  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # noqa: PLC0415 (TPU only)
-  length, head_dim = q.shape[1], q.shape[3]
-  block = min(FLASH_BLOCK, length)
+def _splash_attention(q, k, v, segment_ids, interpret):
+  """TPU: Pallas splash attention on one device's whole rows, [B, T, N, H] in and out."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # noqa: PLC0415 (TPU kernels)
+  length, block = q.shape[1], min(FLASH_BLOCK, q.shape[1])
+  mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * q.shape[2])
+  kernel = splash.make_splash_mha(
+      mask=mask, head_shards=1, q_seq_shards=1, interpret=interpret,
+      block_sizes=splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                                    block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
+                                    block_kv_dq=block))
+  q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * q.shape[3]**-0.5, k, v))  # the kernel's [N, T, H] per row
+  out = jax.vmap(kernel)(q, k, v, segment_ids=splash.SegmentIds(segment_ids, segment_ids))
+  return jnp.swapaxes(out, 1, 2)
 
-  def attend(q, k, v, segment_ids):  # [B, T, N, H] in and out, as the kernel's [N, T, H] per row
-    mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * q.shape[2])
-    kernel = splash.make_splash_mha(
-        mask=mask, head_shards=1, q_seq_shards=1, interpret=interpret,
-        block_sizes=splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                                      block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
-                                      block_kv_dq=block))
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * head_dim**-0.5, k, v))
-    out = jax.vmap(kernel)(q, k, v, segment_ids=splash.SegmentIds(segment_ids, segment_ids))
-    return jnp.swapaxes(out, 1, 2)
 
+def _triton_attention(q, k, v, segment_ids, interpret):
+  """GPU: JAX's Pallas (Triton) flash attention, the one fused kernel in JAX that takes
+  segment ids (cuDNN's wants packed documents as offsets). It has no GQA, so each device
+  repeats its key and value heads; their gradients sum back over the repeats."""
+  from jax.experimental.pallas.ops.gpu import attention as triton  # noqa: PLC0415 (GPU kernels)
+  groups = q.shape[2] // k.shape[2]
+  k, v = (jnp.repeat(x, groups, axis=2) for x in (k, v))
+  return triton.mha(q, k, v, segment_ids, sm_scale=q.shape[3]**-0.5, causal=True, interpret=interpret)
+
+
+# attention=flash: per platform, a kernel over one device's whole rows [B, T, N, H]
+FLASH_KERNELS = {"tpu": _splash_attention, "gpu": _triton_attention}
+
+
+def flash_attention(q, k, v, segment_ids, platform, interpret=False):
+  """Fused attention, causal within each packed document: blocks of queries against blocks
+  of keys, never a whole [T, T] score matrix; blocks the causal mask empties are skipped.
+  Under a mesh the platform's kernel runs per device in shard_map, on its rows (batch over
+  data/fsdp) and heads (tensor). Queries, keys and values are whole rows there: under
+  sequence parallelism the queries are gathered too and every sequence shard computes its
+  rows' whole attention (correct, but that work is repeated; chunked attention splits it).
+  `interpret` runs the kernel in Pallas's interpreter (any backend, slowly: for tests)."""
+  attend = functools.partial(FLASH_KERNELS[platform], interpret=interpret)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return attend(q, k, v, segment_ids)
@@ -105,7 +122,7 @@ class Attention(nn.Module):
     if cfg.attention == "chunked":
       context = chunked_attention(q, k, v, segment_ids, cfg.max_target_length // cfg.attention_chunk_size)
     elif cfg.attention == "flash":
-      context = flash_attention(q, k, v, segment_ids)
+      context = flash_attention(q, k, v, segment_ids, cfg.platform)
     else:
       context = dot_product_attention(q, k, v, segment_ids)
     context = checkpoint_name(nn.with_logical_constraint(context, BATCH_LENGTH_HEADS), "attention_out")
