@@ -1,16 +1,25 @@
-"""Checkpoints with orbax: train state plus grain iterator state, saved atomically.
+"""Checkpoints with orbax: train state plus grain iterator state, saved atomically and verified.
 
-Layout: <run_dir>/checkpoints/<step>/{state,data}. orbax writes each step into a temporary
-directory and renames it only once complete, so a run killed mid-save leaves the previous
-checkpoint as the latest and the partial one is never restored (cleanup_tmp_directories
+Layout: <run_dir>/checkpoints/<step>/{state,data,checksums}. orbax writes each step into a
+temporary directory and renames it only once complete, so a run killed mid-save leaves the
+previous checkpoint as the latest and the partial one is never restored (cleanup_tmp_directories
 removes it on the next start). Old checkpoints are deleted only after a newer save commits.
+
+orbax and tensorstore restore flipped bits inside array chunks without a word, so each save
+records checksums of the state it saves and each restore recomputes them. A checkpoint that
+fails to restore or to match is moved, whole, to <run_dir>/damaged_checkpoints/<step> once an
+older one restores and matches, and the run resumes from that one; nothing is deleted.
 """
 
 import os
+import shutil
 
 import grain
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from absl import logging
+from jax.experimental import multihost_utils
 
 from MaxText.pyconfig import ConfigError, UserError
 
@@ -21,6 +30,33 @@ class CheckpointError(UserError):
 
 def _first_line(e: Exception) -> str:
   return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _leaf_checksum(x):
+  """Two wrapping uint32 sums of x's bits, plain and weighted by position: integer sums, so
+  the same for any mesh and reduction order; any one flipped bit changes the first."""
+  if x.dtype == jnp.bool_:
+    bits = x.astype(jnp.uint32)
+  else:
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+  weights = 2 * jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) + 1
+  return jnp.stack([bits.sum(dtype=jnp.uint32), (bits * weights).sum(dtype=jnp.uint32)])
+
+
+_tree_checksums = jax.jit(lambda tree: jax.tree.map(_leaf_checksum, tree))
+
+
+def checksums(tree) -> dict[str, list[int]]:
+  """{key path: [sum, weighted sum]} for every array of `tree`, computed where it lives."""
+  sums = jax.device_get(_tree_checksums(tree))
+  return {jax.tree_util.keystr(path): [int(x) for x in value]
+          for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]}
+
+
+def _mismatch(recorded: dict, restored: dict) -> str | None:
+  bad = [key for key, value in restored.items() if recorded.get(key) != value]
+  return f"{len(bad)} of {len(restored)} arrays differ from their checksums at save (first: {bad[0]})" if bad else None
 
 
 def checkpoint_dir(config) -> str:
@@ -41,33 +77,76 @@ def create_manager(config) -> ocp.CheckpointManager | None:
   options = ocp.CheckpointManagerOptions(
       max_to_keep=config.max_to_keep,
       enable_async_checkpointing=config.async_checkpointing, cleanup_tmp_directories=True)
-  return ocp.CheckpointManager(checkpoint_dir(config), options=options, item_names=("state", "data"))
+  return ocp.CheckpointManager(checkpoint_dir(config), options=options, item_names=("state", "data", "checksums"))
 
 
 def save(manager, step: int, state, data_iterator) -> None:
-  """Saves `state` and the iterator's position as checkpoint `step` (asynchronously if configured)."""
+  """Saves `state`, its checksums and the iterator's position as checkpoint `step`
+  (asynchronously if configured)."""
   manager.save(step, force=True, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iterator)))
+      state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iterator),
+      checksums=ocp.args.JsonSave(checksums(state))))
 
 
 def _with_shardings(abstract, shardings):
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
-def restore_latest(manager, abstract_state, state_sharding, data_iterator):
-  """(state, step) from the latest complete checkpoint, laid out by `state_sharding` (any
-  mesh), with `data_iterator` moved to where that step left it; None if there is none."""
-  step = manager.latest_step()
-  if step is None:
-    return None
+def _restore_verified(manager, step: int, abstract_state, state_sharding, data_iterator):
+  """(state, None) if checkpoint `step` restores and matches its checksums, else (None, why)."""
+  items = {"state": ocp.args.StandardRestore(_with_shardings(abstract_state, state_sharding)),
+           "data": grain.checkpoint.CheckpointRestore(data_iterator)}
+  verified = (manager.directory / str(step) / "checksums").is_dir()
+  if verified:
+    items["checksums"] = ocp.args.JsonRestore()
   try:
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(_with_shardings(abstract_state, state_sharding)),
-        data=grain.checkpoint.CheckpointRestore(data_iterator)))
+    restored = manager.restore(step, args=ocp.args.Composite(**items))
   except Exception as e:  # orbax and tensorstore raise many types for a damaged directory.
-    raise CheckpointError(f"checkpoint {manager.directory / str(step)} cannot be restored: "
-                          f"{_first_line(e)}") from None
-  return restored.state, step
+    return None, f"cannot be restored: {_first_line(e)}"
+  if not verified:
+    logging.warning("checkpoint %s has no checksums (saved by an older version): restored unverified",
+                    manager.directory / str(step))
+    return restored.state, None
+  problem = _mismatch(restored.checksums, checksums(restored.state))
+  return (None, problem) if problem else (restored.state, None)
+
+
+def restore_latest(manager, abstract_state, state_sharding, data_iterator):
+  """(state, step) from the newest checkpoint that restores and matches its checksums, laid
+  out by `state_sharding` (any mesh), with `data_iterator` moved to where that step left it;
+  None if there is none. Newer damaged checkpoints are moved to damaged_checkpoints/ (they
+  would block the saves of the steps trained again); if none is good, nothing is moved."""
+  damaged = []
+  for step in sorted(manager.all_steps(), reverse=True):
+    state, problem = _restore_verified(manager, step, abstract_state, state_sharding, data_iterator)
+    if problem is None:
+      break
+    damaged.append((step, problem))
+  else:
+    if damaged:
+      raise CheckpointError(f"no checkpoint in {manager.directory} is good, none was changed: " +
+                            "; ".join(f"step {step}: {problem}" for step, problem in damaged))
+    return None
+  aside = manager.directory.parent / "damaged_checkpoints"
+  for bad_step, problem in damaged:
+    logging.warning("checkpoint %s is damaged (%s): moved to %s; resuming from step %d instead",
+                    manager.directory / str(bad_step), problem, aside / str(bad_step), step)
+    if jax.process_index() == 0:
+      aside.mkdir(exist_ok=True)
+      shutil.move(manager.directory / str(bad_step), _unused(aside / str(bad_step)))
+  if damaged:
+    multihost_utils.sync_global_devices("damaged checkpoints set aside")
+    manager.reload()
+  return state, step
+
+
+def _unused(path):
+  """`path`, or path.1, path.2, ...: a checkpoint damaged twice at one step keeps both copies."""
+  candidate, n = path, 0
+  while candidate.exists():
+    n += 1
+    candidate = path.with_name(f"{path.name}.{n}")
+  return candidate
 
 
 def load_parameters(path: str, abstract_params, params_sharding):
@@ -82,4 +161,11 @@ def load_parameters(path: str, abstract_params, params_sharding):
         partial_restore=True))
   except Exception as e:  # as above
     raise CheckpointError(f"load_parameters_path={path!r}: cannot restore parameters: {_first_line(e)}") from None
+  recorded = os.path.join(os.path.dirname(os.path.abspath(item)), "checksums")
+  if os.path.isdir(recorded):
+    recorded = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(recorded)
+    problem = _mismatch({key.removeprefix(".params"): value for key, value in recorded.items()},
+                        checksums(restored["params"]))
+    if problem:
+      raise CheckpointError(f"load_parameters_path={path!r}: {problem}")
   return restored["params"]

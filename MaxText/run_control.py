@@ -123,9 +123,21 @@ def record_run_files(config, tokenizer) -> None:
 @contextlib.contextmanager
 def stop_signals():
   """Yields a list that SIGTERM and SIGINT append their number to, instead of killing the
-  process, so the train loop can finish its step and save first. Handlers are restored after."""
+  process, so the train loop can finish its step and save first. Handlers are restored after.
+
+  With several processes, SIGTERM is left to JAX's preemption notifier (jax.distributed
+  installs it), which tells every process through the coordination service, so no process
+  has to ask the others on the device each step; SIGINT is recorded and passed on to it."""
   received = []
-  previous = {s: signal.signal(s, lambda signum, _: received.append(signum)) for s in SIGNALS}
+  several = jax.process_count() > 1
+
+  def handle(signum, _):
+    received.append(signum)
+    if several:
+      signal.raise_signal(signal.SIGTERM)
+
+  handled = [signal.SIGINT] if several else list(SIGNALS)
+  previous = {s: signal.signal(s, handle) for s in handled}
   try:
     yield received
   finally:
@@ -133,13 +145,13 @@ def stop_signals():
       signal.signal(s, handler)
 
 
-def stop_requested(received: list) -> int:
-  """The signal every process has agreed to stop on after this step, or 0.
-
-  With several processes, each one's flag is gathered every step, so all stop (and save) at
-  the same step; a signal reaches hosts at different moments.
-  """
-  signum = received[0] if received else 0
-  if jax.process_count() > 1:
-    signum = int(max(multihost_utils.process_allgather(signum)))
-  return signum
+def stop_requested(received: list, step_index: int) -> int:
+  """The signal to stop on after this start's step `step_index` (0, 1, ...: JAX's
+  preemption sync counts the calls of this process, not global steps), or 0. With several
+  processes the sync point is the same step on every process, whichever host the signal
+  reached, and when."""
+  if jax.process_count() == 1:
+    return received[0] if received else 0
+  if not multihost_utils.reached_preemption_sync_point(step_index):
+    return 0
+  return received[0] if received else signal.SIGTERM

@@ -273,13 +273,14 @@ def _train_steps(trainer, config, state, data, train_iterator, manager, signals)
   # a stop and the last step need their step finished, so there the pipeline drains.
   pending = None
   batch = device_batch(trainer, next(train_iterator)) if int(state.step) < config.steps else None
+  start = int(state.step)
   try:
-    for step in range(int(state.step) + 1, config.steps + 1):
+    for step in range(start + 1, config.steps + 1):
       state, step_metrics = compiled(state, batch)
       if pending:
         log(pending[0], fetch(pending[1]))
       pending = (step, step_metrics)
-      signum = run_control.stop_requested(signals)
+      signum = run_control.stop_requested(signals, step - start - 1)
       evaluating = config.eval_interval and (step % config.eval_interval == 0 or step == config.steps)
       saving = manager and (step % config.checkpoint_period == 0 or step == config.steps or signum)
       if evaluating or saving or signum or step == config.steps:

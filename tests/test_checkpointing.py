@@ -37,7 +37,7 @@ def tree_digest(path):
   for root, dirs, files in sorted(os.walk(path)):
     dirs.sort()
     for name in sorted(files):
-      digest.update(os.path.join(root, name).encode())
+      digest.update(os.path.relpath(os.path.join(root, name), path).encode())
       digest.update(open(os.path.join(root, name), "rb").read())
   return digest.hexdigest()
 
@@ -147,18 +147,64 @@ def test_a_save_killed_midway_is_never_restored(tmp_path, reference, text_cache)
   assert losses(metrics_file) == {s: reference[1][s] for s in (11, 12)}
 
 
-def test_a_corrupt_checkpoint_is_one_line_and_left_untouched(tmp_path, reference, text_cache):
+def damage(step_dir, how):
+  """Overwrites every array file with garbage, or flips one bit in the largest one: what
+  tensorstore restores without a word."""
+  files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.name != "_CHECKPOINT_METADATA"]
+  if how == "garbage":
+    for path in files:
+      path.write_bytes(b"garbage")
+  else:
+    largest = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    largest.write_bytes(data)
+
+
+@pytest.mark.parametrize("how, why", [("garbage", "cannot be restored"), ("flipped bit", "differ from their checksums")])
+def test_a_damaged_checkpoint_is_set_aside_whole_and_the_run_resumes_from_the_one_before(
+    tmp_path, reference, text_cache, how, why):
   run = tmp_path / "ref"
   shutil.copytree(reference[0] / "ref", run)
-  for path in (run / "checkpoints" / "12" / "state").rglob("*"):
-    if path.is_file() and path.name != "_CHECKPOINT_METADATA":
-      path.write_bytes(b"garbage")
+  damage(run / "checkpoints" / "12", how)
+  damaged = tree_digest(run / "checkpoints" / "12")
+  result, metrics_file = train(tmp_path, "ref", text_cache, "steps=12")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Traceback" not in result.stderr
+  warning = next(line for line in result.stderr.splitlines() if "is damaged" in line)
+  assert "checkpoints/12" in warning and why in warning and "resuming from step 10" in warning
+  assert tree_digest(run / "damaged_checkpoints" / "12") == damaged
+  assert losses(metrics_file) == {s: reference[1][s] for s in (11, 12)}
+  assert tree_digest(run / "checkpoints" / "12") != damaged  # step 12 saved again, from good state
+
+
+def test_when_no_checkpoint_is_good_the_run_stops_with_one_line_and_moves_nothing(tmp_path, reference, text_cache):
+  run = tmp_path / "ref"
+  shutil.copytree(reference[0] / "ref", run)
+  for step in os.listdir(run / "checkpoints"):
+    damage(run / "checkpoints" / step, "flipped bit")
   before = tree_digest(run / "checkpoints")
   result, _ = train(tmp_path, "ref", text_cache, "steps=14", "learning_rate_schedule_steps=14")
   assert result.returncode == 1
   lines = result.stderr.strip().splitlines()
-  assert "Traceback" not in result.stderr and "checkpoints/12" in lines[-1] and lines[-1].startswith("error:")
-  assert tree_digest(run / "checkpoints") == before
+  assert "Traceback" not in result.stderr and lines[-1].startswith("error: no checkpoint in")
+  assert all(f"step {step}: 1 of" in lines[-1] for step in (8, 10, 12)), lines[-1]
+  assert tree_digest(run / "checkpoints") == before and not (run / "damaged_checkpoints").exists()
+
+
+def test_parameters_that_differ_from_their_checksums_are_refused(tmp_path, reference, text_cache):
+  """load_parameters_path reads the parameters only: a recorded parameter checksum off by one
+  stands for a flipped bit in that parameter (the bit flipped above lands in the optimizer state)."""
+  damaged = tmp_path / "12"
+  shutil.copytree(reference[0] / "ref" / "checkpoints" / "12", damaged)
+  recorded = json.loads((damaged / "checksums" / "metadata").read_text())
+  key = next(k for k in recorded if k.startswith(".params") and k.endswith("['kernel']"))
+  recorded[key][0] = (recorded[key][0] + 1) % 2**32
+  (damaged / "checksums" / "metadata").write_text(json.dumps(recorded))
+  result, _ = train(tmp_path, "new", text_cache, "steps=1", f"load_parameters_path={damaged}")
+  assert result.returncode == 1
+  line = result.stderr.strip().splitlines()[-1]
+  assert line.startswith(f"error: load_parameters_path='{damaged}': 1 of") and key.removeprefix(".params") in line
 
 
 @pytest.mark.parametrize("bad", ["dataset_path={tmp}/missing", "dataset_path={tmp}/empty.txt",
@@ -173,7 +219,7 @@ def test_bad_data_inputs_stop_with_one_line_and_lose_nothing(tmp_path, reference
   result, _ = train(tmp_path, "ref", text_cache, "steps=14", "learning_rate_schedule_steps=14", bad)
   assert result.returncode == 2, result.stderr[-2000:]
   assert len(result.stderr.strip().splitlines()) == 1 and bad.split("/")[-1] in result.stderr
-  assert tree_digest(run) == before
+  assert tree_digest(run / "checkpoints") == before and not (run / "damaged_checkpoints").exists()
 
 
 def test_max_to_keep_keeps_the_newest_checkpoints(reference):

@@ -1,4 +1,5 @@
-"""Two processes x 4 CPU devices through jax.distributed reproduce one process x 8 devices."""
+"""Two processes x 4 CPU devices through jax.distributed reproduce one process x 8 devices,
+through a checkpoint and a SIGTERM sent to one process only (both stop and save at one step)."""
 
 import os
 import subprocess
@@ -7,7 +8,7 @@ import sys
 from conftest import ROOT
 
 
-def test_two_processes_match_one_process_with_a_checkpoint_in_between(tmp_path):
+def test_two_processes_match_one_process_through_a_checkpoint_and_a_sigterm_to_one_of_them(tmp_path):
   env = {**os.environ, "PYTHON": sys.executable, "LIMIT_SECONDS": "240"}
   result = subprocess.run(["bash", str(ROOT / "end_to_end" / "test_multiprocess.sh"), str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=900)
