@@ -64,22 +64,6 @@ def model_inputs(config, seed=0, batch=None):
           np.broadcast_to(segments, (batch, length)).copy())
 
 
-def loop_to_scan_params(params, depth, interval):
-  """Parameters of a scan_layers=false model in the layout of scan_layers=true with
-  remat_layer_interval=interval, so both stacks can run the very same weights."""
-  import jax
-  import jax.numpy as jnp
-  decoder = dict(params["decoder"])
-  layers = [decoder.pop(f"layers_{i}") for i in range(depth)]
-  groups, rest = divmod(depth, interval)
-  decoder["layers"] = {f"layer_{j}": jax.tree.map(lambda *xs: jnp.stack(xs),
-                                                  *[layers[g * interval + j] for g in range(groups)])
-                       for j in range(interval)}
-  if rest:
-    decoder["layers_rest"] = {f"layer_{j}": layers[groups * interval + j] for j in range(rest)}
-  return {**params, "decoder": decoder}
-
-
 def assert_trees_close(actual, desired, rtol):
   """Leaf by leaf: |a - d| <= rtol * max|d| + rtol * |d|, i.e. relative to each leaf's scale,
   so near-zero entries of a large gradient are not held to a tighter bound than its bulk."""

@@ -9,7 +9,7 @@ import pytest
 
 from MaxText.layers.attentions import Attention
 from MaxText.layers.models import Transformer
-from conftest import assert_trees_close, loop_to_scan_params, model_inputs, tiny_config
+from conftest import assert_trees_close, model_inputs, tiny_config
 
 
 def init_params(config, seed=0):
@@ -84,28 +84,34 @@ def loss_and_grads(config, params, inputs):
   return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("depth, interval", [(3, 1), (3, 2)])
-def test_scan_and_loop_stacks_give_the_same_loss_and_gradients(depth, interval):
-  loop = tiny_config("scan_layers=false", f"base_num_decoder_layers={depth}",
-                     f"remat_layer_interval={interval}")
-  scan = tiny_config("scan_layers=true", f"base_num_decoder_layers={depth}",
-                     f"remat_layer_interval={interval}")
-  params = init_params(loop)
-  inputs = model_inputs(loop)
-  loop_loss, loop_grads = loss_and_grads(loop, params, inputs)
-  scan_params = loop_to_scan_params(params, depth, interval)
-  scan_loss, scan_grads = loss_and_grads(scan, scan_params, inputs)
-  assert jax.tree.structure(scan_params) == jax.tree.structure(init_params(scan))
-  np.testing.assert_allclose(scan_loss, loop_loss, rtol=1e-6)
-  assert_trees_close(scan_grads, loop_to_scan_params(loop_grads, depth, interval), rtol=1e-5)
+LAYOUT_SETTINGS = [(), ("remat_layer_interval=2",), ("remat_layer_interval=3", "remat_policy=full"),
+                   ("scan_layers=false",), ("scan_layers=false", "remat_layer_interval=2", "remat_policy=minimal"),
+                   ("num_vocab_tiling=4",), ("attention=chunked", "attention_chunk_size=4")]
 
 
-def test_scanned_parameters_are_stacked_on_a_layers_axis():
-  config = tiny_config("base_num_decoder_layers=3")
-  tokens, positions, segments = model_inputs(config)
-  variables = Transformer(config).init(jax.random.key(0), tokens, positions, segments)
-  kernel = variables["params"]["decoder"]["layers"]["layer_0"]["mlp"]["wi_0"]["kernel"]
-  assert kernel.names == ("layers", "embed", "mlp") and kernel.value.shape == (3, 32, 64)
+def test_the_parameters_are_one_layout_whatever_the_memory_settings():
+  """Stacked [depth, ...] in layer order, names and values set by the shape keys and the seed
+  alone: what one setting saves, any other restores."""
+  want = init_params(tiny_config("base_num_decoder_layers=4"))
+  kernel = want["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]
+  assert kernel.shape == (4, 32, 64)
+  for settings in LAYOUT_SETTINGS:
+    got = init_params(tiny_config("base_num_decoder_layers=4", *settings))
+    assert jax.tree.structure(got) == jax.tree.structure(want), settings
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), got, want))), settings
+
+
+@pytest.mark.parametrize("settings", LAYOUT_SETTINGS[1:], ids=" ".join)
+def test_every_stack_gives_the_same_loss_and_gradients_from_the_same_parameters(settings):
+  """Against a Python loop over the layers, one layer at a time: the scan over blocks of
+  remat_layer_interval layers (with a leftover block at 4 % 3) and the looped stack."""
+  reference = tiny_config("base_num_decoder_layers=4", "scan_layers=false")
+  config = tiny_config("base_num_decoder_layers=4", *settings)
+  params, inputs = init_params(reference), model_inputs(reference)
+  want_loss, want_grads = loss_and_grads(reference, params, inputs)
+  loss, grads = loss_and_grads(config, params, inputs)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  assert_trees_close(grads, want_grads, rtol=1e-5)
 
 
 def test_tied_embeddings_use_the_table_as_output_head():

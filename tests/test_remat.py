@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from MaxText import metrics, remat, sharding, train
-from conftest import assert_trees_close, fixed_batch, loop_to_scan_params, tiny_config, trainer_and_state
+from conftest import assert_trees_close, fixed_batch, tiny_config, trainer_and_state
 
 DEPTH = 4
 # Enough activations per layer (32 tokens x 8 rows) for the policies' differences to show;
@@ -26,11 +26,6 @@ VARIANTS = {
 }
 
 
-def in_layout(params, config):
-  """Loop-layout parameters in the layout of `config`'s stack."""
-  return loop_to_scan_params(params, DEPTH, config.remat_layer_interval) if config.scan_layers else params
-
-
 @pytest.fixture(scope="module")
 def steps():
   """One train step of every variant from the same parameters:
@@ -43,7 +38,7 @@ def steps():
   for name, overrides in VARIANTS.items():
     config = tiny_config(*MODEL, *overrides)
     trainer, state = trainer_and_state(config)
-    state = state.replace(params=jax.device_put(in_layout(params, config), trainer.state_sharding.params))
+    state = state.replace(params=jax.device_put(params, trainer.state_sharding.params))
     compiled = train.compile_train_step(trainer, config)
     with sharding.activate(trainer.mesh, config):
       new_state, step_metrics = compiled(state, train.device_batch(trainer, batch))
@@ -56,7 +51,7 @@ def test_every_policy_and_interval_computes_the_same_loss_and_gradients(steps):
   _, want_loss, want_params, _ = steps["none, loop"]
   for name, (_, loss, new_params, config) in steps.items():
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6, err_msg=name)
-    assert_trees_close(new_params, in_layout(want_params, config), rtol=1e-6)
+    assert_trees_close(new_params, want_params, rtol=1e-6)
 
 
 def test_every_policy_saves_memory_in_the_documented_order(steps):
@@ -71,11 +66,23 @@ def test_every_policy_saves_memory_in_the_documented_order(steps):
   assert temp["custom qkv"] == temp["save_qkv_proj"]
 
 
-def test_interval_groups_are_scanned_not_unrolled():
-  config = tiny_config(*MODEL, "remat_layer_interval=3")
-  _, state = trainer_and_state(config)
-  decoder = state.params["decoder"]
-  assert set(decoder) == {"layers", "layers_rest", "decoder_norm"}
-  assert set(decoder["layers"]) == {"layer_0", "layer_1", "layer_2"}
-  assert decoder["layers"]["layer_0"]["mlp"]["wo"]["kernel"].shape[0] == 1  # 4 // 3 groups
-  assert set(decoder["layers_rest"]) == {"layer_0"}  # 4 % 3 layers left over
+def scan_lengths(jaxpr) -> list:
+  """The trip counts of every scan in a jaxpr, nested ones included."""
+  lengths = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      lengths.append(eqn.params["length"])
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+          lengths += scan_lengths(getattr(sub, "jaxpr", sub))
+  return lengths
+
+
+@pytest.mark.parametrize("interval, groups", [(1, 4), (2, 2), (3, 1)])
+def test_interval_groups_are_scanned_not_unrolled(interval, groups):
+  """One scan over depth // interval blocks (forward and backward), nothing longer."""
+  config = tiny_config(*MODEL, f"remat_layer_interval={interval}", "remat_policy=full")
+  trainer, _ = trainer_and_state(config)
+  lengths = scan_lengths(train.trace_train_step(trainer, config).jaxpr)
+  assert lengths.count(groups) >= 2 and max(lengths) == groups, lengths

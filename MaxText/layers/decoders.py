@@ -1,6 +1,7 @@
 """The decoder layer and the layer stack (scanned or looped, with every-N-th-layer remat)."""
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
@@ -33,6 +34,13 @@ class DecoderLayer(nn.Module):
     return nn.with_logical_constraint(h + mlp, BATCH_LENGTH_EMBED)
 
 
+class ScannedDecoderLayer(DecoderLayer):
+  """DecoderLayer with the (carry, per-step output) signature nn.scan expects."""
+
+  def __call__(self, x, positions, segment_ids):
+    return super().__call__(x, positions, segment_ids), None
+
+
 def layer_class(cfg, checkpointed: bool, in_scan: bool):
   """DecoderLayer, wrapped in nn.remat with the configured policy when `checkpointed`."""
   if not checkpointed or cfg.remat_policy == "none":
@@ -43,11 +51,9 @@ def layer_class(cfg, checkpointed: bool, in_scan: bool):
 
 
 class DecoderBlock(nn.Module):
-  """`num_layers` consecutive layers: the first applies the remat policy, the rest keep everything.
-
-  With remat_layer_interval=N the stack is made of blocks of N layers, so the policy
-  applies to layers 0, N, 2N, ... exactly as with a Python loop.
-  """
+  """`num_layers` consecutive layers, layer_0 .. layer_{n-1}: the first applies the remat
+  policy, the rest keep everything. With remat_layer_interval=N the stack is made of blocks
+  of N layers, so the policy applies to layers 0, N, 2N, ... exactly as with a Python loop."""
 
   config: object
   num_layers: int
@@ -61,13 +67,16 @@ class DecoderBlock(nn.Module):
     return x, None  # (carry, per-step output) as nn.scan expects
 
 
-class Decoder(nn.Module):
-  """The layer stack and the final norm.
+def scanned_blocks(cfg, interval: int, groups: int, name: str):
+  return nn.scan(DecoderBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                 in_axes=(nn.broadcast, nn.broadcast), length=groups,
+                 metadata_params={nn.PARTITION_NAME: "layers"})(cfg, interval, True, name=name)
 
-  scan_layers=true: nn.scan over blocks of remat_layer_interval layers, parameters stacked
-  on a leading `layers` axis (one compiled body); the depth % interval layers left over
-  form one more, unscanned block. scan_layers=false: a Python loop of layers_0..layers_{L-1}.
-  """
+
+class LayerStack(nn.Module):
+  """The layers as the memory settings run them, over parameters grouped to match: with
+  scan_layers, nn.scan over blocks of remat_layer_interval layers (one compiled body; the
+  depth % interval layers left over form one more, unscanned block); without, a Python loop."""
 
   config: object
 
@@ -75,16 +84,54 @@ class Decoder(nn.Module):
   def __call__(self, x, positions, segment_ids):
     cfg = self.config
     depth, interval = cfg.base_num_decoder_layers, cfg.remat_layer_interval
-    if cfg.scan_layers:
-      groups, rest = divmod(depth, interval)
-      stack = nn.scan(DecoderBlock, variable_axes={"params": 0}, split_rngs={"params": True},
-                      in_axes=(nn.broadcast, nn.broadcast), length=groups,
-                      metadata_params={nn.PARTITION_NAME: "layers"})
-      x, _ = stack(cfg, interval, True, name="layers")(x, positions, segment_ids)
-      if rest:
-        x, _ = DecoderBlock(cfg, rest, False, name="layers_rest")(x, positions, segment_ids)
-    else:
+    if not cfg.scan_layers:
       for i in range(depth):
-        x = layer_class(cfg, i % interval == 0, False)(cfg, name=f"layers_{i}")(
-            x, positions, segment_ids)
+        x = layer_class(cfg, i % interval == 0, False)(cfg, name=f"layer_{i}")(x, positions, segment_ids)
+      return x
+    groups, rest = divmod(depth, interval)
+    x, _ = scanned_blocks(cfg, interval, groups, "blocks")(x, positions, segment_ids)
+    if rest:
+      x, _ = DecoderBlock(cfg, rest, False, name="rest")(x, positions, segment_ids)
+    return x
+
+
+def regroup(cfg, layers):
+  """The stored layout, every parameter stacked [depth, ...] in layer order, as LayerStack
+  reads it: block j of the scan holds layers j*N .. j*N+N-1. At interval 1 with scan_layers
+  this is the stored tree itself (no copy)."""
+  depth, interval = cfg.base_num_decoder_layers, cfg.remat_layer_interval
+  layer = lambda i: jax.tree.map(lambda p: p[i], layers)  # noqa: E731
+  if not cfg.scan_layers:
+    return {f"layer_{i}": layer(i) for i in range(depth)}
+  groups, rest = divmod(depth, interval)
+  grouped = {"blocks": {f"layer_{i}": jax.tree.map(lambda p: p[i:groups * interval:interval], layers)
+                        for i in range(interval)}}
+  if rest:
+    grouped["rest"] = {f"layer_{i}": layer(groups * interval + i) for i in range(rest)}
+  return grouped
+
+
+class Decoder(nn.Module):
+  """The layer stack and the final norm.
+
+  The parameters are stored one way whatever the memory settings: each layer parameter
+  stacked on a leading `layers` axis in layer order (MaxText's scanned layout), created by
+  one scan over every layer, so their values depend only on the shape keys and the seed.
+  Applying regroups them for the stack remat_layer_interval and scan_layers ask for, so a
+  checkpoint saved under any of these settings resumes under any other.
+  """
+
+  config: object
+
+  @nn.compact
+  def __call__(self, x, positions, segment_ids):
+    cfg = self.config
+    if self.is_initializing():
+      layers = nn.scan(ScannedDecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                       in_axes=(nn.broadcast, nn.broadcast), length=cfg.base_num_decoder_layers,
+                       metadata_params={nn.PARTITION_NAME: "layers"})
+      x, _ = layers(cfg, name="layers")(x, positions, segment_ids)
+    else:
+      stack = nn.map_variables(LayerStack, "params", trans_in_fn=lambda v: {"params": regroup(cfg, v["params"])})
+      x = stack(cfg, name="layers")(x, positions, segment_ids)
     return rms_norm(cfg, "decoder_norm")(x)
