@@ -22,6 +22,8 @@ from MaxText.layers.attentions import FLASH_KERNELS
 
 MESH_AXES = ("data", "fsdp", "tensor", "sequence")
 DTYPES = ("float32", "bfloat16", "float16")
+# decoder_block -> the switches that family sets; the layers read only the switches.
+DECODER_BLOCKS = {"llama2": {"qk_norm": False}, "qwen3": {"qk_norm": True}}
 
 
 class UserError(Exception):
@@ -140,6 +142,7 @@ def _validate(v: dict) -> None:
     raise ConfigError(f"head_dim={head_dim}: must be even (RoPE rotates pairs of features)")
   for key in ("dtype", "weight_dtype"):
     _one_of(v, key, DTYPES)
+  _one_of(v, "decoder_block", tuple(DECODER_BLOCKS))
   _one_of(v, "attention", ("dot_product", "chunked", "flash"))
   if v["attention"] == "flash":  # the kernels' blocks: min(512, length) on TPU, 128 on GPU
     length = v["max_target_length"]
@@ -326,6 +329,7 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   v["micro_batch_size"] = int(micro)
   v["global_batch_size_to_train_on"] = int(micro) * v["gradient_accumulation_steps"]
   v["head_dim"] = v["head_dim"] or v["base_emb_dim"] // v["base_num_query_heads"]
+  v.update(DECODER_BLOCKS[v["decoder_block"]])
   _check_divisible(v)
   if v["learning_rate_schedule_steps"] == -1:
     v["learning_rate_schedule_steps"] = v["steps"]

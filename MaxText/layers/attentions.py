@@ -9,6 +9,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText.layers.embeddings import apply_rope
 from MaxText.layers.linears import dense
+from MaxText.layers.normalizations import rms_norm
 
 BATCH_LENGTH_HEADS = ("activation_batch", "activation_length", "activation_heads", None)
 # Keys and values are gathered along the sequence (no `activation_length`): under sequence
@@ -114,6 +115,8 @@ class Attention(nn.Module):
     q = checkpoint_name(q, "query_proj")
     k = checkpoint_name(k, "key_proj")
     v = checkpoint_name(v, "value_proj")
+    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
+      q, k = rms_norm(cfg, "query_norm")(q), rms_norm(cfg, "key_norm")(k)
     q = apply_rope(q, positions, cfg.rope_max_timescale)
     k = apply_rope(k, positions, cfg.rope_max_timescale)
     q = nn.with_logical_constraint(q, BATCH_LENGTH_HEADS)

@@ -2,20 +2,14 @@
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import remat
 from MaxText.layers.attentions import Attention
 from MaxText.layers.linears import MlpBlock
-from MaxText.layers.normalizations import RMSNorm
+from MaxText.layers.normalizations import rms_norm
 
 BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
-
-
-def rms_norm(cfg, name):
-  return RMSNorm(cfg.normalization_layer_epsilon, jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype),
-                 name=name)
 
 
 class DecoderLayer(nn.Module):

@@ -20,3 +20,7 @@ class RMSNorm(nn.Module):
     x = x.astype(jnp.float32)
     y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.epsilon)
     return (y * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def rms_norm(cfg, name: str) -> RMSNorm:
+  return RMSNorm(cfg.normalization_layer_epsilon, jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype), name=name)

@@ -1,0 +1,41 @@
+"""Writes the Hugging Face parity assets: python tests/assets/hf/make_golden.py (needs torch
+and transformers, which are not runtime dependencies; any versions that have Qwen3).
+
+For each family, a small randomly initialised transformers model saved as Hugging Face does
+(config.json, model.safetensors) and its float32 logits on fixed tokens (golden.npz), which
+tests/test_hf_checkpoint.py compares with this project's model on the converted weights.
+"""
+
+import os
+
+import numpy as np
+import torch
+import transformers
+
+SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0)
+MODELS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=False)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(tie_word_embeddings=True)),
+}
+
+
+def main():
+  here = os.path.dirname(os.path.abspath(__file__))
+  tokens = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (2, 24))
+  for name, (config_class, model_class, extra) in MODELS.items():
+    torch.manual_seed(0)
+    model = model_class(config_class(**SHAPE, **extra, torch_dtype="float32")).eval()
+    with torch.no_grad():  # random norms too, so a norm mapped to the wrong place shows
+      for param_name, param in model.named_parameters():
+        if param_name.endswith("norm.weight"):
+          param.uniform_(0.5, 1.5)
+    model.save_pretrained(os.path.join(here, name), safe_serialization=True)
+    with torch.no_grad():
+      logits = model(torch.as_tensor(tokens)).logits.numpy()
+    np.savez(os.path.join(here, name, "golden.npz"), tokens=tokens.astype(np.int32), logits=logits)
+    print(name, logits.shape)
+
+
+if __name__ == "__main__":
+  main()

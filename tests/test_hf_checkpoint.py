@@ -1,0 +1,69 @@
+"""Hugging Face checkpoints: converted weights give transformers' own logits (golden files
+written by tests/assets/hf/make_golden.py from random LlamaForCausalLM / Qwen3ForCausalLM)."""
+
+import numpy as np
+import pytest
+
+from MaxText import convert_hf_checkpoint
+from MaxText.layers.models import Transformer
+from conftest import ROOT, TINY, run_cli, tiny_config
+
+ASSETS = ROOT / "tests" / "assets" / "hf"
+SHAPE = ("vocab_size=96", "base_emb_dim=32", "base_mlp_dim=64", "base_num_decoder_layers=3",
+         "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=16", "rope_max_timescale=10000",
+         "normalization_layer_epsilon=1e-6", "max_target_length=24")
+FAMILIES = {"llama": ("decoder_block=llama2", "logits_via_embedding=false"),
+            "qwen3": ("decoder_block=qwen3", "logits_via_embedding=true")}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("settings", [(), ("scan_layers=false", "remat_layer_interval=2")], ids=["scan", "loop"])
+def test_converted_weights_give_the_hugging_face_logits(family, settings):
+  config = tiny_config(*SHAPE, *FAMILIES[family], *settings)
+  hf, tensors = convert_hf_checkpoint.read(str(ASSETS / family))
+  convert_hf_checkpoint.check_shape(config, hf, str(ASSETS / family))
+  golden = np.load(ASSETS / family / "golden.npz")
+  tokens = golden["tokens"]
+  positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+  logits = Transformer(config).apply({"params": convert_hf_checkpoint.to_params(config, tensors)},
+                                     tokens, positions, np.ones_like(tokens))
+  scale = np.abs(golden["logits"]).max()
+  np.testing.assert_allclose(np.asarray(logits) / scale, golden["logits"] / scale, rtol=0, atol=1e-5)
+
+
+def test_without_the_q_k_norms_qwen3_is_not_matched():
+  """The q/k norms matter: converted as llama2 (norms dropped) the logits are far off."""
+  config = tiny_config(*SHAPE, *FAMILIES["qwen3"])
+  _, tensors = convert_hf_checkpoint.read(str(ASSETS / "qwen3"))
+  as_llama = tiny_config(*SHAPE, "decoder_block=llama2", "logits_via_embedding=true")
+  golden = np.load(ASSETS / "qwen3" / "golden.npz")
+  tokens = golden["tokens"]
+  positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+  logits = Transformer(as_llama).apply({"params": convert_hf_checkpoint.to_params(as_llama, tensors)},
+                                       tokens, positions, np.ones_like(tokens))
+  assert config.qk_norm and not as_llama.qk_norm
+  assert np.abs(np.asarray(logits) - golden["logits"]).max() > 1e-2 * np.abs(golden["logits"]).max()
+
+
+def test_the_cli_writes_a_checkpoint_that_a_run_starts_from(tmp_path):
+  output = tmp_path / "converted"
+  result = run_cli("convert_hf_checkpoint", "dataset_type=synthetic", *SHAPE, *FAMILIES["qwen3"], f"hf_path={ASSETS / 'qwen3'}",
+                   f"output_path={output}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  result = run_cli("train", *TINY, *SHAPE, *FAMILIES["qwen3"], "steps=1", f"base_output_directory={tmp_path}",
+                   f"load_parameters_path={output}")
+  assert result.returncode == 0 and f"parameters loaded from {output}" in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("decoder_block=llama2",), "decoder_block='llama2': "),
+    (("base_num_kv_heads=4",), "base_num_kv_heads=4: "),
+    (("logits_via_embedding=false",), "logits_via_embedding=False: "),
+])
+def test_a_shape_mismatch_is_one_line_and_writes_nothing(tmp_path, args, message):
+  output = tmp_path / "converted"
+  result = run_cli("convert_hf_checkpoint", "dataset_type=synthetic", *SHAPE, *FAMILIES["qwen3"], *args, f"hf_path={ASSETS / 'qwen3'}",
+                   f"output_path={output}")
+  lines = result.stderr.strip().splitlines()
+  assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+  assert not output.exists()
