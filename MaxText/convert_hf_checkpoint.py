@@ -4,9 +4,10 @@
     hf_path=DIR output_path=DIR [key=value ...]
 
 hf_path is a Hugging Face model directory (config.json and *.safetensors, as
-`save_pretrained` or `huggingface-cli download` leave it) of a LlamaForCausalLM or
-Qwen3ForCausalLM. Its shape must be the config's (vocabulary, widths, heads, layers, tied
-head, RoPE base, family): a mismatch is one line naming the key, exit 2, nothing written.
+`save_pretrained` or `huggingface-cli download` leave it) of a LlamaForCausalLM (Llama 2,
+3, 3.1, 3.2) or Qwen3ForCausalLM. Its shape must be the config's (vocabulary, widths, heads,
+layers, tied head, RoPE base and scaling, family): a mismatch is one line naming the key,
+exit 2, nothing written.
 Then: python -m MaxText.train ... load_parameters_path=OUTPUT_PATH (same model keys).
 """
 
@@ -35,11 +36,16 @@ def _expected(config) -> dict:
           "base_num_query_heads": config.base_num_query_heads, "base_num_kv_heads": config.base_num_kv_heads,
           "base_num_decoder_layers": config.base_num_decoder_layers, "head_dim": config.head_dim,
           "logits_via_embedding": config.logits_via_embedding, "rope_max_timescale": float(config.rope_max_timescale),
-          "normalization_layer_epsilon": config.normalization_layer_epsilon}
+          "normalization_layer_epsilon": config.normalization_layer_epsilon, "rope_type": config.rope_type,
+          **({"rope_scaling_factor": config.rope_scaling_factor, "rope_low_freq_factor": config.rope_low_freq_factor,
+              "rope_high_freq_factor": config.rope_high_freq_factor,
+              "rope_original_max_position": config.rope_original_max_position}
+             if config.rope_type == "llama3.1" else {})}
 
 
 def _found(hf: dict) -> dict:
-  rope = hf.get("rope_parameters") or {}
+  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
   return {"decoder_block": ARCHITECTURES.get((hf.get("architectures") or ["?"])[0], hf.get("architectures")),
           "vocab_size": hf["vocab_size"], "base_emb_dim": hf["hidden_size"], "base_mlp_dim": hf["intermediate_size"],
           "base_num_query_heads": hf["num_attention_heads"],
@@ -48,13 +54,14 @@ def _found(hf: dict) -> dict:
           "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
           "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
           "rope_max_timescale": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-          "normalization_layer_epsilon": hf["rms_norm_eps"]}
+          "normalization_layer_epsilon": hf["rms_norm_eps"],
+          "rope_type": {"default": "default", "llama3": "llama3.1"}.get(rope_type, f"{rope_type} (not supported)"),
+          "rope_scaling_factor": rope.get("factor"), "rope_low_freq_factor": rope.get("low_freq_factor"),
+          "rope_high_freq_factor": rope.get("high_freq_factor"),
+          "rope_original_max_position": rope.get("original_max_position_embeddings")}
 
 
 def check_shape(config, hf: dict, hf_path: str) -> None:
-  scaling = (hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("rope_type", "default")
-  if scaling != "default":
-    raise pyconfig.ConfigError(f"hf_path={hf_path!r}: rope_type {scaling!r} is not supported (only default RoPE)")
   found = _found(hf)
   for key, want in _expected(config).items():
     if found[key] != want:

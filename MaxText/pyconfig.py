@@ -152,6 +152,11 @@ def _validate(v: dict) -> None:
     _require(v["attention_chunk_size"] >= 1 and v["max_target_length"] % v["attention_chunk_size"] == 0,
              "attention_chunk_size", f"must divide max_target_length={v['max_target_length']}", v)
   _require(v["rope_max_timescale"] > 0, "rope_max_timescale", "must be > 0", v)
+  _one_of(v, "rope_type", ("default", "llama3.1"))
+  _require(v["rope_high_freq_factor"] > v["rope_low_freq_factor"] > 0, "rope_high_freq_factor",
+           f"must be > rope_low_freq_factor={v['rope_low_freq_factor']} > 0", v)
+  _require(v["rope_scaling_factor"] > 0 and v["rope_original_max_position"] > 0, "rope_scaling_factor",
+           "and rope_original_max_position must be > 0", v)
   _require(v["normalization_layer_epsilon"] > 0, "normalization_layer_epsilon", "must be > 0", v)
   _require(v["learning_rate"] >= 0, "learning_rate", "must be >= 0", v)
   _require(0 <= v["warmup_steps_fraction"] < 1, "warmup_steps_fraction", "must be in [0, 1)", v)

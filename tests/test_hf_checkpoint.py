@@ -12,37 +12,40 @@ ASSETS = ROOT / "tests" / "assets" / "hf"
 SHAPE = ("vocab_size=96", "base_emb_dim=32", "base_mlp_dim=64", "base_num_decoder_layers=3",
          "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=16", "rope_max_timescale=10000",
          "normalization_layer_epsilon=1e-6", "max_target_length=24")
+LLAMA31_ROPE = ("rope_type=llama3.1", "rope_scaling_factor=8", "rope_low_freq_factor=1", "rope_high_freq_factor=4",
+                "rope_original_max_position=16")
 FAMILIES = {"llama": ("decoder_block=llama2", "logits_via_embedding=false"),
-            "qwen3": ("decoder_block=qwen3", "logits_via_embedding=true")}
+            "qwen3": ("decoder_block=qwen3", "logits_via_embedding=true"),
+            "llama3.1": ("decoder_block=llama2", "logits_via_embedding=true", *LLAMA31_ROPE)}
+
+
+def logits_and_golden(family, config):
+  _, tensors = convert_hf_checkpoint.read(str(ASSETS / family))
+  golden = np.load(ASSETS / family / "golden.npz")
+  tokens = golden["tokens"]
+  positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
+  logits = Transformer(config).apply({"params": convert_hf_checkpoint.to_params(config, tensors)},
+                                     tokens, positions, np.ones_like(tokens))
+  return np.asarray(logits), golden["logits"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("settings", [(), ("scan_layers=false", "remat_layer_interval=2")], ids=["scan", "loop"])
 def test_converted_weights_give_the_hugging_face_logits(family, settings):
   config = tiny_config(*SHAPE, *FAMILIES[family], *settings)
-  hf, tensors = convert_hf_checkpoint.read(str(ASSETS / family))
+  hf, _ = convert_hf_checkpoint.read(str(ASSETS / family))
   convert_hf_checkpoint.check_shape(config, hf, str(ASSETS / family))
-  golden = np.load(ASSETS / family / "golden.npz")
-  tokens = golden["tokens"]
-  positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
-  logits = Transformer(config).apply({"params": convert_hf_checkpoint.to_params(config, tensors)},
-                                     tokens, positions, np.ones_like(tokens))
-  scale = np.abs(golden["logits"]).max()
-  np.testing.assert_allclose(np.asarray(logits) / scale, golden["logits"] / scale, rtol=0, atol=1e-5)
+  logits, golden = logits_and_golden(family, config)
+  scale = np.abs(golden).max()
+  np.testing.assert_allclose(logits / scale, golden / scale, rtol=0, atol=1e-5)
 
 
-def test_without_the_q_k_norms_qwen3_is_not_matched():
-  """The q/k norms matter: converted as llama2 (norms dropped) the logits are far off."""
-  config = tiny_config(*SHAPE, *FAMILIES["qwen3"])
-  _, tensors = convert_hf_checkpoint.read(str(ASSETS / "qwen3"))
-  as_llama = tiny_config(*SHAPE, "decoder_block=llama2", "logits_via_embedding=true")
-  golden = np.load(ASSETS / "qwen3" / "golden.npz")
-  tokens = golden["tokens"]
-  positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
-  logits = Transformer(as_llama).apply({"params": convert_hf_checkpoint.to_params(as_llama, tensors)},
-                                       tokens, positions, np.ones_like(tokens))
-  assert config.qk_norm and not as_llama.qk_norm
-  assert np.abs(np.asarray(logits) - golden["logits"]).max() > 1e-2 * np.abs(golden["logits"]).max()
+@pytest.mark.parametrize("family, without", [("qwen3", "decoder_block=llama2"), ("llama3.1", "rope_type=default")])
+def test_without_the_family_feature_the_logits_are_not_matched(family, without):
+  """Qwen3's q/k norms and Llama 3.1's RoPE rescaling matter: the same weights without them
+  miss transformers' logits by over 100 times what the parity test allows."""
+  logits, golden = logits_and_golden(family, tiny_config(*SHAPE, *FAMILIES[family], without))
+  assert np.abs(logits - golden).max() > 1e-3 * np.abs(golden).max()
 
 
 def test_the_cli_writes_a_checkpoint_that_a_run_starts_from(tmp_path):

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from MaxText import pyconfig
-from conftest import BASE_YML, run_cli, tiny_config
+from conftest import BASE_YML, ROOT, run_cli, tiny_config
 
 
 def test_overrides_are_parsed_to_the_type_of_the_default():
@@ -21,6 +21,25 @@ def test_model_name_layers_the_model_file_over_base_and_cli_wins():
   cfg = pyconfig.initialize([BASE_YML, "model_name=llama3-8b", "base_num_decoder_layers=2"], num_devices=1)
   assert (cfg.vocab_size, cfg.base_num_kv_heads, cfg.rope_max_timescale) == (128256, 8, 500000)
   assert cfg.base_num_decoder_layers == 2
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "configs" / "models").glob("*.yml")))
+def test_every_model_config_resolves_and_its_model_traces(name):
+  """Each model file: valid keys and values, and a model whose parameters have the shapes the
+  file describes (traced abstractly: nothing is allocated)."""
+  import jax
+  from MaxText.layers.models import Transformer
+  cfg = pyconfig.initialize([BASE_YML, f"model_name={name}", "dataset_type=synthetic"], num_devices=1)
+  def init():
+    tokens = jax.numpy.zeros((1, cfg.max_target_length), "int32")
+    return Transformer(cfg).init(jax.random.key(0), tokens, tokens, tokens)["params"]
+
+  params = jax.eval_shape(init)
+  layers = params["decoder"]["layers"]
+  assert layers["mlp"]["wi_0"]["kernel"].value.shape == (cfg.base_num_decoder_layers, cfg.base_emb_dim, cfg.base_mlp_dim)
+  assert layers["self_attention"]["key"]["kernel"].value.shape[2:] == (cfg.base_num_kv_heads, cfg.head_dim)
+  assert ("query_norm" in layers["self_attention"]) == (cfg.decoder_block == "qwen3")
+  assert ("logits_kernel" in params) == (not cfg.logits_via_embedding)
 
 
 def test_derived_values():

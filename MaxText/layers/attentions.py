@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText.layers.embeddings import apply_rope
+from MaxText.layers.embeddings import apply_rope, rope_timescales
 from MaxText.layers.linears import dense
 from MaxText.layers.normalizations import rms_norm
 
@@ -117,8 +117,8 @@ class Attention(nn.Module):
     v = checkpoint_name(v, "value_proj")
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
       q, k = rms_norm(cfg, "query_norm")(q), rms_norm(cfg, "key_norm")(k)
-    q = apply_rope(q, positions, cfg.rope_max_timescale)
-    k = apply_rope(k, positions, cfg.rope_max_timescale)
+    timescale = rope_timescales(cfg, head_dim)
+    q, k = apply_rope(q, positions, timescale), apply_rope(k, positions, timescale)
     q = nn.with_logical_constraint(q, BATCH_LENGTH_HEADS)
     k = nn.with_logical_constraint(k, BATCH_FULL_LENGTH_KV_HEADS)
     v = nn.with_logical_constraint(v, BATCH_FULL_LENGTH_KV_HEADS)

@@ -17,6 +17,12 @@ SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_lay
 MODELS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=False)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(tie_word_embeddings=True)),
+    # Llama 3.1/3.2's RoPE rescaling, with an original context short enough that the 24 test
+    # tokens span slowed, blended and kept frequencies; tied like Llama 3.2.
+    "llama3.1": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        tie_word_embeddings=True, rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
+                                                       low_freq_factor=1.0, high_freq_factor=4.0,
+                                                       original_max_position_embeddings=16))),
 }
 
 
