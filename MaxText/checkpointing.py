@@ -14,6 +14,7 @@ older one restores and matches, and the run resumes from that one; nothing is de
 import os
 import shutil
 
+import flax.linen as nn
 import grain
 import jax
 import jax.numpy as jnp
@@ -169,3 +170,13 @@ def load_parameters(path: str, abstract_params, params_sharding):
     if problem:
       raise CheckpointError(f"load_parameters_path={path!r}: {problem}")
   return restored["params"]
+
+
+def load_model_parameters(config, path: str):
+  """The parameters of config's model from checkpoint `path` (as load_parameters reads it),
+  whole on the first device: for sampling and export, not for training."""
+  from MaxText.layers.models import Transformer  # noqa: PLC0415 (the model is not needed to save/restore)
+  window = jax.numpy.zeros((1, config.max_target_length), jax.numpy.int32)
+  abstract = nn.meta.unbox(jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0), window, window, window)))
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return load_parameters(path, abstract["params"], jax.tree.map(lambda _: device, abstract["params"]))

@@ -1,7 +1,11 @@
-"""Hugging Face weights -> a checkpoint that `load_parameters_path` starts a run from:
+"""Hugging Face weights <-> this project's checkpoints.
 
+Import, to a checkpoint that `load_parameters_path` starts a run from:
   python -m MaxText.convert_hf_checkpoint configs/base.yml model_name=qwen3-0.6b \\
     hf_path=DIR output_path=DIR [key=value ...]
+Export, a checkpoint (a step directory of any run) to a Hugging Face model directory:
+  python -m MaxText.convert_hf_checkpoint configs/base.yml model_name=qwen3-0.6b \\
+    load_parameters_path=RUN/checkpoints/STEP output_path=DIR
 
 hf_path is a Hugging Face model directory (config.json and *.safetensors, as
 `save_pretrained` or `huggingface-cli download` leave it) of a LlamaForCausalLM (Llama 2,
@@ -11,9 +15,12 @@ exit 2, nothing written.
 Then: python -m MaxText.train ... load_parameters_path=OUTPUT_PATH (same model keys).
 """
 
+import functools
 import glob
 import json
+import math
 import os
+import shutil
 import sys
 
 import jax
@@ -21,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import app
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
-from MaxText import metrics, pyconfig
+from MaxText import checkpointing, metrics, pyconfig
 
 # Hugging Face architecture -> decoder_block
 ARCHITECTURES = {"LlamaForCausalLM": "llama2", "Qwen3ForCausalLM": "qwen3"}
@@ -69,41 +76,78 @@ def check_shape(config, hf: dict, hf_path: str) -> None:
                                  "the model_name of that model)")
 
 
-def to_params(config, tensors: dict) -> dict:
-  """Hugging Face tensors ([out, in] linear weights, one set per layer) -> this project's
-  parameter tree ([in, ...out] kernels, layers stacked on a leading axis)."""
-  heads, kv_heads, head_dim, dim = (config.base_num_query_heads, config.base_num_kv_heads, config.head_dim,
-                                    config.base_emb_dim)
-
-  def layers(name, convert=lambda w: w):
-    return np.stack([convert(tensors[f"model.layers.{i}.{name}"]) for i in range(config.base_num_decoder_layers)])
-
-  attention = {
-      "query": {"kernel": layers("self_attn.q_proj.weight", lambda w: w.T.reshape(dim, heads, head_dim))},
-      "key": {"kernel": layers("self_attn.k_proj.weight", lambda w: w.T.reshape(dim, kv_heads, head_dim))},
-      "value": {"kernel": layers("self_attn.v_proj.weight", lambda w: w.T.reshape(dim, kv_heads, head_dim))},
-      "out": {"kernel": layers("self_attn.o_proj.weight", lambda w: w.T.reshape(heads, head_dim, dim))},
-  }
+def _layout(config):
+  """(path in this project's parameter tree, Hugging Face name, per layer, this project's shape
+  (of one layer), input axes of a linear weight or 0 for a tensor copied as it is). Hugging
+  Face keeps linear weights [out, in]; here they are [in..., out...] kernels."""
+  dim, heads, kv_heads, head_dim = (config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads,
+                                    config.head_dim)
+  attention, layer = ("decoder", "layers", "self_attention"), "model.layers.{i}."
+  entries = [
+      (("token_embedder", "embedding"), "model.embed_tokens.weight", False, (config.vocab_size, dim), 0),
+      (("decoder", "decoder_norm", "scale"), "model.norm.weight", False, (dim,), 0),
+      ((*attention, "query", "kernel"), layer + "self_attn.q_proj.weight", True, (dim, heads, head_dim), 1),
+      ((*attention, "key", "kernel"), layer + "self_attn.k_proj.weight", True, (dim, kv_heads, head_dim), 1),
+      ((*attention, "value", "kernel"), layer + "self_attn.v_proj.weight", True, (dim, kv_heads, head_dim), 1),
+      ((*attention, "out", "kernel"), layer + "self_attn.o_proj.weight", True, (heads, head_dim, dim), 2),
+      (("decoder", "layers", "mlp", "wi_0", "kernel"), layer + "mlp.gate_proj.weight", True, (dim, config.base_mlp_dim), 1),
+      (("decoder", "layers", "mlp", "wi_1", "kernel"), layer + "mlp.up_proj.weight", True, (dim, config.base_mlp_dim), 1),
+      (("decoder", "layers", "mlp", "wo", "kernel"), layer + "mlp.down_proj.weight", True, (config.base_mlp_dim, dim), 1),
+      (("decoder", "layers", "pre_self_attention_norm", "scale"), layer + "input_layernorm.weight", True, (dim,), 0),
+      (("decoder", "layers", "post_self_attention_norm", "scale"), layer + "post_attention_layernorm.weight", True,
+       (dim,), 0),
+  ]
   if config.qk_norm:
-    attention["query_norm"] = {"scale": layers("self_attn.q_norm.weight")}
-    attention["key_norm"] = {"scale": layers("self_attn.k_norm.weight")}
-  params = {
-      "token_embedder": {"embedding": tensors["model.embed_tokens.weight"]},
-      "decoder": {
-          "layers": {
-              "self_attention": attention,
-              "mlp": {"wi_0": {"kernel": layers("mlp.gate_proj.weight", np.transpose)},
-                      "wi_1": {"kernel": layers("mlp.up_proj.weight", np.transpose)},
-                      "wo": {"kernel": layers("mlp.down_proj.weight", np.transpose)}},
-              "pre_self_attention_norm": {"scale": layers("input_layernorm.weight")},
-              "post_self_attention_norm": {"scale": layers("post_attention_layernorm.weight")},
-          },
-          "decoder_norm": {"scale": tensors["model.norm.weight"]},
-      },
-  }
+    entries += [((*attention, "query_norm", "scale"), layer + "self_attn.q_norm.weight", True, (head_dim,), 0),
+                ((*attention, "key_norm", "scale"), layer + "self_attn.k_norm.weight", True, (head_dim,), 0)]
   if not config.logits_via_embedding:
-    params["logits_kernel"] = tensors["lm_head.weight"].T
-  return jax.tree.map(lambda w: np.ascontiguousarray(w, dtype=jnp.dtype(config.weight_dtype)), params)
+    entries.append((("logits_kernel",), "lm_head.weight", False, (dim, config.vocab_size), 1))
+  return entries
+
+
+def to_params(config, tensors: dict) -> dict:
+  """Hugging Face tensors -> this project's parameter tree (layers stacked on a leading axis)."""
+  params = {}
+  for path, name, per_layer, shape, in_axes in _layout(config):
+    convert = (lambda w: w.T.reshape(shape)) if in_axes else (lambda w: w)  # noqa: B023 (used at once)
+    value = (np.stack([convert(tensors[name.format(i=i)]) for i in range(config.base_num_decoder_layers)])
+             if per_layer else convert(tensors[name]))
+    node = params
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = np.ascontiguousarray(value, dtype=jnp.dtype(config.weight_dtype))
+  return params
+
+
+def from_params(config, params) -> dict:
+  """This project's parameter tree -> Hugging Face tensors, the inverse of to_params."""
+  tensors = {}
+  for path, name, per_layer, shape, in_axes in _layout(config):
+    value = np.asarray(functools.reduce(lambda node, key: node[key], path, params))
+    convert = (lambda w: w.reshape(math.prod(shape[:in_axes]), -1).T) if in_axes else (lambda w: w)  # noqa: B023
+    if per_layer:
+      tensors.update({name.format(i=i): np.ascontiguousarray(convert(value[i])) for i in range(len(value))})
+    else:
+      tensors[name] = np.ascontiguousarray(convert(value))
+  return tensors
+
+
+def hf_config(config) -> dict:
+  """config.json for Hugging Face transformers, describing this config's model."""
+  rope = {"rope_type": "default", "rope_theta": float(config.rope_max_timescale)}
+  if config.rope_type == "llama3.1":
+    rope.update(rope_type="llama3", factor=config.rope_scaling_factor, low_freq_factor=config.rope_low_freq_factor,
+                high_freq_factor=config.rope_high_freq_factor,
+                original_max_position_embeddings=config.rope_original_max_position)
+  architecture = {v: k for k, v in ARCHITECTURES.items()}[config.decoder_block]
+  return {"architectures": [architecture], "model_type": {"llama2": "llama", "qwen3": "qwen3"}[config.decoder_block],
+          "vocab_size": config.vocab_size, "hidden_size": config.base_emb_dim,
+          "intermediate_size": config.base_mlp_dim, "num_hidden_layers": config.base_num_decoder_layers,
+          "num_attention_heads": config.base_num_query_heads, "num_key_value_heads": config.base_num_kv_heads,
+          "head_dim": config.head_dim, "hidden_act": "silu", "rms_norm_eps": config.normalization_layer_epsilon,
+          "max_position_embeddings": config.max_target_length, "tie_word_embeddings": config.logits_via_embedding,
+          "rope_theta": float(config.rope_max_timescale), "rope_scaling": rope if config.rope_type != "default" else None,
+          "rope_parameters": rope, "attention_bias": False, "torch_dtype": config.weight_dtype}
 
 
 def read(hf_path: str) -> tuple[dict, dict]:
@@ -123,12 +167,34 @@ def read(hf_path: str) -> tuple[dict, dict]:
 def _tool_args(argv) -> tuple[list, dict]:
   """Splits hf_path= and output_path= (this tool's) from the config's key=value arguments."""
   ours = {a.partition("=")[0]: a.partition("=")[2] for a in argv if a.partition("=")[0] in ("hf_path", "output_path")}
-  for key in ("hf_path", "output_path"):
-    if not ours.get(key):
-      raise pyconfig.ConfigError(f"{key}=...: required")
+  if not ours.get("output_path"):
+    raise pyconfig.ConfigError("output_path=...: required")
   if os.path.exists(ours["output_path"]):
     raise pyconfig.ConfigError(f"output_path={ours['output_path']!r}: exists; give a new directory")
   return [a for a in argv if a.partition("=")[0] not in ours], ours
+
+
+def import_hf(config, hf_path: str, output_path: str) -> None:
+  hf, tensors = read(hf_path)
+  check_shape(config, hf, hf_path)
+  params = to_params(config, tensors)
+  ocp.PyTreeCheckpointer().save(os.path.abspath(output_path), {"params": params})
+  print(f"wrote {sum(w.size for w in jax.tree.leaves(params)):,} parameters to {output_path}; train with "
+        f"load_parameters_path={output_path}", file=sys.stderr)
+
+
+def export_hf(config, output_path: str) -> None:
+  """Written into a temporary directory renamed when complete: never half a model."""
+  tensors = from_params(config, jax.device_get(checkpointing.load_model_parameters(config, config.load_parameters_path)))
+  partial = f"{output_path}.partial"
+  shutil.rmtree(partial, ignore_errors=True)
+  os.makedirs(partial)
+  save_file(tensors, os.path.join(partial, "model.safetensors"))
+  with open(os.path.join(partial, "config.json"), "w") as f:
+    json.dump(hf_config(config), f, indent=2)
+  os.replace(partial, output_path)
+  print(f"wrote {len(tensors)} tensors to {output_path} (Hugging Face {hf_config(config)['architectures'][0]})",
+        file=sys.stderr)
 
 
 def main(argv):
@@ -136,13 +202,13 @@ def main(argv):
   with pyconfig.errors_to_exit_codes():
     config_args, paths = _tool_args(argv[1:])
     config = pyconfig.initialize(config_args)
-    hf, tensors = read(paths["hf_path"])
-    check_shape(config, hf, paths["hf_path"])
-    params = to_params(config, tensors)
-  ocp.PyTreeCheckpointer().save(os.path.abspath(paths["output_path"]), {"params": params})
-  count = sum(w.size for w in jax.tree.leaves(params))
-  print(f"wrote {count:,} parameters to {paths['output_path']}; train with load_parameters_path={paths['output_path']}",
-        file=sys.stderr)
+    if paths.get("hf_path"):
+      import_hf(config, paths["hf_path"], paths["output_path"])
+    elif config.load_parameters_path:
+      export_hf(config, paths["output_path"])
+    else:
+      raise pyconfig.ConfigError("hf_path=...: required to import (or load_parameters_path=... to export a "
+                                 "checkpoint to Hugging Face)")
 
 
 if __name__ == "__main__":

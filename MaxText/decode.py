@@ -7,7 +7,6 @@ max_target_length tokens (no KV cache: simple, and fast enough for the models th
 
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,11 +33,7 @@ def generate(config) -> str:
                else input_pipeline.TextData(config).tokenizer)
   model = Transformer(config)
   length = config.max_target_length
-  window = jnp.zeros((1, length), jnp.int32)
-  abstract = nn.meta.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), window, window, window)))
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  params = checkpointing.load_parameters(_parameters_path(config), abstract["params"],
-                                         jax.tree.map(lambda _: device, abstract["params"]))
+  params = checkpointing.load_model_parameters(config, _parameters_path(config))
 
   @jax.jit
   def next_token(tokens, last, key):

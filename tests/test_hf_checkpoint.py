@@ -48,14 +48,24 @@ def test_without_the_family_feature_the_logits_are_not_matched(family, without):
   assert np.abs(logits - golden).max() > 1e-3 * np.abs(golden).max()
 
 
-def test_the_cli_writes_a_checkpoint_that_a_run_starts_from(tmp_path):
-  output = tmp_path / "converted"
-  result = run_cli("convert_hf_checkpoint", "dataset_type=synthetic", *SHAPE, *FAMILIES["qwen3"], f"hf_path={ASSETS / 'qwen3'}",
-                   f"output_path={output}")
+@pytest.mark.parametrize("family", ["qwen3", "llama3.1"])
+def test_import_then_export_gives_back_the_hugging_face_model_and_a_run_starts_from_it(tmp_path, family):
+  """Hugging Face -> checkpoint -> Hugging Face: the same tensors bit for bit, a config.json
+  that imports again, and the checkpoint starts a training run."""
+  args = ("dataset_type=synthetic", *SHAPE, *FAMILIES[family])
+  converted, exported = tmp_path / "converted", tmp_path / "exported"
+  result = run_cli("convert_hf_checkpoint", *args, f"hf_path={ASSETS / family}", f"output_path={converted}")
   assert result.returncode == 0, result.stderr[-3000:]
-  result = run_cli("train", *TINY, *SHAPE, *FAMILIES["qwen3"], "steps=1", f"base_output_directory={tmp_path}",
-                   f"load_parameters_path={output}")
-  assert result.returncode == 0 and f"parameters loaded from {output}" in result.stderr, result.stderr[-3000:]
+  result = run_cli("convert_hf_checkpoint", *args, f"load_parameters_path={converted}", f"output_path={exported}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  _, original = convert_hf_checkpoint.read(str(ASSETS / family))
+  hf, tensors = convert_hf_checkpoint.read(str(exported))
+  assert sorted(tensors) == sorted(original)
+  assert all(np.array_equal(tensors[name], original[name]) for name in original)
+  convert_hf_checkpoint.check_shape(tiny_config(*SHAPE, *FAMILIES[family]), hf, str(exported))
+  result = run_cli("train", *TINY, *args, "steps=1", f"base_output_directory={tmp_path}",
+                   f"load_parameters_path={converted}")
+  assert result.returncode == 0 and f"parameters loaded from {converted}" in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("args, message", [
