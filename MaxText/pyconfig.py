@@ -153,6 +153,7 @@ def _validate(v: dict) -> None:
              "attention_chunk_size", f"must divide max_target_length={v['max_target_length']}", v)
   _require(v["rope_max_timescale"] > 0, "rope_max_timescale", "must be > 0", v)
   _one_of(v, "rope_type", ("default", "llama3.1"))
+  _require(v["final_logits_soft_cap"] >= 0, "final_logits_soft_cap", "must be >= 0 (0: no cap)", v)
   _require(v["rope_high_freq_factor"] > v["rope_low_freq_factor"] > 0, "rope_high_freq_factor",
            f"must be > rope_low_freq_factor={v['rope_low_freq_factor']} > 0", v)
   _require(v["rope_scaling_factor"] > 0 and v["rope_original_max_position"] > 0, "rope_scaling_factor",

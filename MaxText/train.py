@@ -1,7 +1,8 @@
 """Training: python -m MaxText.train configs/base.yml [key=value ...]
 
-A batch goes: input pipeline -> sharded global arrays -> Transformer -> loss (full logits
-with optax, or vocabulary-tiled) -> gradients summed over microbatches -> optax update.
+A batch goes: input pipeline -> sharded global arrays -> Transformer -> loss (full logits,
+or vocabulary-tiled; one loss head, vocab_tiling.loss_sums) -> gradients summed over
+microbatches -> optax update.
 """
 
 import functools
@@ -31,13 +32,10 @@ def loss_sums(model, config, params, batch):
     hidden, kernel = model.apply({"params": params}, *inputs, return_hidden=True)
     loss, z_loss, correct = vocab_tiling.tiled_loss_and_accuracy(
         hidden, kernel, targets, weights, config.num_vocab_tiling, config.z_loss_multiplier,
-        config.vocab_tiling_mode)
+        config.vocab_tiling_mode, config.final_logits_soft_cap)
   else:
     logits = model.apply({"params": params}, *inputs)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    z_loss = jnp.sum(weights * config.z_loss_multiplier * jnp.square(lse))
-    loss = jnp.sum(weights * optax.softmax_cross_entropy_with_integer_labels(logits, targets)) + z_loss
-    correct = jnp.sum(weights * (jnp.argmax(logits, axis=-1) == targets))
+    loss, z_loss, correct = vocab_tiling.loss_sums(logits, targets, weights, config.z_loss_multiplier)
   return loss, {"weights": jnp.sum(weights), "z_loss": z_loss, "correct": correct}
 
 

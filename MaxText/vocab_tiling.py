@@ -52,14 +52,21 @@ def _tile_logits(hidden, kernel):
   return nn.with_logical_constraint(logits, TILE_LOGITS)
 
 
-def _tile_loss(logits, targets, weights, z_loss_multiplier):
-  """Weighted sums over one tile: (loss incl. z-loss, z-loss, correct predictions), and lse."""
+def soft_cap(logits, cap: float):
+  """cap * tanh(logits / cap) (Gemma 2's final-logit soft cap); 0 leaves the logits as they are."""
+  return cap * jnp.tanh(logits / cap) if cap else logits
+
+
+def loss_sums(logits, targets, weights, z_loss_multiplier):
+  """The loss head, defined once for the untiled loss and every tile: weighted sums over the
+  tokens of [cross entropy + z-loss, z-loss, correct predictions]. The tiles' gradients come
+  from autodiff through this function, so a new head needs no hand-written derivative."""
   lse = jax.nn.logsumexp(logits, axis=-1)
   target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   z_loss = jnp.sum(weights * z_loss_multiplier * jnp.square(lse))
   loss = jnp.sum(weights * (lse - target_logit)) + z_loss
   correct = jnp.sum(weights * (jnp.argmax(logits, axis=-1) == targets))
-  return jnp.stack([loss, z_loss, correct]), lse
+  return jnp.stack([loss, z_loss, correct])
 
 
 def _mesh_axes(logical_names) -> list[tuple[str, ...]]:
@@ -119,17 +126,6 @@ def _head_grads(hidden, kernel, d_logits):
   return d_hidden, _kernel_grad(hidden, d_logits)
 
 
-def _tile_grads(hidden, kernel, targets, weights, logits, lse, z_loss_multiplier):
-  """d(tile loss)/d(hidden) in float32 [B, T', D] and d(tile loss)/d(kernel) in float32 [D, V].
-
-  With p = softmax(logits): d loss / d logits = w * ((1 + 2 * z * lse) * p - onehot(target)).
-  """
-  probs = jnp.exp(logits - lse[..., None])
-  scale = weights * (1.0 + 2.0 * z_loss_multiplier * lse)
-  one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
-  return _head_grads(hidden, kernel, scale[..., None] * probs - weights[..., None] * one_hot)
-
-
 @jax.custom_vjp
 def head_logits(hidden, kernel):
   """Untiled float32 logits hidden [B, T, D] @ kernel [D, V]. Differentiated like the
@@ -154,18 +150,29 @@ def _zeros_like_kernel(kernel):
   return nn.with_logical_constraint(jnp.zeros(kernel.shape, jnp.float32), KERNEL)
 
 
-def _scan_tiles(hidden, kernel, targets, weights, z_loss_multiplier, with_grads):
+def _tile_sums(h, kernel, t, w, z_loss_multiplier, cap, with_grads):
+  """One tile's [loss, z_loss, correct] and, when with_grads, the loss's gradients for the
+  tile's hidden states and the kernel (float32), d_logits from jax.vjp of the head."""
+  logits = _tile_logits(h, kernel)
+  head = lambda raw: loss_sums(soft_cap(raw, cap), t, w, z_loss_multiplier)  # noqa: E731
+  if not with_grads:
+    return head(logits), None
+  sums, vjp = jax.vjp(head, logits)
+  (d_logits,) = vjp(jnp.array([1.0, 0.0, 0.0], jnp.float32))
+  return sums, _head_grads(h, kernel, d_logits)
+
+
+def _scan_tiles(hidden, kernel, targets, weights, z_loss_multiplier, cap, with_grads):
   """Walks the tiles: ([loss, z_loss, correct] summed, and when with_grads the loss's
   gradients: d_hidden in tiles and d_kernel accumulated in float32, in the inputs' dtypes)."""
 
   def step(carry, tile):
     sums, d_kernel = carry
     h, t, w = tile
-    logits = _tile_logits(h, kernel)
-    tile_sums, lse = _tile_loss(logits, t, w, z_loss_multiplier)
+    tile_sums, grads = _tile_sums(h, kernel, t, w, z_loss_multiplier, cap, with_grads)
     if not with_grads:
       return (sums + tile_sums, None), None
-    d_h, d_k = _tile_grads(h, kernel, t, w, logits, lse, z_loss_multiplier)
+    d_h, d_k = grads
     return (sums + tile_sums, d_kernel + d_k), d_h.astype(h.dtype)
 
   init = (jnp.zeros(3, jnp.float32), _zeros_like_kernel(kernel) if with_grads else None)
@@ -173,27 +180,27 @@ def _scan_tiles(hidden, kernel, targets, weights, z_loss_multiplier, with_grads)
   return sums, d_hidden, d_kernel.astype(kernel.dtype) if with_grads else None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _tiled_sums(hidden, kernel, targets, weights, z_loss_multiplier, mode):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _tiled_sums(hidden, kernel, targets, weights, z_loss_multiplier, cap, mode):
   """Tiled inputs -> [loss, z_loss, correct], each summed over all tiles."""
-  return _scan_tiles(hidden, kernel, targets, weights, z_loss_multiplier, with_grads=False)[0]
+  return _scan_tiles(hidden, kernel, targets, weights, z_loss_multiplier, cap, with_grads=False)[0]
 
 
-def _tiled_forward(hidden, kernel, targets, weights, z_loss_multiplier, mode):
+def _tiled_forward(hidden, kernel, targets, weights, z_loss_multiplier, cap, mode):
   if mode == "fused":
-    sums, d_hidden, d_kernel = _scan_tiles(hidden, kernel, targets, weights, z_loss_multiplier, with_grads=True)
+    sums, d_hidden, d_kernel = _scan_tiles(hidden, kernel, targets, weights, z_loss_multiplier, cap, with_grads=True)
     return sums, (d_hidden, d_kernel)
-  sums = _scan_tiles(hidden, kernel, targets, weights, z_loss_multiplier, with_grads=False)[0]
+  sums = _scan_tiles(hidden, kernel, targets, weights, z_loss_multiplier, cap, with_grads=False)[0]
   return sums, (hidden, kernel, targets, weights)
 
 
-def _tiled_backward(z_loss_multiplier, mode, residuals, cotangent):
+def _tiled_backward(z_loss_multiplier, cap, mode, residuals, cotangent):
   # Only the loss is differentiated: z-loss (already inside the loss) and the accuracy are
   # reported through stop_gradient, so their cotangents are always zero.
   if mode == "fused":
     d_hidden, d_kernel = residuals
   else:  # the same gradients, recomputed tile by tile from the inputs
-    _, d_hidden, d_kernel = _scan_tiles(*residuals, z_loss_multiplier, with_grads=True)
+    _, d_hidden, d_kernel = _scan_tiles(*residuals, z_loss_multiplier, cap, with_grads=True)
   scale = lambda x: (cotangent[0] * x.astype(jnp.float32)).astype(x.dtype)
   return scale(d_hidden), scale(d_kernel), None, None
 
@@ -204,7 +211,7 @@ MODES = ("fused", "recompute")
 
 
 def tiled_loss_and_accuracy(hidden, kernel, targets, weights, num_tiles, z_loss_multiplier=0.0,
-                            mode="fused"):
+                            mode="fused", logits_soft_cap=0.0):
   """(loss_sum, z_loss_sum, correct_sum), float32 scalars; see vocab_tiled_cross_entropy.
 
   correct_sum = sum of weights where argmax(logits) == target, found inside the tiles.
@@ -217,13 +224,13 @@ def tiled_loss_and_accuracy(hidden, kernel, targets, weights, num_tiles, z_loss_
   h = nn.with_logical_constraint(_to_tiles(hidden, num_tiles), TILE_HIDDEN)
   t = nn.with_logical_constraint(_to_tiles(targets, num_tiles), TILE_TOKENS)
   w = nn.with_logical_constraint(_to_tiles(weights.astype(jnp.float32), num_tiles), TILE_TOKENS)
-  sums = _tiled_sums(h, kernel, t, w, float(z_loss_multiplier), mode)
+  sums = _tiled_sums(h, kernel, t, w, float(z_loss_multiplier), float(logits_soft_cap), mode)
   return sums[0], jax.lax.stop_gradient(sums[1]), jax.lax.stop_gradient(sums[2])
 
 
 def vocab_tiled_cross_entropy(hidden, kernel, targets, weights, num_tiles, z_loss_multiplier=0.0,
-                              mode="fused"):
-  """Weighted cross entropy of logits = hidden @ kernel without materialising the logits.
+                              mode="fused", logits_soft_cap=0.0):
+  """Weighted cross entropy of logits = soft_cap(hidden @ kernel) without materialising the logits.
 
   hidden [B, T, D] (any float dtype), kernel [D, V], targets [B, T] int, weights [B, T]
   (0 for padding). Logits are computed in float32. Returns float32 scalars
@@ -233,11 +240,11 @@ def vocab_tiled_cross_entropy(hidden, kernel, targets, weights, num_tiles, z_los
   Differentiable in hidden and kernel; gradients come back in their dtypes.
   """
   loss, z_loss, _ = tiled_loss_and_accuracy(hidden, kernel, targets, weights, num_tiles,
-                                            z_loss_multiplier, mode)
+                                            z_loss_multiplier, mode, logits_soft_cap)
   return loss, z_loss
 
 
-def per_token_logprobs(hidden, kernel, targets, num_tiles):
+def per_token_logprobs(hidden, kernel, targets, num_tiles, logits_soft_cap=0.0):
   """log p(target) [B, T] in float32, tiled the same way; differentiable (for RL and scoring).
 
   Autodiff through a scan of checkpointed tiles: the backward recomputes one tile's
@@ -246,7 +253,7 @@ def per_token_logprobs(hidden, kernel, targets, num_tiles):
 
   @jax.checkpoint
   def tile_logprobs(h, t):
-    logits = _tile_logits(h, kernel)
+    logits = soft_cap(_tile_logits(h, kernel), logits_soft_cap)
     target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
     return target_logit - jax.nn.logsumexp(logits, axis=-1)
 

@@ -26,9 +26,12 @@ def inputs(seed=0, dtype=jnp.float32, half_weights_zero=True):
   return hidden, kernel, targets, weights
 
 
-def reference_loss(hidden, kernel, targets, weights, z_loss_multiplier):
-  """The untiled loss, written independently: full float32 logits and optax."""
+def reference_loss(hidden, kernel, targets, weights, z_loss_multiplier, cap=0.0):
+  """The untiled loss, written independently: full float32 logits (soft-capped when cap > 0)
+  and optax."""
   logits = hidden.astype(jnp.float32) @ kernel.astype(jnp.float32)
+  if cap:
+    logits = cap * jnp.tanh(logits / cap)
   cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
   z_loss = z_loss_multiplier * jnp.sum(weights * jax.nn.logsumexp(logits, axis=-1) ** 2)
   return jnp.sum(weights * cross_entropy) + z_loss, z_loss
@@ -38,23 +41,25 @@ TILES = (1, 2, 3, 4, 7, 8)
 
 
 @pytest.mark.parametrize("mode", ["fused", "recompute"])
-@pytest.mark.parametrize("z_loss_multiplier", [0.0, 1e-3])
-def test_loss_and_gradients_match_full_logits(mode, z_loss_multiplier):
+@pytest.mark.parametrize("z_loss_multiplier, cap", [(0.0, 0.0), (1e-3, 0.0), (1e-3, 1.5)], ids=["plain", "z-loss",
+                                                                                               "z-loss, soft cap"])
+def test_loss_and_gradients_match_full_logits(mode, z_loss_multiplier, cap):
+  """A cap of 1.5 bends logits of scale ~1 well into tanh's curve (Gemma 2's 30 on its logits)."""
   hidden, kernel, targets, weights = inputs()
   # An outer scale: the gradient of 3 * loss must be 3 * the gradient (MaxText once forgot
   # the incoming cotangent for the hidden states).
-  reference = jax.value_and_grad(lambda h, w: 3 * reference_loss(h, w, targets, weights, z_loss_multiplier)[0],
+  reference = jax.value_and_grad(lambda h, w: 3 * reference_loss(h, w, targets, weights, z_loss_multiplier, cap)[0],
                                  argnums=(0, 1))
   want_loss, want_grads = reference(hidden, kernel)
-  _, want_z = reference_loss(hidden, kernel, targets, weights, z_loss_multiplier)
+  _, want_z = reference_loss(hidden, kernel, targets, weights, z_loss_multiplier, cap)
   for num_tiles in TILES:
     tiled = jax.jit(jax.value_and_grad(
-        lambda h, w: 3 * vocab_tiled_cross_entropy(h, w, targets, weights, num_tiles, z_loss_multiplier, mode)[0],
-        argnums=(0, 1)))
+        lambda h, w: 3 * vocab_tiled_cross_entropy(h, w, targets, weights, num_tiles, z_loss_multiplier, mode,
+                                                   cap)[0], argnums=(0, 1)))
     loss, grads = tiled(hidden, kernel)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=f"{num_tiles} tiles")
     assert_trees_close(grads, want_grads, rtol=1e-5)
-    z = vocab_tiled_cross_entropy(hidden, kernel, targets, weights, num_tiles, z_loss_multiplier, mode)[1]
+    z = vocab_tiled_cross_entropy(hidden, kernel, targets, weights, num_tiles, z_loss_multiplier, mode, cap)[1]
     np.testing.assert_allclose(z, want_z, rtol=1e-5, atol=1e-7)
 
 
@@ -132,7 +137,7 @@ def test_compiled_train_step_never_holds_full_logits(mode):
 
 @pytest.mark.parametrize("overrides", [(), ("vocab_tiling_mode=recompute", "logits_via_embedding=true",
                                              "z_loss_multiplier=1e-3", "gradient_accumulation_steps=2",
-                                             "per_device_batch_size=2")])
+                                             "per_device_batch_size=2"), ("final_logits_soft_cap=0.05",)])
 def test_training_with_tiling_matches_untiled_training(overrides):
   results = {}
   for tiles in (1, 4):

@@ -10,10 +10,11 @@ from MaxText.layers.linears import kernel_init
 
 
 class Transformer(nn.Module):
-  """tokens, positions, segment ids [B, T] -> logits [B, T, V] in float32.
+  """tokens, positions, segment ids [B, T] -> logits [B, T, V] in float32 (soft-capped when
+  final_logits_soft_cap is set).
 
   With return_hidden=True it returns (final-normed hidden states [B, T, D], output kernel
-  [D, V]) instead, so that the loss can be tiled and the full logits never exist. The
+  [D, V]) instead, before the cap, so that the loss can be tiled and the full logits never exist. The
   kernel is the head's own parameter, or the embedding table transposed when
   logits_via_embedding=true, cast to the activation dtype in both cases.
   """
@@ -34,4 +35,4 @@ class Transformer(nn.Module):
     kernel = kernel.astype(dtype)
     if return_hidden:
       return hidden, kernel
-    return vocab_tiling.head_logits(hidden, kernel)
+    return vocab_tiling.soft_cap(vocab_tiling.head_logits(hidden, kernel), cfg.final_logits_soft_cap)
