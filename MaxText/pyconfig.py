@@ -23,7 +23,19 @@ from MaxText.layers.attentions import FLASH_KERNELS
 MESH_AXES = ("data", "fsdp", "tensor", "sequence")
 DTYPES = ("float32", "bfloat16", "float16")
 # decoder_block -> the switches that family sets; the layers read only the switches.
-DECODER_BLOCKS = {"llama2": {"qk_norm": False}, "qwen3": {"qk_norm": True}}
+#   qk_norm: RMSNorm over each head's queries and keys before RoPE (Qwen3)
+#   sandwich_norms: norms both before and after attention and MLP (Gemma 2)
+#   norm_plus_one: RMSNorm scales by 1 + w, w stored zero-centred (Gemma)
+#   scale_embedding: embeddings times sqrt(base_emb_dim) (Gemma)
+#   mlp_activation: the gate's nonlinearity, silu (SwiGLU) or gelu_tanh (GeGLU)
+_LLAMA = {"qk_norm": False, "sandwich_norms": False, "norm_plus_one": False, "scale_embedding": False,
+          "mlp_activation": "silu"}
+DECODER_BLOCKS = {
+    "llama2": _LLAMA,
+    "qwen3": {**_LLAMA, "qk_norm": True},
+    "gemma2": {**_LLAMA, "sandwich_norms": True, "norm_plus_one": True, "scale_embedding": True,
+               "mlp_activation": "gelu_tanh"},
+}
 
 
 class UserError(Exception):
@@ -153,7 +165,10 @@ def _validate(v: dict) -> None:
              "attention_chunk_size", f"must divide max_target_length={v['max_target_length']}", v)
   _require(v["rope_max_timescale"] > 0, "rope_max_timescale", "must be > 0", v)
   _one_of(v, "rope_type", ("default", "llama3.1"))
-  _require(v["final_logits_soft_cap"] >= 0, "final_logits_soft_cap", "must be >= 0 (0: no cap)", v)
+  for key in ("final_logits_soft_cap", "attn_logits_soft_cap"):
+    _require(v[key] >= 0, key, "must be >= 0 (0: no cap)", v)
+  _require(v["query_pre_attn_scalar"] >= 0, "query_pre_attn_scalar", "must be >= 0 (0: head_dim)", v)
+  _require(v["sliding_window_size"] >= 0, "sliding_window_size", "must be >= 0 (0: every layer attends globally)", v)
   _require(v["rope_high_freq_factor"] > v["rope_low_freq_factor"] > 0, "rope_high_freq_factor",
            f"must be > rope_low_freq_factor={v['rope_low_freq_factor']} > 0", v)
   _require(v["rope_scaling_factor"] > 0 and v["rope_original_max_position"] > 0, "rope_scaling_factor",
@@ -386,6 +401,10 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
   if values["attention"] == "flash" and values["platform"] not in FLASH_KERNELS:
     raise ConfigError(f"attention='flash': its kernels run on {' and '.join(sorted(FLASH_KERNELS))}, not on "
                       f"{values['platform']}; use attention=chunked (or dot_product)")
+  if values["attention"] == "flash" and values["platform"] == "gpu":
+    for key in ("attn_logits_soft_cap", "sliding_window_size"):
+      _require(not values[key], key, "must be 0 for attention=flash on GPU (the Triton kernel has neither "
+               "soft cap nor window); use attention=chunked", values)
   policy = values["remat_policy"]
   if policy != "none" and remat.saved_names(policy, values)[1]:
     if "pinned_host" not in memory_kinds:

@@ -50,8 +50,8 @@ def test_attention_matches_numpy_reference_with_gqa_causal_and_segments():
   tokens, positions, segments = model_inputs(config)
   x = jax.random.normal(jax.random.key(1), (*tokens.shape, config.base_emb_dim))
   attention = Attention(config)
-  params = nn.meta.unbox(attention.init(jax.random.key(0), x, positions, segments))["params"]
-  got = attention.apply({"params": params}, x, positions, segments)
+  params = nn.meta.unbox(attention.init(jax.random.key(0), x, positions, segments, 0))["params"]
+  got = attention.apply({"params": params}, x, positions, segments, 0)
   want = reference_attention(x, jax.tree.map(np.asarray, params), positions, segments, config)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
@@ -114,6 +114,25 @@ def test_every_stack_gives_the_same_loss_and_gradients_from_the_same_parameters(
   assert_trees_close(grads, want_grads, rtol=1e-5)
 
 
+GEMMA2 = ("decoder_block=gemma2", "base_num_decoder_layers=7", "sliding_window_size=5", "query_pre_attn_scalar=24",
+          "attn_logits_soft_cap=2", "final_logits_soft_cap=3", "logits_via_embedding=true")
+
+
+@pytest.mark.parametrize("settings", [("remat_layer_interval=3", "remat_policy=full"), ("remat_policy=minimal",),
+                                      ("attention=chunked", "attention_chunk_size=4")], ids=" ".join)
+def test_gemma2_gives_the_same_loss_and_gradients_under_every_memory_setting(settings):
+  """The sliding-window layers (even ones) are picked by a traced index inside the scan: in
+  blocks of 3 of 7 layers the second block starts at the odd layer 3, and layer 6 is left
+  over. Remat, and the soft cap and window inside query chunks, against the Python loop."""
+  reference = tiny_config(*GEMMA2, "scan_layers=false")
+  config = tiny_config(*GEMMA2, *settings)
+  params, inputs = init_params(reference), model_inputs(reference)
+  want_loss, want_grads = loss_and_grads(reference, params, inputs)
+  loss, grads = loss_and_grads(config, params, inputs)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  assert_trees_close(grads, want_grads, rtol=1e-5)
+
+
 def test_tied_embeddings_use_the_table_as_output_head():
   config = tiny_config("logits_via_embedding=true")
   params = init_params(config)
@@ -150,13 +169,16 @@ def test_chunked_attention_is_exact(chunk_size):
   assert_trees_close(grads, want_grads, rtol=1e-5)
 
 
-@pytest.mark.parametrize("platform, length, under_mesh",
-                         [("tpu", 256, False), ("tpu", 1024, True), ("gpu", 256, False), ("gpu", 256, True)])
-def test_flash_attention_is_exact_in_the_pallas_interpreter(platform, length, under_mesh):
+@pytest.mark.parametrize("platform, length, under_mesh, gemma2",
+                         [("tpu", 256, False, False), ("tpu", 1024, True, False), ("tpu", 1024, False, True),
+                          ("gpu", 256, False, False), ("gpu", 256, True, False)])
+def test_flash_attention_is_exact_in_the_pallas_interpreter(platform, length, under_mesh, gemma2):
   """Each platform's kernel run by Pallas's interpreter, against dot_product attention:
   values and gradients, float32, GQA, three packed documents whose boundaries fall inside
   kernel blocks; on TPU at 1024 tokens two 512-blocks, the upper one skipped by the causal
-  mask (the GPU kernel's blocks are 128 forward, 32 backward)."""
+  mask (the GPU kernel's blocks are 128 forward, 32 backward). With Gemma 2's options the
+  TPU kernel also takes a query scale, a soft cap and a 600-token window (chosen by a traced
+  flag, as in a scan), whose lower-left block is skipped too."""
   from MaxText import sharding
   from MaxText.layers.attentions import dot_product_attention, flash_attention
   rng = np.random.default_rng(0)
@@ -164,12 +186,14 @@ def test_flash_attention_is_exact_in_the_pallas_interpreter(platform, length, un
   doc = np.searchsorted([length * 3 // 8 + 5, length * 3 // 4 - 7], np.arange(length), side="right") + 1
   segments = jnp.asarray(np.stack([doc, np.ones(length, int)]), jnp.int32)
 
+  options = dict(scale=0.1, soft_cap=2.0, window=600) if gemma2 else {}
+
   def loss_and_grads(attend):
-    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, segments), q, k, v)
+    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, segments, **options), q, k, v)
     return out, vjp(jnp.cos(out))  # the gradients of sum(sin(out))
 
-  def flash(*args):
-    return flash_attention(*args, platform=platform, interpret=True)
+  def flash(*args, **kwargs):
+    return flash_attention(*args, platform=platform, sliding=jnp.asarray(True), interpret=True, **kwargs)
 
   want = loss_and_grads(dot_product_attention)
   if under_mesh:  # through shard_map over a mesh and the logical rules, as in the model

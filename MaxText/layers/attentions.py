@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from MaxText import vocab_tiling
 from MaxText.layers.embeddings import apply_rope, rope_timescales
 from MaxText.layers.linears import dense
 from MaxText.layers.normalizations import rms_norm
@@ -17,84 +18,120 @@ BATCH_LENGTH_HEADS = ("activation_batch", "activation_length", "activation_heads
 BATCH_FULL_LENGTH_KV_HEADS = ("activation_batch", None, "activation_kv_heads", None)
 
 
-def attention_mask(query_index, segment_ids):
+def attention_mask(query_index, segment_ids, window=None):
   """[B, 1, Tq, T] bool for queries at positions query_index [Tq] of rows with segment_ids
-  [B, T]: causal, and only within one packed document (same segment id)."""
-  causal = query_index[:, None] >= jnp.arange(segment_ids.shape[1])[None, :]
+  [B, T]: causal, only within one packed document (same segment id), and with a window
+  only the last `window` keys, the query's own included."""
+  distance = query_index[:, None] - jnp.arange(segment_ids.shape[1])[None, :]
+  allowed = distance >= 0 if window is None else (distance >= 0) & (distance < window)
   same_doc = jnp.take(segment_ids, query_index, axis=1)[:, :, None] == segment_ids[:, None, :]
-  return (causal[None] & same_doc)[:, None]
+  return (allowed[None] & same_doc)[:, None]
 
 
-def dot_product_attention(q, k, v, segment_ids):
+def attend(q, k, v, mask, scale, soft_cap):
+  """softmax(soft_cap(scale * q.k) where mask) . v over [B, T, N, H] rows, GQA. Without a cap,
+  jax.nn.dot_product_attention (which can pick a fused implementation); with one (Gemma 2)
+  the scores are formed here, since it has no cap."""
+  if not soft_cap:
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+  batch, length, heads, head_dim = q.shape
+  kv_heads = k.shape[2]
+  q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
+  scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+  scores = jnp.where(mask[:, :, None], vocab_tiling.soft_cap(scores, soft_cap), jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(batch, length, heads, head_dim)
+
+
+def dot_product_attention(q, k, v, segment_ids, scale=None, soft_cap=0.0, window=None):
   """All T x T scores at once: fastest, with memory quadratic in the sequence length."""
-  return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(jnp.arange(q.shape[1]), segment_ids))
+  mask = attention_mask(jnp.arange(q.shape[1]), segment_ids, window)
+  return attend(q, k, v, mask, q.shape[3]**-0.5 if scale is None else scale, soft_cap)
 
 
-def chunked_attention(q, k, v, segment_ids, num_chunks):
+def chunked_attention(q, k, v, segment_ids, num_chunks, scale=None, soft_cap=0.0, window=None):
   """The same attention, its queries in num_chunks chunks, each checkpointed: forward and
   backward hold one chunk's [T / num_chunks, T] scores instead of [T, T]. Chunk j takes
   positions t with t % num_chunks == j, so under sequence sharding every device works on
   every chunk (as vocabulary tiles do)."""
   length = q.shape[1]
+  scale = q.shape[3]**-0.5 if scale is None else scale
   index = jnp.arange(length).reshape(-1, num_chunks).T  # [chunks, T / chunks]
   chunks = jnp.moveaxis(q.reshape(q.shape[0], -1, num_chunks, *q.shape[2:]), 2, 0)
 
   @jax.checkpoint
-  def attend(q_chunk, q_index):
-    return jax.nn.dot_product_attention(q_chunk, k, v, mask=attention_mask(q_index, segment_ids))
+  def attend_chunk(q_chunk, q_index):
+    return attend(q_chunk, k, v, attention_mask(q_index, segment_ids, window), scale, soft_cap)
 
-  out = jax.lax.map(lambda args: attend(*args), (chunks, index))  # [chunks, B, T / chunks, N, H]
+  out = jax.lax.map(lambda args: attend_chunk(*args), (chunks, index))  # [chunks, B, T / chunks, N, H]
   return jnp.moveaxis(out, 0, 2).reshape(q.shape)
 
 
 FLASH_BLOCK = 512  # query and key block of the splash kernel, or the whole row when shorter
 
 
-def _splash_attention(q, k, v, segment_ids, interpret):
-  """TPU: Pallas splash attention on one device's whole rows, [B, T, N, H] in and out."""
+def _splash_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret):
+  """TPU: Pallas splash attention on one device's whole rows, [B, T, N, H] in and out; the
+  window is a local mask, whose blocks beyond it are skipped like those above the diagonal."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # noqa: PLC0415 (TPU kernels)
   length, block = q.shape[1], min(FLASH_BLOCK, q.shape[1])
-  mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * q.shape[2])
+  causal = (splash.LocalMask((length, length), (window - 1, 0), 0) if window
+            else splash.CausalMask((length, length)))
   kernel = splash.make_splash_mha(
-      mask=mask, head_shards=1, q_seq_shards=1, interpret=interpret,
+      mask=splash.MultiHeadMask([causal] * q.shape[2]), head_shards=1, q_seq_shards=1, interpret=interpret,
+      attn_logits_soft_cap=soft_cap or None,
       block_sizes=splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                                     block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
                                     block_kv_dq=block))
-  q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * q.shape[3]**-0.5, k, v))  # the kernel's [N, T, H] per row
+  q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * scale, k, v))  # the kernel's [N, T, H] per row
   out = jax.vmap(kernel)(q, k, v, segment_ids=splash.SegmentIds(segment_ids, segment_ids))
   return jnp.swapaxes(out, 1, 2)
 
 
-def _triton_attention(q, k, v, segment_ids, interpret):
+def _triton_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret):
   """GPU: JAX's Pallas (Triton) flash attention, the one fused kernel in JAX that takes
   segment ids (cuDNN's wants packed documents as offsets). It has no GQA, so each device
-  repeats its key and value heads; their gradients sum back over the repeats."""
+  repeats its key and value heads; their gradients sum back over the repeats. It has no
+  soft cap and no window either (pyconfig refuses those with it)."""
   from jax.experimental.pallas.ops.gpu import attention as triton  # noqa: PLC0415 (GPU kernels)
+  if soft_cap or window:
+    raise ValueError("the Triton flash attention kernel has no soft cap and no sliding window")
   groups = q.shape[2] // k.shape[2]
   k, v = (jnp.repeat(x, groups, axis=2) for x in (k, v))
-  return triton.mha(q, k, v, segment_ids, sm_scale=q.shape[3]**-0.5, causal=True, interpret=interpret)
+  return triton.mha(q, k, v, segment_ids, sm_scale=scale, causal=True, interpret=interpret)
 
 
 # attention=flash: per platform, a kernel over one device's whole rows [B, T, N, H]
 FLASH_KERNELS = {"tpu": _splash_attention, "gpu": _triton_attention}
 
 
-def flash_attention(q, k, v, segment_ids, platform, interpret=False):
+def flash_attention(q, k, v, segment_ids, platform, scale=None, soft_cap=0.0, window=None, sliding=True,
+                    interpret=False):
   """Fused attention, causal within each packed document: blocks of queries against blocks
   of keys, never a whole [T, T] score matrix; blocks the causal mask empties are skipped.
   Under a mesh the platform's kernel runs per device in shard_map, on its rows (batch over
   data/fsdp) and heads (tensor). Queries, keys and values are whole rows there: under
   sequence parallelism the queries are gathered too and every sequence shard computes its
   rows' whole attention (correct, but that work is repeated; chunked attention splits it).
+  A kernel's mask is static, so with a window and `sliding` a traced flag (the layer's, in
+  a scan) both kernels are built and lax.cond picks one.
   `interpret` runs the kernel in Pallas's interpreter (any backend, slowly: for tests)."""
-  attend = functools.partial(FLASH_KERNELS[platform], interpret=interpret)
+  kernel = functools.partial(FLASH_KERNELS[platform], scale=q.shape[3]**-0.5 if scale is None else scale,
+                             soft_cap=soft_cap, interpret=interpret)
+
+  def attend_rows(q, k, v, segment_ids):
+    if not window:
+      return kernel(q, k, v, segment_ids, window=None)
+    return jax.lax.cond(sliding, functools.partial(kernel, window=window), functools.partial(kernel, window=None),
+                        q, k, v, segment_ids)
+
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return attend(q, k, v, segment_ids)
+    return attend_rows(q, k, v, segment_ids)
   batch, _, heads, _ = nn.logical_to_mesh_axes(BATCH_LENGTH_HEADS)
   kv_heads = nn.logical_to_mesh_axes(BATCH_FULL_LENGTH_KV_HEADS)[2]
   rows = jax.sharding.PartitionSpec(batch, None, heads, None)
-  return jax.shard_map(attend, in_specs=(rows, jax.sharding.PartitionSpec(batch, None, kv_heads, None),
+  return jax.shard_map(attend_rows, in_specs=(rows, jax.sharding.PartitionSpec(batch, None, kv_heads, None),
                                          jax.sharding.PartitionSpec(batch, None, kv_heads, None),
                                          jax.sharding.PartitionSpec(batch, None)),
                        out_specs=rows, check_vma=False)(q, k, v, segment_ids)
@@ -106,7 +143,7 @@ class Attention(nn.Module):
   config: object
 
   @nn.compact
-  def __call__(self, x, positions, segment_ids):
+  def __call__(self, x, positions, segment_ids, layer_index):
     cfg = self.config
     heads, kv_heads, head_dim = cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
     q = dense((heads, head_dim), ("embed", "q_heads", "kv"), cfg, "query")(x)
@@ -122,12 +159,19 @@ class Attention(nn.Module):
     q = nn.with_logical_constraint(q, BATCH_LENGTH_HEADS)
     k = nn.with_logical_constraint(k, BATCH_FULL_LENGTH_KV_HEADS)
     v = nn.with_logical_constraint(v, BATCH_FULL_LENGTH_KV_HEADS)
-    if cfg.attention == "chunked":
-      context = chunked_attention(q, k, v, segment_ids, cfg.max_target_length // cfg.attention_chunk_size)
-    elif cfg.attention == "flash":
-      context = flash_attention(q, k, v, segment_ids, cfg.platform)
+    scale, soft_cap = (cfg.query_pre_attn_scalar or head_dim)**-0.5, cfg.attn_logits_soft_cap
+    # Gemma 2 alternates: even layers see a window of the last tokens, odd ones the whole row.
+    # layer_index is traced inside a scan, so the window is a value: the row length when global.
+    window, sliding = cfg.sliding_window_size or None, layer_index % 2 == 0
+    if cfg.attention == "flash":
+      context = flash_attention(q, k, v, segment_ids, cfg.platform, scale, soft_cap, window, sliding)
     else:
-      context = dot_product_attention(q, k, v, segment_ids)
+      window = jnp.where(sliding, window, x.shape[1]) if window else None
+      if cfg.attention == "chunked":
+        context = chunked_attention(q, k, v, segment_ids, cfg.max_target_length // cfg.attention_chunk_size,
+                                    scale, soft_cap, window)
+      else:
+        context = dot_product_attention(q, k, v, segment_ids, scale, soft_cap, window)
     context = checkpoint_name(nn.with_logical_constraint(context, BATCH_LENGTH_HEADS), "attention_out")
     out = dense(cfg.base_emb_dim, ("heads", "kv", "embed"), cfg, "out", num_in_axes=2)(context)
     return checkpoint_name(out, "out_proj")

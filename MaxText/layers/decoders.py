@@ -2,6 +2,7 @@
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import remat
@@ -13,26 +14,35 @@ BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed
 
 
 class DecoderLayer(nn.Module):
-  """Pre-norm Llama layer: x + attn(norm(x)), then h + mlp(norm(h))."""
+  """Pre-norm layer: x + attn(norm(x)), then h + mlp(norm(h)); with sandwich_norms (Gemma 2)
+  the attention's and the MLP's outputs are normed too before they join the residual.
+  The norms keep MaxText's (and Hugging Face's) names: post_self_attention_norm is the MLP's
+  input norm in Llama and the attention's output norm in Gemma 2. layer_index (a Python int,
+  or traced in a scan) picks the layer's attention window."""
 
   config: object
 
   @nn.compact
-  def __call__(self, x, positions, segment_ids):
+  def __call__(self, x, positions, segment_ids, layer_index):
     cfg = self.config
     x = checkpoint_name(nn.with_logical_constraint(x, BATCH_LENGTH_EMBED), "decoder_layer_input")
     attn = Attention(cfg, name="self_attention")(rms_norm(cfg, "pre_self_attention_norm")(x),
-                                                 positions, segment_ids)
+                                                 positions, segment_ids, layer_index)
+    if cfg.sandwich_norms:
+      attn = rms_norm(cfg, "post_self_attention_norm")(attn)
     h = nn.with_logical_constraint(x + attn, BATCH_LENGTH_EMBED)
-    mlp = MlpBlock(cfg, name="mlp")(rms_norm(cfg, "post_self_attention_norm")(h))
+    mlp_norm = "pre_ffw_norm" if cfg.sandwich_norms else "post_self_attention_norm"
+    mlp = MlpBlock(cfg, name="mlp")(rms_norm(cfg, mlp_norm)(h))
+    if cfg.sandwich_norms:
+      mlp = rms_norm(cfg, "post_ffw_norm")(mlp)
     return nn.with_logical_constraint(h + mlp, BATCH_LENGTH_EMBED)
 
 
 class ScannedDecoderLayer(DecoderLayer):
   """DecoderLayer with the (carry, per-step output) signature nn.scan expects."""
 
-  def __call__(self, x, positions, segment_ids):
-    return super().__call__(x, positions, segment_ids), None
+  def __call__(self, x, positions, segment_ids, layer_index):
+    return super().__call__(x, positions, segment_ids, layer_index), None
 
 
 def layer_class(cfg, checkpointed: bool, in_scan: bool):
@@ -47,24 +57,27 @@ def layer_class(cfg, checkpointed: bool, in_scan: bool):
 class DecoderBlock(nn.Module):
   """`num_layers` consecutive layers, layer_0 .. layer_{n-1}: the first applies the remat
   policy, the rest keep everything. With remat_layer_interval=N the stack is made of blocks
-  of N layers, so the policy applies to layers 0, N, 2N, ... exactly as with a Python loop."""
+  of N layers, so the policy applies to layers 0, N, 2N, ... exactly as with a Python loop.
+  first_index is the stack index of layer_0."""
 
   config: object
   num_layers: int
   in_scan: bool
 
   @nn.compact
-  def __call__(self, x, positions, segment_ids):
+  def __call__(self, x, positions, segment_ids, first_index):
     for i in range(self.num_layers):
       x = layer_class(self.config, i == 0, self.in_scan)(self.config, name=f"layer_{i}")(
-          x, positions, segment_ids)
+          x, positions, segment_ids, first_index + i)
     return x, None  # (carry, per-step output) as nn.scan expects
 
 
-def scanned_blocks(cfg, interval: int, groups: int, name: str):
-  return nn.scan(DecoderBlock, variable_axes={"params": 0}, split_rngs={"params": True},
-                 in_axes=(nn.broadcast, nn.broadcast), length=groups,
-                 metadata_params={nn.PARTITION_NAME: "layers"})(cfg, interval, True, name=name)
+def scanned(module, cfg, length: int, *args, name: str):
+  """nn.scan of module(cfg, *args) over `length` steps: parameters stacked on a `layers`
+  axis, the carry x, positions and segment ids broadcast, one index per step scanned."""
+  return nn.scan(module, variable_axes={"params": 0}, split_rngs={"params": True},
+                 in_axes=(nn.broadcast, nn.broadcast, 0), length=length,
+                 metadata_params={nn.PARTITION_NAME: "layers"})(cfg, *args, name=name)
 
 
 class LayerStack(nn.Module):
@@ -80,12 +93,13 @@ class LayerStack(nn.Module):
     depth, interval = cfg.base_num_decoder_layers, cfg.remat_layer_interval
     if not cfg.scan_layers:
       for i in range(depth):
-        x = layer_class(cfg, i % interval == 0, False)(cfg, name=f"layer_{i}")(x, positions, segment_ids)
+        x = layer_class(cfg, i % interval == 0, False)(cfg, name=f"layer_{i}")(x, positions, segment_ids, i)
       return x
     groups, rest = divmod(depth, interval)
-    x, _ = scanned_blocks(cfg, interval, groups, "blocks")(x, positions, segment_ids)
+    x, _ = scanned(DecoderBlock, cfg, groups, interval, True, name="blocks")(
+        x, positions, segment_ids, jnp.arange(groups) * interval)
     if rest:
-      x, _ = DecoderBlock(cfg, rest, False, name="rest")(x, positions, segment_ids)
+      x, _ = DecoderBlock(cfg, rest, False, name="rest")(x, positions, segment_ids, groups * interval)
     return x
 
 
@@ -121,10 +135,8 @@ class Decoder(nn.Module):
   def __call__(self, x, positions, segment_ids):
     cfg = self.config
     if self.is_initializing():
-      layers = nn.scan(ScannedDecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-                       in_axes=(nn.broadcast, nn.broadcast), length=cfg.base_num_decoder_layers,
-                       metadata_params={nn.PARTITION_NAME: "layers"})
-      x, _ = layers(cfg, name="layers")(x, positions, segment_ids)
+      depth = cfg.base_num_decoder_layers
+      x, _ = scanned(ScannedDecoderLayer, cfg, depth, name="layers")(x, positions, segment_ids, jnp.arange(depth))
     else:
       stack = nn.map_variables(LayerStack, "params", trans_in_fn=lambda v: {"params": regroup(cfg, v["params"])})
       x = stack(cfg, name="layers")(x, positions, segment_ids)

@@ -1,10 +1,12 @@
-"""Projections and the SwiGLU MLP."""
+"""Projections and the gated MLP (SwiGLU, GeGLU)."""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+# mlp_activation -> the gate's nonlinearity: SwiGLU (Llama, Qwen) or GeGLU with tanh GELU (Gemma)
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 def kernel_init(num_in_axes: int):
@@ -44,7 +46,7 @@ def dense(features, kernel_axes, config, name, num_in_axes=1):
 
 
 class MlpBlock(nn.Module):
-  """SwiGLU: wo(silu(wi_0 x) * wi_1 x)."""
+  """wo(act(wi_0 x) * wi_1 x), act from mlp_activation."""
 
   config: object
 
@@ -53,7 +55,7 @@ class MlpBlock(nn.Module):
     cfg = self.config
     gate = checkpoint_name(dense(cfg.base_mlp_dim, ("embed", "mlp"), cfg, "wi_0")(x), "mlpwi_0")
     up = checkpoint_name(dense(cfg.base_mlp_dim, ("embed", "mlp"), cfg, "wi_1")(x), "mlpwi_1")
-    h = nn.with_logical_constraint(jax.nn.silu(gate) * up,
+    h = nn.with_logical_constraint(ACTIVATIONS[cfg.mlp_activation](gate) * up,
                                    ("activation_batch", "activation_length", "activation_mlp"))
     out = dense(cfg.base_emb_dim, ("mlp", "embed"), cfg, "wo")(h)
     return checkpoint_name(out, "mlpwo")

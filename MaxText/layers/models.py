@@ -26,7 +26,10 @@ class Transformer(nn.Module):
     cfg = self.config
     dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
     embed = Embed(cfg.vocab_size, cfg.base_emb_dim, dtype, weight_dtype, name="token_embedder")
-    hidden = Decoder(cfg, name="decoder")(embed(tokens), positions, segment_ids)
+    x = embed(tokens)
+    if cfg.scale_embedding:
+      x = x * jnp.asarray(cfg.base_emb_dim**0.5, x.dtype)
+    hidden = Decoder(cfg, name="decoder")(x, positions, segment_ids)
     if cfg.logits_via_embedding:
       kernel = embed.embedding.T
     else:
