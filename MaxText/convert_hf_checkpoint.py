@@ -9,9 +9,9 @@ Export, a checkpoint (a step directory of any run) to a Hugging Face model direc
 
 hf_path is a Hugging Face model directory (config.json and *.safetensors, as
 `save_pretrained` or `huggingface-cli download` leave it) of a LlamaForCausalLM (Llama 2,
-3, 3.1, 3.2) or Qwen3ForCausalLM. Its shape must be the config's (vocabulary, widths, heads,
-layers, tied head, RoPE base and scaling, family): a mismatch is one line naming the key,
-exit 2, nothing written.
+3, 3.1, 3.2), Qwen3ForCausalLM or Gemma2ForCausalLM. Its shape must be the config's
+(vocabulary, widths, heads, layers, tied head, RoPE base and scaling, soft caps, query scale,
+sliding window, family): a mismatch is one line naming the key, exit 2, nothing written.
 Then: python -m MaxText.train ... load_parameters_path=OUTPUT_PATH (same model keys).
 """
 
@@ -32,8 +32,17 @@ from safetensors.numpy import load_file, save_file
 
 from MaxText import checkpointing, metrics, pyconfig
 
-# Hugging Face architecture -> decoder_block
-ARCHITECTURES = {"LlamaForCausalLM": "llama2", "Qwen3ForCausalLM": "qwen3"}
+# decoder_block -> (Hugging Face architecture, model_type, name of its activation key, activation)
+FAMILIES = {"llama2": ("LlamaForCausalLM", "llama", "hidden_act", "silu"),
+            "qwen3": ("Qwen3ForCausalLM", "qwen3", "hidden_act", "silu"),
+            "gemma2": ("Gemma2ForCausalLM", "gemma2", "hidden_activation", "gelu_pytorch_tanh")}
+ARCHITECTURES = {architecture: block for block, (architecture, *_) in FAMILIES.items()}
+
+
+def layer_types(config) -> list:
+  """Hugging Face's per-layer attention kinds for this config (sliding on even layers)."""
+  return ["sliding_attention" if config.sliding_window_size and i % 2 == 0 else "full_attention"
+          for i in range(config.base_num_decoder_layers)]
 
 
 def _expected(config) -> dict:
@@ -44,6 +53,9 @@ def _expected(config) -> dict:
           "base_num_decoder_layers": config.base_num_decoder_layers, "head_dim": config.head_dim,
           "logits_via_embedding": config.logits_via_embedding, "rope_max_timescale": float(config.rope_max_timescale),
           "normalization_layer_epsilon": config.normalization_layer_epsilon, "rope_type": config.rope_type,
+          "attn_logits_soft_cap": config.attn_logits_soft_cap, "final_logits_soft_cap": config.final_logits_soft_cap,
+          "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim,
+          "sliding_window_size": config.sliding_window_size,
           **({"rope_scaling_factor": config.rope_scaling_factor, "rope_low_freq_factor": config.rope_low_freq_factor,
               "rope_high_freq_factor": config.rope_high_freq_factor,
               "rope_original_max_position": config.rope_original_max_position}
@@ -53,19 +65,29 @@ def _expected(config) -> dict:
 def _found(hf: dict) -> dict:
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   rope_type = rope.get("rope_type", rope.get("type", "default"))
+  head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+  kinds = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
+  window = 0
+  if "sliding_attention" in kinds:
+    alternating = [("full_attention", "sliding_attention")[i % 2 == 0] for i in range(len(kinds))]
+    window = (hf["sliding_window"] if kinds == alternating
+              else f"layer_types {kinds} (supported: sliding on even layers only)")
   return {"decoder_block": ARCHITECTURES.get((hf.get("architectures") or ["?"])[0], hf.get("architectures")),
           "vocab_size": hf["vocab_size"], "base_emb_dim": hf["hidden_size"], "base_mlp_dim": hf["intermediate_size"],
           "base_num_query_heads": hf["num_attention_heads"],
           "base_num_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
           "base_num_decoder_layers": hf["num_hidden_layers"],
-          "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+          "head_dim": head_dim,
           "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
           "rope_max_timescale": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
           "normalization_layer_epsilon": hf["rms_norm_eps"],
           "rope_type": {"default": "default", "llama3": "llama3.1"}.get(rope_type, f"{rope_type} (not supported)"),
           "rope_scaling_factor": rope.get("factor"), "rope_low_freq_factor": rope.get("low_freq_factor"),
           "rope_high_freq_factor": rope.get("high_freq_factor"),
-          "rope_original_max_position": rope.get("original_max_position_embeddings")}
+          "rope_original_max_position": rope.get("original_max_position_embeddings"),
+          "attn_logits_soft_cap": float(hf.get("attn_logit_softcapping") or 0),
+          "final_logits_soft_cap": float(hf.get("final_logit_softcapping") or 0),
+          "query_pre_attn_scalar": hf.get("query_pre_attn_scalar") or head_dim, "sliding_window_size": window}
 
 
 def check_shape(config, hf: dict, hf_path: str) -> None:
@@ -97,6 +119,11 @@ def _layout(config):
       (("decoder", "layers", "post_self_attention_norm", "scale"), layer + "post_attention_layernorm.weight", True,
        (dim,), 0),
   ]
+  if config.sandwich_norms:
+    entries += [(("decoder", "layers", "pre_ffw_norm", "scale"), layer + "pre_feedforward_layernorm.weight", True,
+                 (dim,), 0),
+                (("decoder", "layers", "post_ffw_norm", "scale"), layer + "post_feedforward_layernorm.weight", True,
+                 (dim,), 0)]
   if config.qk_norm:
     entries += [((*attention, "query_norm", "scale"), layer + "self_attn.q_norm.weight", True, (head_dim,), 0),
                 ((*attention, "key_norm", "scale"), layer + "self_attn.k_norm.weight", True, (head_dim,), 0)]
@@ -139,15 +166,19 @@ def hf_config(config) -> dict:
     rope.update(rope_type="llama3", factor=config.rope_scaling_factor, low_freq_factor=config.rope_low_freq_factor,
                 high_freq_factor=config.rope_high_freq_factor,
                 original_max_position_embeddings=config.rope_original_max_position)
-  architecture = {v: k for k, v in ARCHITECTURES.items()}[config.decoder_block]
-  return {"architectures": [architecture], "model_type": {"llama2": "llama", "qwen3": "qwen3"}[config.decoder_block],
+  architecture, model_type, activation_key, activation = FAMILIES[config.decoder_block]
+  return {"architectures": [architecture], "model_type": model_type,
           "vocab_size": config.vocab_size, "hidden_size": config.base_emb_dim,
           "intermediate_size": config.base_mlp_dim, "num_hidden_layers": config.base_num_decoder_layers,
           "num_attention_heads": config.base_num_query_heads, "num_key_value_heads": config.base_num_kv_heads,
-          "head_dim": config.head_dim, "hidden_act": "silu", "rms_norm_eps": config.normalization_layer_epsilon,
+          "head_dim": config.head_dim, activation_key: activation, "rms_norm_eps": config.normalization_layer_epsilon,
           "max_position_embeddings": config.max_target_length, "tie_word_embeddings": config.logits_via_embedding,
           "rope_theta": float(config.rope_max_timescale), "rope_scaling": rope if config.rope_type != "default" else None,
-          "rope_parameters": rope, "attention_bias": False, "torch_dtype": config.weight_dtype}
+          "rope_parameters": rope, "attention_bias": False, "torch_dtype": config.weight_dtype,
+          "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim,
+          "attn_logit_softcapping": config.attn_logits_soft_cap or None,
+          "final_logit_softcapping": config.final_logits_soft_cap or None,
+          "sliding_window": config.sliding_window_size or None, "layer_types": layer_types(config)}
 
 
 def read(hf_path: str) -> tuple[dict, dict]:

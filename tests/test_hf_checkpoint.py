@@ -1,5 +1,6 @@
 """Hugging Face checkpoints: converted weights give transformers' own logits (golden files
-written by tests/assets/hf/make_golden.py from random LlamaForCausalLM / Qwen3ForCausalLM)."""
+written by tests/assets/hf/make_golden.py from random LlamaForCausalLM, Qwen3ForCausalLM and
+Gemma2ForCausalLM)."""
 
 import numpy as np
 import pytest
@@ -16,7 +17,9 @@ LLAMA31_ROPE = ("rope_type=llama3.1", "rope_scaling_factor=8", "rope_low_freq_fa
                 "rope_original_max_position=16")
 FAMILIES = {"llama": ("decoder_block=llama2", "logits_via_embedding=false"),
             "qwen3": ("decoder_block=qwen3", "logits_via_embedding=true"),
-            "llama3.1": ("decoder_block=llama2", "logits_via_embedding=true", *LLAMA31_ROPE)}
+            "llama3.1": ("decoder_block=llama2", "logits_via_embedding=true", *LLAMA31_ROPE),
+            "gemma2": ("decoder_block=gemma2", "logits_via_embedding=true", "sliding_window_size=8",
+                       "query_pre_attn_scalar=24", "attn_logits_soft_cap=2", "final_logits_soft_cap=3")}
 
 
 def logits_and_golden(family, config):
@@ -40,15 +43,19 @@ def test_converted_weights_give_the_hugging_face_logits(family, settings):
   np.testing.assert_allclose(logits / scale, golden / scale, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("family, without", [("qwen3", "decoder_block=llama2"), ("llama3.1", "rope_type=default")])
+@pytest.mark.parametrize("family, without", [
+    ("qwen3", "decoder_block=llama2"), ("llama3.1", "rope_type=default"), ("gemma2", "decoder_block=llama2"),
+    ("gemma2", "sliding_window_size=0"), ("gemma2", "query_pre_attn_scalar=0"), ("gemma2", "attn_logits_soft_cap=0"),
+    ("gemma2", "final_logits_soft_cap=0")])
 def test_without_the_family_feature_the_logits_are_not_matched(family, without):
-  """Qwen3's q/k norms and Llama 3.1's RoPE rescaling matter: the same weights without them
-  miss transformers' logits by over 100 times what the parity test allows."""
+  """Qwen3's q/k norms, Llama 3.1's RoPE rescaling and each of Gemma 2's features matter: the
+  same weights without one miss transformers' logits by over 100 times what the parity test
+  allows."""
   logits, golden = logits_and_golden(family, tiny_config(*SHAPE, *FAMILIES[family], without))
   assert np.abs(logits - golden).max() > 1e-3 * np.abs(golden).max()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama3.1"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3.1", "gemma2"])
 def test_import_then_export_gives_back_the_hugging_face_model_and_a_run_starts_from_it(tmp_path, family):
   """Hugging Face -> checkpoint -> Hugging Face: the same tensors bit for bit, a config.json
   that imports again, and the checkpoint starts a training run."""

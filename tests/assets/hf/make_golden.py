@@ -1,5 +1,5 @@
 """Writes the Hugging Face parity assets: python tests/assets/hf/make_golden.py (needs torch
-and transformers, which are not runtime dependencies; any versions that have Qwen3).
+and transformers, which are not runtime dependencies; any versions that have Qwen3 and Gemma 2).
 
 For each family, a small randomly initialised transformers model saved as Hugging Face does
 (config.json, model.safetensors) and its float32 logits on fixed tokens (golden.npz), which
@@ -23,6 +23,11 @@ MODELS = {
         tie_word_embeddings=True, rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
                                                        low_freq_factor=1.0, high_freq_factor=4.0,
                                                        original_max_position_embeddings=16))),
+    # Gemma 2 with every feature made to bite at this size: a window of 8 of the 24 tokens,
+    # query scale and both soft caps small enough that the caps are far from linear.
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
+        tie_word_embeddings=True, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0, initializer_range=0.2)),
 }
 
 
@@ -31,7 +36,8 @@ def main():
   tokens = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (2, 24))
   for name, (config_class, model_class, extra) in MODELS.items():
     torch.manual_seed(0)
-    model = model_class(config_class(**SHAPE, **extra, torch_dtype="float32")).eval()
+    # eager: the attention that applies Gemma 2's soft cap (SDPA has none)
+    model = model_class(config_class(**SHAPE, **extra, torch_dtype="float32", attn_implementation="eager")).eval()
     with torch.no_grad():  # random norms too, so a norm mapped to the wrong place shows
       for param_name, param in model.named_parameters():
         if param_name.endswith("norm.weight"):
