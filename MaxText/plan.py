@@ -153,7 +153,7 @@ def evaluate(argv: list, settings: dict, rates: tuple) -> dict:
   except pyconfig.ConfigError as e:
     return {**record, "status": "invalid", "reason": str(e)}
   except pyconfig.UserError as e:  # the TPU compiler refuses a step larger than HBM
-    return {**record, "status": "does not fit", "reason": str(e)}
+    return {**record, "status": "does not fit", "reason": str(e).removeprefix("does not fit: ")}
   except Exception as e:  # noqa: BLE001 (a compiler failure is a result to report, not the end of the search)
     return {**record, "status": "failed", "reason": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
   cost = compiled.cost_analysis()
