@@ -5,9 +5,10 @@ Finds the fastest num_vocab_tiling x remat_policy x remat_layer_interval x per_d
 train_compile compiles for: a TPU slice (compile_topology=v5p-64), or the visible devices
 (JAX_NUM_CPU_DEVICES=N simulates N). Every other key is held as given, and so is a search key
 given on the command line. Each candidate is the train step `train` runs, AOT-compiled: memory
-from memory_analysis(), HBM bytes from cost_analysis(), FLOPs from the traced step (recomputation
-included). Its predicted step time is a roofline per device, max(FLOPs / peak FLOP/s, bytes / HBM
-bandwidth), from the chip table (on CPU, both rates are measured once at start-up).
+from memory_analysis(), HBM bytes from cost_analysis() plus the matmuls' bytes at their loop
+trip counts, FLOPs from the traced step (recomputation included). Its predicted step time is a
+roofline per device, max(FLOPs / peak FLOP/s, bytes / HBM bandwidth), from the chip table (on
+CPU, both rates are measured once at start-up).
 
 The search walks, for each remat_policy x remat_layer_interval x gradient_accumulation_steps,
 up the plan_per_device_batch_sizes ladder; at each batch size, up plan_num_vocab_tiling until the
@@ -158,13 +159,12 @@ def evaluate(argv: list, settings: dict, rates: tuple) -> dict:
     return {**record, "status": "failed", "reason": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
-  step_flops = metrics.matmul_flops(train.trace_train_step(trainer, config).jaxpr)
+  jaxpr = train.trace_train_step(trainer, config).jaxpr
+  step_flops = metrics.matmul_flops(jaxpr)
   per_device = step_flops / config.num_devices
-  # cost_analysis counts a loop body (scanned layers, vocabulary tiles) once; its bytes are
-  # scaled by the factor its FLOPs fall short of the traced ones: the loops are taken to have
-  # the program's bytes per FLOP.
-  undercount = max(1.0, per_device / cost["flops"]) if cost.get("flops") else 1.0
-  hbm_bytes = cost.get("bytes accessed", 0.0) * undercount
+  # XLA's bytes count a loop body (scanned layers, vocabulary tiles) once; the matmuls' operand
+  # and result bytes at their trip counts are added (so a loop body's matmuls count once more).
+  hbm_bytes = cost.get("bytes accessed", 0.0) + metrics.matmul_bytes(jaxpr) / config.num_devices
   peak, bandwidth, _ = rates
   compute_s, memory_s = per_device / peak, hbm_bytes / bandwidth
   seconds = max(compute_s, memory_s)
@@ -173,6 +173,7 @@ def evaluate(argv: list, settings: dict, rates: tuple) -> dict:
   return {**record, "status": "ok", **metrics.memory_stats(compiled), "tokens_per_step": tokens,
           "model_flops_per_step": model_flops, "step_flops_per_step": step_flops,
           "recompute_ratio": step_flops / model_flops, "cost_analysis_flops_per_device": cost.get("flops", 0.0),
+          "cost_analysis_bytes_per_device": cost.get("bytes accessed", 0.0),
           "hbm_bytes_per_device": hbm_bytes, "roofline_seconds": seconds,
           "bound": "compute" if compute_s >= memory_s else "memory",
           "tokens_per_second_per_chip": tokens / config.num_devices / seconds}

@@ -1,6 +1,7 @@
 """The memory planner (MaxText.plan) and `auto` keys, on tiny models."""
 
 import json
+import re
 
 import pytest
 
@@ -118,3 +119,14 @@ def test_auto_trains_exactly_as_the_setting_it_chose_given_explicitly(tmp_path, 
   train.train(pyconfig.initialize(_argv(*common, *plan._assignments(settings), "run_name=explicit",
                                         f"metrics_file={tmp_path}/explicit.jsonl")))
   assert metrics_losses(tmp_path / "auto.jsonl") == metrics_losses(tmp_path / "explicit.jsonl")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("plan_num_vocab_tiling=[4,1]", "plan_num_vocab_tiling=[4, 1]: must be a non-empty ascending list"),
+    ("plan_per_device_batch_sizes=[]", "non-empty ascending list"),
+    ("plan_remat_policies=[custom]", "must list names from none, minimal"),
+    ("hbm_budget_gib=-1", "must be >= 0"),
+])
+def test_bad_plan_keys_are_config_errors(override, message):
+  with pytest.raises(pyconfig.ConfigError, match=re.escape(message)):
+    pyconfig.initialize(_argv(override))
