@@ -22,17 +22,19 @@ def _argv(*overrides):
 def searched():
   """(records, budget): the pruned search, with the budget set to what full remat needs at
   batch 4 untiled, so the ladders stop inside the search space."""
-  config = pyconfig.initialize(_argv(*SEARCH))
+  search = (*SEARCH, "plan_per_device_batch_sizes=[2,4,8,16]")
+  config = pyconfig.initialize(_argv(*search))
   device = pyconfig.devices("", 1)[0]
   rates = plan.roofline_rates(device)
   reference = plan.evaluate(_argv(), {"remat_policy": "full", "per_device_batch_size": 4, "num_vocab_tiling": 1}, rates)
   budget = reference["total_bytes"]
   free = ("remat_policy", "per_device_batch_size", "num_vocab_tiling")
-  return plan.search(_argv(*SEARCH), plan.search_space(config, free), budget, rates, workers=1), budget
+  return plan.search(_argv(*search), plan.search_space(config, free), budget, rates, workers=1), budget
 
 
 def test_the_search_stops_each_ladder_where_the_issue_says(searched):
   records, budget = searched
+  ladder = [2, 4, 8, 16]
   chains = {}
   for r in records:
     chains.setdefault(r["settings"]["remat_policy"], []).append(r)
@@ -47,8 +49,10 @@ def test_the_search_stops_each_ladder_where_the_issue_says(searched):
       # a setting that fits at no tile count is not tried at a larger batch
       if not fitting:
         assert batch == batches[-1]
+    assert batches == ladder[:len(batches)]
     assert all(r["fits"] == (r["total_bytes"] <= budget) for r in chain)
-  assert any(r["fits"] for r in records) and not all(r["fits"] for r in records)
+  # the budget stops a ladder inside the search space, so the rule above is exercised
+  assert any(max(r["settings"]["per_device_batch_size"] for r in chain) < ladder[-1] for chain in chains.values())
 
 
 def test_the_choice_is_the_fastest_prediction_that_fits(searched):
