@@ -106,9 +106,13 @@ def test_auto_resolves_once_per_fingerprint_and_reuses_it(tmp_path, monkeypatch)
     plan.resolve_auto([*argv, "base_emb_dim=64"])
 
 
-def test_auto_contradicting_custom_actions_is_a_config_error():
-  with pytest.raises(pyconfig.ConfigError, match="remat_policy=auto: query_proj only apply to remat_policy=custom"):
-    plan.resolve_auto(_argv("remat_policy=auto", "query_proj=device"))
+def test_auto_contradicting_custom_actions_is_one_line_exit_2(tmp_path):
+  result = run_cli("train_compile", *HEAD_HEAVY, "remat_policy=auto", "query_proj=device",
+                   f"base_output_directory={tmp_path}")
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert result.stderr.strip() == ("config error: remat_policy=auto: query_proj only apply to remat_policy=custom, "
+                                   "which auto never picks; drop them or name the policy")
+  assert not list(tmp_path.iterdir())
 
 
 def test_auto_trains_exactly_as_the_setting_it_chose_given_explicitly(tmp_path, caplog):
