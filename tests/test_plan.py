@@ -3,10 +3,12 @@
 import json
 import re
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from conftest import BASE_YML, TINY, metrics_losses, run_cli
-from MaxText import plan, pyconfig, train
+from MaxText import metrics, plan, pyconfig, train
 
 # Head-heavy: 2048-token vocabulary, 32 positions, so vocabulary tiling changes the memory.
 HEAD_HEAVY = (*TINY, "vocab_size=2048", "max_target_length=32")
@@ -138,3 +140,11 @@ def test_auto_trains_exactly_as_the_setting_it_chose_given_explicitly(tmp_path, 
 def test_bad_plan_keys_are_config_errors(override, message):
   with pytest.raises(pyconfig.ConfigError, match=re.escape(message)):
     pyconfig.initialize(_argv(override))
+
+
+def test_matmul_bytes_count_operands_and_result_at_loop_trip_counts():
+  def layers(x, w):
+    return jax.lax.scan(lambda h, _: (h @ w, None), x, None, length=3)[0]
+
+  jaxpr = jax.make_jaxpr(layers)(jnp.ones((8, 16), jnp.float32), jnp.ones((16, 16), jnp.float32)).jaxpr
+  assert metrics.matmul_bytes(jaxpr) == 3 * 4 * (8 * 16 + 16 * 16 + 8 * 16)
