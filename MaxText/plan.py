@@ -318,6 +318,15 @@ def report(records: list, chosen: dict, budget: int, how: str, train_line: str) 
   markdown = (f"Pareto front of the {len(fitting)} candidates that fit {common.gib(budget)} GiB per device ({how}), "
               f"of {len(records)} compiled:\n\n{table}\n\n" + ("Compiles that failed:\n" + "\n".join(failed) + "\n\n"
                                                                  if failed else "") + f"Chosen:\n\n    {train_line}")
+  # MaxText's defaults: full remat on every layer, no tiling, the largest batch that fits.
+  defaults = [r for r in fitting.values() if r["settings"]["remat_policy"] == "full" and r["settings"]["num_vocab_tiling"]
+              == 1 and r["settings"]["remat_layer_interval"] == 1 and r["settings"]["gradient_accumulation_steps"] == 1]
+  if defaults:
+    default = max(defaults, key=lambda r: r["settings"]["per_device_batch_size"])
+    markdown += (f"\n\nMaxText's defaults (remat_policy=full, 1 tile, the largest batch that fits among those compiled: "
+                 f"{default['settings']['per_device_batch_size']:g}) predict {default['tokens_per_second_per_chip']:,.0f} "
+                 f"tokens/s/chip at {common.gib(default['total_bytes'])} GiB; the choice "
+                 f"{chosen['tokens_per_second_per_chip'] / default['tokens_per_second_per_chip'] - 1:+.1%}.")
   figure, axis = plt.subplots(figsize=(9, 6))
   for name, r in sized.items():
     color = "tab:red" if name in front else "tab:blue" if r["fits"] else "tab:gray"
