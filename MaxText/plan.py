@@ -241,7 +241,8 @@ def choose(records: list, budget: int, how: str) -> dict:
     raise pyconfig.UserError(f"no candidate compiled ({len(records)} tried): {'; '.join(reasons)[:500]}")
   smallest = min(sized, key=lambda r: r["total_bytes"])
   raise pyconfig.ConfigError(
-      f"hbm_budget_gib={budget / 2**30:.2f} ({how}): below every candidate; the smallest found needs "
+      f"hbm_budget_gib: the budget of {budget / 2**30:.4g} GiB per device ({how}) is below every candidate; the "
+      f"smallest found needs "
       f"{smallest['total_bytes'] / 2**30:.2f} GiB per device ({describe(smallest['settings'])})")
 
 

@@ -86,7 +86,8 @@ def test_plan_exits_2_naming_the_smallest_when_the_budget_is_below_every_candida
                    "hbm_budget_gib=0.0001", f"base_output_directory={tmp_path}")
   assert result.returncode == 2, result.stderr[-3000:]
   assert len(result.stderr.strip().splitlines()) == 1
-  assert "below every candidate; the smallest found needs" in result.stderr and "remat_policy=full" in result.stderr
+  assert result.stderr.startswith("config error: hbm_budget_gib: the budget of 0.0001 GiB per device")
+  assert "is below every candidate; the smallest found needs" in result.stderr and "remat_policy=full" in result.stderr
   assert not list(tmp_path.iterdir())
 
 
