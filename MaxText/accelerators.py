@@ -31,20 +31,22 @@ _quiet_libtpu_without_tpus()
 class Chip(NamedTuple):
   hbm_gib: float  # memory per chip (per JAX device)
   peak_bf16_tflops: float  # dense bfloat16, per chip
+  hbm_gb_per_s: float  # HBM bandwidth per chip, 10^9 bytes/s (the planner's roofline)
   torus_dims: int = 0  # TPU only: 3 (v4, v5p) or 2 (v5e, v6e)
   cores_per_chip: int = 1  # TensorCores the slice name counts per chip
   max_chips: int = 0  # largest slice
 
 
-# Generation name -> chip, from the vendors' published specifications.
+# Generation name -> chip, from the vendors' published specifications (memory, peak FLOP/s
+# and HBM bandwidth are the vendors' figures, not measured here; H100 and H200 are the SXM parts).
 CHIPS = {
-    "v4": Chip(32, 275, 3, 2, 4096),
-    "v5e": Chip(16, 197, 2, 1, 256),
-    "v5p": Chip(95, 459, 3, 2, 8192),
-    "v6e": Chip(32, 918, 2, 1, 256),
-    "A100": Chip(80, 312),
-    "H100": Chip(80, 989),
-    "H200": Chip(141, 989),
+    "v4": Chip(32, 275, 1228, 3, 2, 4096),
+    "v5e": Chip(16, 197, 819, 2, 1, 256),
+    "v5p": Chip(95, 459, 2765, 3, 2, 8192),
+    "v6e": Chip(32, 918, 1640, 2, 1, 256),
+    "A100": Chip(80, 312, 2039),
+    "H100": Chip(80, 989, 3350),
+    "H200": Chip(141, 989, 4800),
 }
 SLICE_GENERATIONS = {"v4": "v4", "v5e": "v5e", "v5litepod": "v5e", "v5p": "v5p", "v6e": "v6e"}
 # A fragment of JAX's device_kind -> generation; the first fragment found wins ("v5 lite"

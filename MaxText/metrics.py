@@ -38,19 +38,27 @@ def training_flops_per_step(config) -> float:
   return 3 * (matmul + attention)
 
 
-def matmul_flops(jaxpr) -> float:
-  """FLOPs of the matrix products a jaxpr executes, all devices together: loop bodies times
-  their trip counts, remat's recomputation included (it is in the traced backward pass), the
-  larger branch of a cond. XLA's cost analysis counts a loop body once, which undercounts
-  scanned layers and vocabulary tiles."""
+def _dot_flops(eqn) -> float:
+  (contracting, _), _ = eqn.params["dimension_numbers"]
+  lhs = eqn.invars[0].aval
+  return 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in contracting)
+
+
+def _dot_bytes(eqn) -> float:
+  return sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in (*eqn.invars, *eqn.outvars))
+
+
+def _executed(jaxpr, cost) -> float:
+  """cost(eqn) summed over the matrix products a jaxpr executes, all devices together: loop
+  bodies times their trip counts, remat's recomputation included (it is in the traced backward
+  pass), the larger branch of a cond. XLA's cost analysis counts a loop body once, which
+  undercounts scanned layers and vocabulary tiles."""
   total = 0.0
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":
-      (contracting, _), _ = eqn.params["dimension_numbers"]
-      lhs = eqn.invars[0].aval
-      total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in contracting)
+      total += cost(eqn)
       continue
-    inner = [matmul_flops(getattr(sub, "jaxpr", sub)) for value in eqn.params.values()
+    inner = [_executed(getattr(sub, "jaxpr", sub), cost) for value in eqn.params.values()
              for sub in (value if isinstance(value, (tuple, list)) else (value,))
              if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))]
     if eqn.primitive.name == "scan":
@@ -62,6 +70,17 @@ def matmul_flops(jaxpr) -> float:
     else:
       total += sum(inner)
   return total
+
+
+def matmul_flops(jaxpr) -> float:
+  """FLOPs of the matrix products a jaxpr executes (see _executed)."""
+  return _executed(jaxpr, _dot_flops)
+
+
+def matmul_bytes(jaxpr) -> float:
+  """Bytes the matrix products a jaxpr executes read and write, each operand and result once
+  (see _executed): the memory traffic of the matmuls, fusion aside."""
+  return _executed(jaxpr, _dot_bytes)
 
 
 def peak_tflops(device_kind: str) -> float | None:

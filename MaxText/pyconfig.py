@@ -209,6 +209,7 @@ def _validate(v: dict) -> None:
   _validate_axis_rules(v["logical_axis_rules"])
   _validate_remat(v)
   _validate_vocab_tiling(v)
+  _validate_plan(v)
   if v["compile_topology"]:
     try:
       accelerators.parse_slice(v["compile_topology"])
@@ -245,6 +246,20 @@ def _validate_vocab_tiling(v: dict) -> None:
   _require(v["num_vocab_tiling"] <= tokens, "num_vocab_tiling",
            f"each tile must hold at least one token per device; at most "
            f"per_device_batch_size * max_target_length = {tokens:g}", v)
+
+
+def _validate_plan(v: dict) -> None:
+  _require(v["hbm_budget_gib"] >= 0, "hbm_budget_gib", "must be >= 0 (0: the chip's HBM minus 10%)", v)
+  _require(v["plan_workers"] >= 0, "plan_workers", "must be >= 0 (0: the CPU cores)", v)
+  ladders = {"plan_num_vocab_tiling": int, "plan_remat_layer_intervals": int, "plan_gradient_accumulation_steps": int,
+             "plan_per_device_batch_sizes": (int, float)}
+  for key, kind in ladders.items():
+    ok = all(isinstance(x, kind) and not isinstance(x, bool) and x > 0 for x in v[key])
+    _require(bool(v[key]) and ok and list(v[key]) == sorted(set(v[key])), key,
+             "must be a non-empty ascending list of distinct positive numbers", v)
+  policies = [p for p in remat.POLICY_NAMES if p != "custom"]
+  _require(all(p in policies for p in v["plan_remat_policies"]), "plan_remat_policies",
+           f"must list names from {', '.join(policies)} ([]: all of them)", v)
 
 
 def _resolve(v: dict, prefix: str, total: int, what: str) -> tuple:

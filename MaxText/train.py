@@ -303,8 +303,9 @@ def _train_steps(trainer, config, state, data, train_iterator, manager, signals)
 
 def main(argv):
   metrics.quiet_library_logs()
+  from MaxText import plan  # noqa: PLC0415 (the planner compiles this module's train step)
   with pyconfig.errors_to_exit_codes():
-    config = pyconfig.initialize(argv[1:])
+    config = pyconfig.initialize(plan.resolve_auto(argv[1:]))
     if config.compile_topology:
       raise pyconfig.ConfigError(f"compile_topology={config.compile_topology!r}: only MaxText.train_compile "
                                  "compiles for a topology; train runs on the devices it sees (set it to \"\")")

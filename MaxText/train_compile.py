@@ -15,13 +15,13 @@ import sys
 
 from absl import app
 
-from MaxText import metrics, pyconfig, run_control, sharding, train
+from MaxText import metrics, plan, pyconfig, run_control, sharding, train
 
 
 def main(argv):
   metrics.quiet_library_logs()
   with pyconfig.errors_to_exit_codes():
-    config = pyconfig.initialize(argv[1:])
+    config = pyconfig.initialize(plan.resolve_auto(argv[1:]))
     if config.memory_stats_file:
       run_control.check_writable("memory_stats_file", config.memory_stats_file, is_file=True)
     trainer = train.build(config, sharding.create_mesh(config))

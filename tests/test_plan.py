@@ -1,0 +1,151 @@
+"""The memory planner (MaxText.plan) and `auto` keys, on tiny models."""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import BASE_YML, TINY, metrics_losses, run_cli
+from MaxText import metrics, plan, pyconfig, train
+
+# Head-heavy: 2048-token vocabulary, 32 positions, so vocabulary tiling changes the memory.
+HEAD_HEAVY = (*TINY, "vocab_size=2048", "max_target_length=32")
+SEARCH = ("plan_remat_policies=[none,full]", "plan_remat_layer_intervals=[1]", "plan_per_device_batch_sizes=[2,4]",
+          "plan_num_vocab_tiling=[1,4]")
+
+
+def _argv(*overrides):
+  return [BASE_YML, *HEAD_HEAVY, *overrides]
+
+
+@pytest.fixture(scope="module")
+def searched():
+  """(records, budget): the pruned search, with the budget set to what full remat needs at
+  batch 4 untiled, so the ladders stop inside the search space."""
+  search = (*SEARCH, "plan_per_device_batch_sizes=[2,4,8,16]")
+  config = pyconfig.initialize(_argv(*search))
+  device = pyconfig.devices("", 1)[0]
+  rates = plan.roofline_rates(device)
+  reference = plan.evaluate(_argv(), {"remat_policy": "full", "per_device_batch_size": 4, "num_vocab_tiling": 1}, rates)
+  budget = reference["total_bytes"]
+  free = ("remat_policy", "per_device_batch_size", "num_vocab_tiling")
+  return plan.search(_argv(*search), plan.search_space(config, free), budget, rates, workers=1), budget
+
+
+def test_the_search_stops_each_ladder_where_the_issue_says(searched):
+  records, budget = searched
+  ladder = [2, 4, 8, 16]
+  chains = {}
+  for r in records:
+    chains.setdefault(r["settings"]["remat_policy"], []).append(r)
+  assert set(chains) == {"none", "full"}
+  for chain in chains.values():
+    batches = sorted({r["settings"]["per_device_batch_size"] for r in chain})
+    for batch in batches:
+      tried = [r for r in chain if r["settings"]["per_device_batch_size"] == batch]
+      fitting = [r["settings"]["num_vocab_tiling"] for r in tried if r["fits"]]
+      # tiles stop at the first count that fits
+      assert fitting in ([], [tried[-1]["settings"]["num_vocab_tiling"]])
+      # a setting that fits at no tile count is not tried at a larger batch
+      if not fitting:
+        assert batch == batches[-1]
+    assert batches == ladder[:len(batches)]
+    assert all(r["fits"] == (r["total_bytes"] <= budget) for r in chain)
+  # the budget stops a ladder inside the search space, so the rule above is exercised
+  assert any(max(r["settings"]["per_device_batch_size"] for r in chain) < ladder[-1] for chain in chains.values())
+
+
+def test_the_choice_is_the_fastest_prediction_that_fits(searched):
+  records, budget = searched
+  chosen = plan.choose(records, budget, "test")
+  assert chosen["fits"]
+  faster = [r for r in records if r["status"] == "ok"
+            and r["tokens_per_second_per_chip"] > chosen["tokens_per_second_per_chip"]]
+  assert all(not r["fits"] for r in faster)
+  assert chosen["tokens_per_step"] == chosen["settings"]["per_device_batch_size"] * 32
+  # recomputation: full remat executes more matmul FLOPs than the model's, none no fewer
+  by_policy = {r["settings"]["remat_policy"]: r["recompute_ratio"] for r in records if r["status"] == "ok"}
+  assert by_policy["full"] > by_policy["none"] >= 1.0
+
+
+def test_predicted_memory_equals_train_compiles(searched, tmp_path):
+  records, budget = searched
+  chosen = plan.choose(records, budget, "test")
+  stats_file = tmp_path / "memory.json"
+  result = run_cli("train_compile", *HEAD_HEAVY, *plan._assignments(chosen["settings"]),
+                   f"memory_stats_file={stats_file}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  stats = json.loads(stats_file.read_text())
+  assert {k: stats[k] for k in ("temp_bytes", "total_bytes")} == {k: chosen[k] for k in ("temp_bytes", "total_bytes")}
+
+
+def test_plan_exits_2_naming_the_smallest_when_the_budget_is_below_every_candidate(tmp_path):
+  result = run_cli("plan", *HEAD_HEAVY, *SEARCH, "plan_per_device_batch_sizes=[2]", "plan_remat_policies=[full]",
+                   "hbm_budget_gib=0.0001", f"base_output_directory={tmp_path}")
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert len(result.stderr.strip().splitlines()) == 1
+  assert result.stderr.startswith("config error: hbm_budget_gib: the budget of 0.0001 GiB per device")
+  assert "is below every candidate; the smallest found needs" in result.stderr and "remat_policy=full" in result.stderr
+  assert not list(tmp_path.iterdir())
+
+
+def test_auto_resolves_once_per_fingerprint_and_reuses_it(tmp_path, monkeypatch):
+  argv = _argv(f"base_output_directory={tmp_path}", *SEARCH, "num_vocab_tiling=auto", "per_device_batch_size=auto")
+  resolved = plan.resolve_auto(argv)
+  assert "num_vocab_tiling=auto" not in resolved
+  decision = json.loads((tmp_path / "default" / plan.CACHE_FILE).read_text())
+  assert set(decision["settings"]) == {"num_vocab_tiling", "per_device_batch_size"}
+
+  def no_search(*args, **kwargs):
+    raise AssertionError("searched again")
+
+  monkeypatch.setattr(plan, "search", no_search)
+  # A resumed run with more steps reuses the decision...
+  assert plan.resolve_auto([*argv, "steps=9"]) == [*resolved[:-2], "steps=9", *resolved[-2:]]
+  # ...a different model does not.
+  with pytest.raises(AssertionError, match="searched again"):
+    plan.resolve_auto([*argv, "base_emb_dim=64"])
+
+
+def test_auto_contradicting_custom_actions_is_one_line_exit_2(tmp_path):
+  result = run_cli("train_compile", *HEAD_HEAVY, "remat_policy=auto", "query_proj=device",
+                   f"base_output_directory={tmp_path}")
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert result.stderr.strip() == ("config error: remat_policy=auto: query_proj only apply to remat_policy=custom, "
+                                   "which auto never picks; drop them or name the policy")
+  assert not list(tmp_path.iterdir())
+
+
+def test_auto_trains_exactly_as_the_setting_it_chose_given_explicitly(tmp_path, caplog):
+  common = (*SEARCH, "plan_num_vocab_tiling=[1]", "steps=3", f"base_output_directory={tmp_path}")
+  caplog.set_level("INFO")
+  auto = _argv(*common, "num_vocab_tiling=auto", "remat_policy=auto", "per_device_batch_size=auto", "run_name=auto",
+               f"metrics_file={tmp_path}/auto.jsonl")
+  train.train(pyconfig.initialize(plan.resolve_auto(auto)))
+  assert len([r for r in caplog.records if r.getMessage().startswith("auto: ")]) == 1
+  settings = json.loads((tmp_path / "auto" / plan.CACHE_FILE).read_text())["settings"]
+  assert set(settings) == set(plan.AUTO_KEYS)
+  train.train(pyconfig.initialize(_argv(*common, *plan._assignments(settings), "run_name=explicit",
+                                        f"metrics_file={tmp_path}/explicit.jsonl")))
+  assert metrics_losses(tmp_path / "auto.jsonl") == metrics_losses(tmp_path / "explicit.jsonl")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("plan_num_vocab_tiling=[4,1]", "plan_num_vocab_tiling=[4, 1]: must be a non-empty ascending list"),
+    ("plan_per_device_batch_sizes=[]", "non-empty ascending list"),
+    ("plan_remat_policies=[custom]", "must list names from none, minimal"),
+    ("hbm_budget_gib=-1", "must be >= 0"),
+])
+def test_bad_plan_keys_are_config_errors(override, message):
+  with pytest.raises(pyconfig.ConfigError, match=re.escape(message)):
+    pyconfig.initialize(_argv(override))
+
+
+def test_matmul_bytes_count_operands_and_result_at_loop_trip_counts():
+  def layers(x, w):
+    return jax.lax.scan(lambda h, _: (h @ w, None), x, None, length=3)[0]
+
+  jaxpr = jax.make_jaxpr(layers)(jnp.ones((8, 16), jnp.float32), jnp.ones((16, 16), jnp.float32)).jaxpr
+  assert metrics.matmul_bytes(jaxpr) == 3 * 4 * (8 * 16 + 16 * 16 + 8 * 16)
