@@ -1,0 +1,150 @@
+"""prepare_data's shards, dataset_type=grain reading them, and bad data on both sides."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from absl import flags
+
+from MaxText import corpus, input_pipeline, prepare_data, token_shards, tokenizer
+from MaxText.pyconfig import ConfigError
+from conftest import run_cli, tiny_config
+
+TRAIN_SHARDS = 3
+
+
+def write_corpus(directory):
+  """25 .jsonl documents and one .txt, of random words and lengths."""
+  rng = np.random.default_rng(0)
+  words = ["thou", "art", "more", "lovely", "and", "temperate", "ça", "東京", "\n"]
+  text = lambda: " ".join(rng.choice(words, rng.integers(1, 60)))
+  directory.mkdir()
+  with open(directory / "a.jsonl", "w") as f:
+    for _ in range(25):
+      f.write(json.dumps({"text": text()}) + "\n")
+  (directory / "b.txt").write_text(text())
+  return directory
+
+
+def prepare(tmp, source, *overrides):
+  config = tiny_config(f"dataset_path={source}", "tokenizer_type=byte", f"output_path={tmp / 'shards'}",
+                       f"num_train_shards={TRAIN_SHARDS}", "prepare_workers=1", *overrides)
+  return config, prepare_data.prepare(config)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("prepared")
+  config, manifest = prepare(tmp, write_corpus(tmp / "corpus"))
+  return config, manifest
+
+
+def records(path):
+  source = token_shards.grain.sources.ArrayRecordDataSource([str(path)])
+  return [np.frombuffer(source[i], "<i4") for i in range(len(source))]
+
+
+def test_shards_hold_the_text_paths_documents_round_robin_with_its_held_out_rule(prepared):
+  config, manifest = prepared
+  train, held_out = corpus.split_documents(corpus.read_documents(config))
+  byte = tokenizer.byte_tokenizer()
+  out = config.output_path
+  for split, documents, count in (("train", train, TRAIN_SHARDS), ("eval", held_out, 1)):
+    want = [byte.encode(d, add_special_tokens=False).ids for d in documents]
+    for shard in range(count):
+      got = records(os.path.join(out, token_shards.shard_name(split, shard, count)))
+      assert [list(r) for r in got] == want[shard::count]
+    assert manifest["splits"][split]["documents"] == len(documents)
+    assert manifest["splits"][split]["tokens"] == sum(map(len, want))
+  assert len(held_out) == 2 and manifest["tokenizer_fingerprint"] == tokenizer.fingerprint([byte.to_str()])
+  assert manifest["bad_records"] == {} and not any(n.startswith(".partial") for n in os.listdir(out))
+
+
+def grain_config(prepared, *overrides):
+  out = prepared[0].output_path
+  return tiny_config("dataset_type=grain", f"grain_train_files={out}/train-*", f"grain_eval_files={out}/eval-*",
+                     "vocab_size=320", "grain_worker_count=0", *overrides)
+
+
+def test_the_stream_is_the_shards_documents_each_closed_by_an_eod(prepared):
+  config = prepared[0]
+  stream, tok = token_shards.open_split("grain_train_files", f"{config.output_path}/train-*")
+  eod = tokenizer.eod_id(tok, "tokenizer")
+  want = np.concatenate([np.append(r, eod) for shard in range(TRAIN_SHARDS) for r in records(
+      os.path.join(config.output_path, token_shards.shard_name("train", shard, TRAIN_SHARDS)))])
+  assert len(stream) == len(want)
+  rng = np.random.default_rng(0)
+  for start in [0, len(want) - 5, *rng.integers(0, len(want), 30)]:
+    stop = start + int(rng.integers(1, 400))
+    np.testing.assert_array_equal(stream[start:stop], want[start:stop])
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_grain_batches_are_packed_rows_of_the_stream_and_resume_exactly(prepared, workers):
+  flags.FLAGS.mark_as_parsed()  # grain's workers read its absl flags, which app.run parses outside pytest
+  config = grain_config(prepared, f"grain_worker_count={workers}")
+  data = input_pipeline.load(config)
+  stream, _ = token_shards.open_split("grain_train_files", config.grain_train_files)
+  reference = input_pipeline.text_rows(np.asarray(stream[:]), config.max_target_length, stream.eod)
+  rows = reference.shuffle(seed=config.data_shuffle_seed).repeat()
+  iterator = input_pipeline.create_train_iterator(config, data)
+  batches = [next(iterator) for _ in range(4)]
+  for step, batch in enumerate(batches):
+    size = config.global_batch_size_to_train_on
+    for key in batch:
+      np.testing.assert_array_equal(batch[key], np.stack([rows[step * size + i][key] for i in range(size)]))
+  restored = input_pipeline.create_train_iterator(config, data)
+  iterator = input_pipeline.create_train_iterator(config, data)
+  next(iterator)
+  next(iterator)
+  restored.set_state(iterator.get_state())
+  for expected in batches[2:]:
+    jax.tree.map(np.testing.assert_array_equal, next(restored), expected)
+
+
+def test_a_missing_or_damaged_shard_is_a_config_error_naming_it(prepared, tmp_path):
+  import shutil
+  copy = tmp_path / "copy"
+  shutil.copytree(prepared[0].output_path, copy)
+  config = lambda: grain_config(prepared, f"grain_train_files={copy}/train-*", f"grain_eval_files={copy}/eval-*")
+  shard = copy / token_shards.shard_name("train", 1, TRAIN_SHARDS)
+  data = shard.read_bytes()
+  shard.write_bytes(data[:len(data) // 2])
+  with pytest.raises(ConfigError, match=f"grain shard {shard}: unreadable"):
+    input_pipeline.load(config())
+  shard.unlink()
+  with pytest.raises(ConfigError, match=f"grain shard {shard}: missing"):
+    input_pipeline.load(config())
+  (copy / "manifest.json").unlink()
+  with pytest.raises(ConfigError, match="manifest.json"):
+    input_pipeline.load(config())
+  with pytest.raises(ConfigError, match="grain_eval_files=''"):
+    input_pipeline.load(grain_config(prepared, "grain_eval_files=", "eval_interval=5"))
+
+
+def test_bad_records_are_counted_and_skipped_or_stop_a_strict_run(tmp_path):
+  import pyarrow
+  import pyarrow.parquet
+  source = tmp_path / "corpus"
+  source.mkdir()
+  (source / "a.jsonl").write_bytes(b'{"text": "good one"}\n{"text": \n{"body": "no text"}\n'
+                                   b'{"text": "\xff\xfe"}\n{"text": ""}\n{"text": "good two"}\n')
+  (source / "b.txt").write_bytes(b"\xff not utf-8")
+  (source / "c.txt").write_text("")
+  pyarrow.parquet.write_table(pyarrow.table({"body": ["x"]}), source / "d.parquet")
+  pyarrow.parquet.write_table(pyarrow.table({"text": ["good three", None]}), source / "e.parquet")
+  (source / "f.parquet").write_bytes(b"PAR1 not parquet")
+  args = (f"dataset_path={source}", "tokenizer_type=byte", "prepare_workers=1")
+  result = run_cli("prepare_data", *args, f"output_path={tmp_path / 'out'}")
+  assert result.returncode == 0, result.stderr
+  summary = result.stdout.strip().splitlines()[-1]
+  assert summary.endswith("skipped 9 bad records (3 no string 'text', 2 not UTF-8, 2 empty document, "
+                          "1 malformed JSON, 1 unreadable file)"), summary
+  assert "2 train documents" in summary and "Traceback" not in result.stderr
+  result = run_cli("prepare_data", *args, f"output_path={tmp_path / 'strict'}", "strict_data=true")
+  assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("config error: dataset_path")
+  assert "a.jsonl line 2" in result.stderr and not (tmp_path / "strict").exists()
+  result = run_cli("prepare_data", *args, f"output_path={tmp_path / 'out'}")
+  assert result.returncode == 2 and "already holds a prepared corpus" in result.stderr
