@@ -157,18 +157,25 @@ def split_documents(documents: list[str]) -> tuple[list[str], list[str]]:
           [d for i, d in enumerate(documents) if i in held_out])
 
 
+def split_position(index: int, total: int | None) -> tuple[str, int]:
+  """(split, position within the split) of document `index` of `total` >= 2 by split_documents'
+  rule; total=None: at least ten, the only case where the rule needs no count."""
+  if total is not None and total < _EVAL_EVERY:
+    return ("eval", 0) if index == total - 1 else ("train", index)
+  if index % _EVAL_EVERY == _EVAL_EVERY - 1:
+    return "eval", index // _EVAL_EVERY
+  return "train", index - (index + 1) // _EVAL_EVERY
+
+
 def split_stream(documents) -> Iterator[tuple[str, int, str]]:
   """(split, position within the split, document) by split_documents' rule, for a stream:
-  only the first ten documents are held to learn whether the corpus is shorter than that."""
+  only the first ten documents are held, to learn whether the corpus is shorter than that."""
   documents = iter(documents)
   head = [d for _, d in zip(range(_EVAL_EVERY), documents)]
-  if len(head) < _EVAL_EVERY:
-    train, held_out = split_documents(head) if head else ([], [])
-    yield from (("train", k, d) for k, d in enumerate(train))
-    yield from (("eval", k, d) for k, d in enumerate(held_out))
+  if len(head) == 1:
+    train, held_out = split_documents(head)
+    yield from (("train", 0, train[0]), ("eval", 0, held_out[0]))
     return
+  total = len(head) if len(head) < _EVAL_EVERY else None
   for index, document in enumerate(itertools.chain(head, documents)):
-    if index % _EVAL_EVERY == _EVAL_EVERY - 1:
-      yield "eval", index // _EVAL_EVERY, document
-    else:
-      yield "train", index - (index + 1) // _EVAL_EVERY, document
+    yield *split_position(index, total), document

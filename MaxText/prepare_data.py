@@ -161,6 +161,15 @@ def prepare_local(config, tokenizer, paths, partial: str, bad: BadRecords) -> in
   return tokens
 
 
+def _beam():
+  try:
+    from MaxText import beam_pipeline  # noqa: PLC0415 (Beam is installed apart; only runner= needs it)
+  except ImportError as e:
+    raise pyconfig.ConfigError(f"runner: an Apache Beam runner needs apache_beam ({e}); setup.sh installs it "
+                               "apart, into .venv/beam: run with PYTHONPATH=.venv/beam") from None
+  return beam_pipeline
+
+
 def prepare(config) -> dict:
   """Prepares config.dataset_path into config.output_path; returns the manifest."""
   check_output_path(config)
@@ -173,8 +182,7 @@ def prepare(config) -> dict:
   start = time.perf_counter()
   try:
     if config.runner:
-      from MaxText import beam_pipeline  # noqa: PLC0415 (Beam is installed apart; only this path needs it)
-      tokens = beam_pipeline.run(config, tokenizer, paths, partial, bad)
+      tokens = _beam().run(config, tokenizer, paths, partial, bad)
     else:
       tokens = prepare_local(config, tokenizer, paths, partial, bad)
   except BaseException:  # nothing of a failed preparation stays

@@ -67,16 +67,22 @@ class ShardWriter:
     self._offsets.close()
 
 
+def shard_stats(directory: str, split: str) -> list[dict]:
+  """[{file, documents, tokens (EODs not counted)}] of the split's shards in `directory`."""
+  stats = []
+  for path in sorted(glob.glob(os.path.join(directory, f"{split}-*-of-*.arrayrecord"))):
+    offsets = _offsets(path)
+    stream = int(offsets[-1]) if len(offsets) else 0
+    stats.append({"file": os.path.basename(path), "documents": len(offsets), "tokens": stream - len(offsets)})
+  return stats
+
+
 def write_manifest(directory: str, tokenizer: Tokenizer, extra: dict) -> dict:
   """Describes the shards in `directory` (read back from their offsets) and writes
   tokenizer.json, then manifest.json, each atomically."""
   splits = {}
   for split in SPLITS:
-    shards = []
-    for path in sorted(glob.glob(os.path.join(directory, f"{split}-*-of-*.arrayrecord"))):
-      offsets = _offsets(path)
-      stream = int(offsets[-1]) if len(offsets) else 0
-      shards.append({"file": os.path.basename(path), "documents": len(offsets), "tokens": stream - len(offsets)})
+    shards = shard_stats(directory, split)
     splits[split] = {"documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
                      "shards": shards}
   manifest = {"tokenizer": TOKENIZER, "tokenizer_fingerprint": tokenizers.fingerprint([tokenizer.to_str()]),

@@ -10,7 +10,7 @@ from absl import flags
 
 from MaxText import corpus, input_pipeline, prepare_data, token_shards, tokenizer
 from MaxText.pyconfig import ConfigError
-from conftest import run_cli, tiny_config
+from conftest import ROOT, run_cli, tiny_config
 
 TRAIN_SHARDS = 3
 
@@ -148,3 +148,30 @@ def test_bad_records_are_counted_and_skipped_or_stop_a_strict_run(tmp_path):
   assert "a.jsonl line 2" in result.stderr and not (tmp_path / "strict").exists()
   result = run_cli("prepare_data", *args, f"output_path={tmp_path / 'out'}")
   assert result.returncode == 2 and "already holds a prepared corpus" in result.stderr
+
+
+def test_the_split_of_a_stream_is_split_documents_for_every_corpus_size():
+  for count in (1, 2, 9, 10, 11, 25):
+    documents = [f"document {i}\nsecond line\n" for i in range(count)]
+    got = {"train": {}, "eval": {}}
+    for split, position, document in corpus.split_stream(iter(documents)):
+      got[split][position] = document
+    train, held_out = corpus.split_documents(documents)
+    assert [got["train"][k] for k in range(len(got["train"]))] == train
+    assert [got["eval"][k] for k in range(len(got["eval"]))] == held_out
+
+
+def test_the_beam_pipeline_writes_the_local_paths_shards(prepared, tmp_path):
+  config, manifest = prepared
+  result = run_cli("prepare_data", f"dataset_path={config.dataset_path}", "tokenizer_type=byte",
+                   f"output_path={tmp_path}/beam", f"num_train_shards={TRAIN_SHARDS}", "runner=DirectRunner",
+                   env={"PYTHONPATH": str(ROOT / ".venv" / "beam")})  # where setup.sh installs Beam, apart
+  assert result.returncode == 0, result.stderr
+  with open(tmp_path / "beam" / "manifest.json") as f:
+    assert json.load(f)["splits"] == manifest["splits"]
+  for split in manifest["splits"].values():
+    for shard in split["shards"]:
+      local, beam = records(os.path.join(config.output_path, shard["file"])), records(tmp_path / "beam" / shard["file"])
+      assert len(local) == len(beam) == shard["documents"]
+      for a, b in zip(local, beam):
+        np.testing.assert_array_equal(a, b)
