@@ -17,6 +17,7 @@ here rather than with grain's iterator packers because windows of one stream are
 addressable: shuffling rows (not whole documents) and resuming at any index stay exact.
 """
 
+import glob
 import os
 from typing import NamedTuple
 
@@ -110,12 +111,20 @@ def batches(rows: grain.MapDataset, batch_size: int) -> grain.MapDataset:
   return rows.batch(batch_size // processes, drop_remainder=True)[jax.process_index()::processes]
 
 
+def _batches(rows, batch_size: int) -> grain.IterDataset:
+  if isinstance(rows, grain.MapDataset):
+    return batches(rows, batch_size).to_iter_dataset()
+  return rows.batch(batch_size // jax.process_count(), drop_remainder=True)  # already this process's rows
+
+
 class Data(NamedTuple):
   """What a dataset type gives the trainer."""
 
   tokenizer: Tokenizer | None  # None: the data is not text (synthetic)
-  train: grain.MapDataset  # rows, endless and shuffled
-  eval: grain.MapDataset | None  # rows, the same order every evaluation; None: no held-out data
+  # Rows, endless and shuffled: a MapDataset of all rows (each process takes its slices), or
+  # an IterDataset of this process's rows (streamed formats, each process reading its files).
+  train: grain.MapDataset | grain.IterDataset
+  eval: grain.MapDataset | grain.IterDataset | None  # the same rows every evaluation; None: no held-out data
   worker_count: int = 0  # grain worker processes preparing batches (0: threads)
   worker_buffer_size: int = 1
 
@@ -144,8 +153,51 @@ def _shards(config, key: str):
   return stream, tokenizer
 
 
+def _parquet_rows(config, key: str, tokenizer: Tokenizer, shuffle: bool) -> grain.IterDataset:
+  """This process's rows of the parquet files named by config key `key` (every P-th file),
+  tokenized on the fly and cut into windows of L + 1 tokens by grain's concat-then-split:
+  resumable from grain's iterator state, but, unlike the shards' rows, only on as many hosts."""
+  import pyarrow  # noqa: PLC0415 (only parquet needs it)
+  import pyarrow.parquet  # noqa: PLC0415
+  pattern = getattr(config, key)
+  files = sorted(glob.glob(pattern))[jax.process_index()::jax.process_count()]
+  if not files:
+    raise ConfigError(f"{key}={pattern!r}: no parquet file for process {jax.process_index()} of "
+                      f"{jax.process_count()} (each process reads every P-th file)")
+  for path in files:
+    try:
+      names = pyarrow.parquet.ParquetFile(path).schema_arrow.names
+    except (OSError, pyarrow.ArrowException) as e:
+      raise ConfigError(f"{key}: cannot read {path} ({str(e).splitlines()[0]})") from None
+    if config.text_column not in names:
+      raise ConfigError(f"text_column={config.text_column!r}: {path} has no such column")
+  eod, column = tokenizers.eod_id(tokenizer, "tokenizer"), config.text_column
+
+  def tokens(record):
+    text = record[column]
+    ids = tokenizer.encode(text, add_special_tokens=False).ids if isinstance(text, str) else []
+    return {"tokens": np.asarray([*ids, eod], np.int32)}
+
+  paths = grain.MapDataset.source(files)
+  paths = paths.shuffle(seed=config.data_shuffle_seed) if shuffle else paths
+  documents = grain.experimental.InterleaveIterDataset(paths.repeat().map(grain.experimental.ParquetIterDataset),
+                                                       cycle_length=min(len(files), 16))
+  windows = grain.experimental.ConcatThenSplitIterDataset(
+      documents.map(tokens).filter(lambda d: len(d["tokens"]) > 1),
+      length_struct={"tokens": config.max_target_length + 1})
+  return windows.map(lambda window: pack(window["tokens"], eod))
+
+
 def grain_data(config) -> Data:
-  """Shards written by prepare_data, read a window at a time (token_shards.TokenStream)."""
+  """Shards written by prepare_data, read a window at a time (token_shards.TokenStream), or
+  parquet files streamed (grain_file_type=parquet)."""
+  if config.grain_file_type == "parquet":
+    tokenizer = tokenizers.load_pretrained(config, "grain_file_type='parquet'")
+    held_out = config.grain_eval_files and _parquet_rows(config, "grain_eval_files", tokenizer, shuffle=False)
+    if not held_out and config.eval_interval:
+      raise ConfigError(f"grain_eval_files='': needed for eval_interval={config.eval_interval}, or set eval_interval=0")
+    return Data(tokenizer, _parquet_rows(config, "grain_train_files", tokenizer, shuffle=True), held_out or None,
+                config.grain_worker_count, config.grain_per_worker_buffer_size)
   length = config.max_target_length
   train, tokenizer = _shards(config, "grain_train_files")
   rows = text_rows(train, length, train.eod).shuffle(seed=config.data_shuffle_seed).repeat()
@@ -172,7 +224,7 @@ def load(config) -> Data:
 
 def create_train_iterator(config, data: Data) -> grain.DatasetIterator:
   """Endless shuffled training batches (reshuffled every epoch); checkpointable."""
-  dataset = batches(data.train, config.global_batch_size_to_train_on).to_iter_dataset()
+  dataset = _batches(data.train, config.global_batch_size_to_train_on)
   if data.worker_count:
     dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=data.worker_count,
                                                                per_worker_buffer_size=data.worker_buffer_size))
@@ -181,4 +233,4 @@ def create_train_iterator(config, data: Data) -> grain.DatasetIterator:
 
 def create_eval_iterator(config, data: Data) -> grain.DatasetIterator:
   """The same eval_steps batches of held-out rows every time (repeated if the split is short)."""
-  return iter(batches(data.eval, config.micro_batch_size).to_iter_dataset())
+  return iter(_batches(data.eval, config.micro_batch_size))

@@ -34,15 +34,6 @@ _CHUNK_BYTES = 1 << 20
 _LOGGED_BAD = 5  # bad records logged one by one; the rest only counted
 
 
-def load_tokenizer(config):
-  if not config.tokenizer_path and config.tokenizer_type == "bpe":
-    raise pyconfig.ConfigError("tokenizer_type='bpe': prepare_data does not train tokenizers (that would read the "
-                               "whole corpus first); give tokenizer_path=tokenizer.json or tokenizer_type=byte")
-  tokenizer, source = tokenizers.from_config(config, [])
-  tokenizers.eod_id(tokenizer, source)  # the stream's document separator
-  return tokenizer
-
-
 def check_output_path(config) -> None:
   if not config.output_path:
     raise pyconfig.ConfigError("output_path='': give the directory to write the shards to")
@@ -173,7 +164,7 @@ def _beam():
 def prepare(config) -> dict:
   """Prepares config.dataset_path into config.output_path; returns the manifest."""
   check_output_path(config)
-  tokenizer = load_tokenizer(config)
+  tokenizer = tokenizers.load_pretrained(config, "prepare_data")
   paths = corpus.files(config.dataset_path, SUFFIXES)
   created = not os.path.exists(config.output_path)
   partial = os.path.join(config.output_path, f".partial-{os.getpid()}")

@@ -92,6 +92,17 @@ def from_config(config, train_documents) -> tuple[Tokenizer, str]:
   return tokenizer, source
 
 
+def load_pretrained(config, user: str) -> Tokenizer:
+  """tokenizer_path's or the byte tokenizer, for `user`, which cannot train a BPE: that would
+  read the whole corpus first."""
+  if not config.tokenizer_path and config.tokenizer_type == "bpe":
+    raise ConfigError(f"tokenizer_type='bpe': {user} does not train tokenizers (that would read the whole corpus "
+                      "first); give tokenizer_path=tokenizer.json or tokenizer_type=byte")
+  tokenizer, source = from_config(config, [])
+  eod_id(tokenizer, source)
+  return tokenizer
+
+
 def load_or_train(config, train_documents) -> Tokenizer:
   """The tokenizer the config asks for; larger than vocab_size is a config error."""
   tokenizer, source = from_config(config, train_documents)

@@ -175,3 +175,35 @@ def test_the_beam_pipeline_writes_the_local_paths_shards(prepared, tmp_path):
       assert len(local) == len(beam) == shard["documents"]
       for a, b in zip(local, beam):
         np.testing.assert_array_equal(a, b)
+
+
+def test_parquet_text_streams_as_packed_rows_of_its_documents_and_resumes_exactly(tmp_path):
+  import pyarrow
+  import pyarrow.parquet
+  rng = np.random.default_rng(0)
+  texts = [[" ".join(["word"] * int(rng.integers(1, 12))) + f" {f}.{i}" for i in range(40)] for f in range(3)]
+  for f, column in enumerate(texts):
+    pyarrow.parquet.write_table(pyarrow.table({"text": column}), tmp_path / f"{f}.parquet")
+  config = tiny_config("dataset_type=grain", "grain_file_type=parquet", f"grain_train_files={tmp_path}/*.parquet",
+                       "tokenizer_type=byte", "vocab_size=320", "grain_worker_count=0")
+  data = input_pipeline.load(config)
+  iterator = input_pipeline.create_train_iterator(config, data)
+  batches = [next(iterator) for _ in range(6)]
+  byte = tokenizer.byte_tokenizer()
+  documents = {tuple(byte.encode(t, add_special_tokens=False).ids) for column in texts for t in column}
+  for batch in batches:
+    for row in range(len(batch["inputs"])):
+      inputs, segments = batch["inputs"][row], batch["inputs_segmentation"][row]
+      # Every whole document inside a row (neither the first nor the last segment) is one of the files'.
+      for segment in np.unique(segments)[1:-1]:
+        ids = inputs[segments == segment]
+        assert ids[-1] == 256 and tuple(ids[:-1]) in documents
+      np.testing.assert_array_equal(batch["targets"][row][:-1], inputs[1:])
+      assert np.all(batch["targets_segmentation"][row][inputs == 256] == 0)
+  iterator = input_pipeline.create_train_iterator(config, data)
+  for _ in range(3):
+    next(iterator)
+  restored = input_pipeline.create_train_iterator(config, data)
+  restored.set_state(iterator.get_state())
+  for expected in batches[3:]:
+    jax.tree.map(np.testing.assert_array_equal, next(restored), expected)
