@@ -7,8 +7,9 @@ Every row is a dict of [max_target_length] int32 arrays, MaxText's names:
   inputs, targets (inputs shifted by one), inputs_position (position within the document),
   inputs_segmentation (document id within the row, 0 for padding), targets_segmentation
   (the loss mask: 0 where the target must not be scored).
-Datasets are grain MapDatasets with random access, so the iterator's state is an index and
-a restored run continues with exactly the batches it would have seen.
+Datasets are grain MapDatasets with random access (all but streamed parquet), so the
+iterator's state is an index and a restored run continues with exactly the batches it would
+have seen.
 
 Text is tokenized into a stream `doc EOD doc EOD ...` (dataset_type=text: in memory, cached as
 .npy; grain: by prepare_data, read from ArrayRecord shards by token_shards.TokenStream), and
@@ -188,30 +189,33 @@ def _parquet_rows(config, key: str, tokenizer: Tokenizer, shuffle: bool) -> grai
   return windows.map(lambda window: pack(window["tokens"], eod))
 
 
+def _shard_rows(config, key: str, shuffle: bool):
+  """(endless rows, tokenizer) of the prepared shards named by config key `key`."""
+  stream, tokenizer = _shards(config, key)
+  rows = text_rows(stream, config.max_target_length, stream.eod)
+  return (rows.shuffle(seed=config.data_shuffle_seed) if shuffle else rows).repeat(), tokenizer
+
+
 def grain_data(config) -> Data:
   """Shards written by prepare_data, read a window at a time (token_shards.TokenStream), or
   parquet files streamed (grain_file_type=parquet)."""
-  if config.grain_file_type == "parquet":
-    tokenizer = tokenizers.load_pretrained(config, "grain_file_type='parquet'")
-    held_out = config.grain_eval_files and _parquet_rows(config, "grain_eval_files", tokenizer, shuffle=False)
-    if not held_out and config.eval_interval:
-      raise ConfigError(f"grain_eval_files='': needed for eval_interval={config.eval_interval}, or set eval_interval=0")
-    return Data(tokenizer, _parquet_rows(config, "grain_train_files", tokenizer, shuffle=True), held_out or None,
-                config.grain_worker_count, config.grain_per_worker_buffer_size)
-  length = config.max_target_length
-  train, tokenizer = _shards(config, "grain_train_files")
-  rows = text_rows(train, length, train.eod).shuffle(seed=config.data_shuffle_seed).repeat()
-  held_out = None
-  if config.grain_eval_files:
-    stream, eval_tokenizer = _shards(config, "grain_eval_files")
-    if eval_tokenizer.to_str() != tokenizer.to_str():
-      raise ConfigError(f"grain_eval_files={config.grain_eval_files!r}: tokenized with another tokenizer than "
-                        f"grain_train_files={config.grain_train_files!r}")
-    held_out = text_rows(stream, length, stream.eod).repeat()
-  elif config.eval_interval:
+  if config.eval_interval and not config.grain_eval_files:
     raise ConfigError(f"grain_eval_files='': needed for eval_interval={config.eval_interval} (e.g. "
                       f"DIR/eval-*.arrayrecord beside the train shards), or set eval_interval=0")
-  return Data(tokenizer, rows, held_out, config.grain_worker_count, config.grain_per_worker_buffer_size)
+  held_out = None
+  if config.grain_file_type == "parquet":
+    tokenizer = tokenizers.load_pretrained(config, "grain_file_type='parquet'")
+    train = _parquet_rows(config, "grain_train_files", tokenizer, shuffle=True)
+    if config.grain_eval_files:
+      held_out = _parquet_rows(config, "grain_eval_files", tokenizer, shuffle=False)
+  else:
+    train, tokenizer = _shard_rows(config, "grain_train_files", shuffle=True)
+    if config.grain_eval_files:
+      held_out, eval_tokenizer = _shard_rows(config, "grain_eval_files", shuffle=False)
+      if eval_tokenizer.to_str() != tokenizer.to_str():
+        raise ConfigError(f"grain_eval_files={config.grain_eval_files!r}: tokenized with another tokenizer than "
+                          f"grain_train_files={config.grain_train_files!r}")
+  return Data(tokenizer, train, held_out, config.grain_worker_count, config.grain_per_worker_buffer_size)
 
 
 # dataset_type -> the function giving its Data; the only place that tells the types apart.
