@@ -100,10 +100,9 @@ def _init_worker(tokenizer_json: str) -> None:
   _worker_tokenizer = Tokenizer.from_str(tokenizer_json)
 
 
-def encode(texts: list[str], tokenizer=None) -> list[np.ndarray]:
-  """Token ids of each text, no special tokens (the EOD is the stream's, not the document's)."""
-  tokenizer = tokenizer or _worker_tokenizer
-  return [np.asarray(e.ids, np.int32) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+def encode(texts: list[str]) -> list[np.ndarray]:
+  """In a worker: token ids of each text, no special tokens (the EOD is the stream's)."""
+  return [np.asarray(e.ids, np.int32) for e in _worker_tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
 def _tokenized(pool, chunks, workers: int):
