@@ -17,8 +17,8 @@ import glob
 import json
 import os
 import re
+import threading
 
-import grain
 import numpy as np
 from array_record.python import array_record_module
 from tokenizers import Tokenizer
@@ -32,6 +32,7 @@ SPLITS = ("train", "eval")
 # Groups of 64 records: the writer keeps an index entry per group until it closes, so one per
 # record (group_size:1) would grow with the corpus; a random read decompresses 64 documents.
 WRITER_OPTIONS = "group_size:64,zstd:3"
+_RANDOM_ACCESS = "readahead_buffer_size:0,max_parallelism:0"  # array_record's advice for random reads
 
 
 def shard_name(split: str, index: int, count: int) -> str:
@@ -130,7 +131,7 @@ def open_split(key: str, pattern: str):
       sibling = os.path.join(directory, shard_name(named[1], index, int(named[2])))
       if not os.path.isfile(sibling):
         raise _corrupt(sibling, "missing")
-  documents, ends = [], []
+  ends = []
   for path in paths:
     shard = listed.get(os.path.basename(path))
     if shard is None:
@@ -148,28 +149,34 @@ def open_split(key: str, pattern: str):
     if records != shard["documents"] or stream != shard["tokens"] + shard["documents"]:
       raise _corrupt(path, f"{records} records and {stream} tokens, the manifest says {shard['documents']} "
                      f"and {shard['tokens'] + shard['documents']}")
-    documents.append(records)
     ends.append(stream)
-  return TokenStream(paths, documents, ends, manifest["eod_id"]), tokenizer
+  return TokenStream(paths, ends, manifest["eod_id"]), tokenizer
 
 
 class TokenStream:
   """The stream `doc EOD doc EOD ...` of a list of shards, sliced like an array:
   stream[a:b] reads only the documents that overlap [a, b)."""
 
-  def __init__(self, paths: list[str], documents: list[int], stream_lengths: list[int], eod: int):
+  def __init__(self, paths: list[str], stream_lengths: list[int], eod: int):
     self.paths, self.eod = paths, eod
     self._ends = np.cumsum(stream_lengths)
-    self._first_record = np.concatenate([[0], np.cumsum(documents)])
     self._open()
 
   def _open(self):
-    self._source = grain.sources.ArrayRecordDataSource(self.paths)
     self._offsets = [_offsets(p) for p in self.paths]
+    self._readers = threading.local()  # grain calls from several threads; one reader each
 
   # Worker processes get the paths and open the files themselves (a memmap would be copied).
   def __getstate__(self):
-    return {k: v for k, v in self.__dict__.items() if k not in ("_source", "_offsets")}
+    return {k: v for k, v in self.__dict__.items() if k not in ("_readers", "_offsets")}
+
+  def _record(self, shard: int, index: int) -> bytes:
+    """Record `index` of shard `shard`, by array_record's reader: grain's source would log an
+    error for every shard not written with group_size:1 (see WRITER_OPTIONS)."""
+    readers = self._readers.__dict__
+    if shard not in readers:
+      readers[shard] = array_record_module.ArrayRecordReader(self.paths[shard], _RANDOM_ACCESS)
+    return readers[shard].read([index])[0]
 
   def __setstate__(self, state):
     self.__dict__.update(state)
@@ -188,7 +195,7 @@ class TokenStream:
       document = int(np.searchsorted(offsets, local, side="right"))
       begin = int(offsets[document - 1]) if document else 0
       try:
-        ids = np.frombuffer(self._source[int(self._first_record[shard]) + document], "<i4")
+        ids = np.frombuffer(self._record(shard, document), "<i4")
       except Exception as e:  # array_record raises bare RuntimeErrors for damaged chunks
         raise _corrupt(self.paths[shard], f"record {document} unreadable ({_first_line(e)})") from None
       if len(ids) + 1 != int(offsets[document]) - begin:

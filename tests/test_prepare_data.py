@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 from absl import flags
+from array_record.python import array_record_module
 
 from MaxText import corpus, input_pipeline, prepare_data, token_shards, tokenizer
 from MaxText.pyconfig import ConfigError
@@ -42,8 +43,7 @@ def prepared(tmp_path_factory):
 
 
 def records(path):
-  source = token_shards.grain.sources.ArrayRecordDataSource([str(path)])
-  return [np.frombuffer(source[i], "<i4") for i in range(len(source))]
+  return [np.frombuffer(r, "<i4") for r in array_record_module.ArrayRecordReader(str(path)).read_all()]
 
 
 def test_shards_hold_the_text_paths_documents_round_robin_with_its_held_out_rule(prepared):
