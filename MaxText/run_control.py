@@ -116,8 +116,9 @@ def record_run_files(config, tokenizer) -> None:
   if not os.path.exists(path):
     _write_atomic(path, tokenizer.to_str())
   elif Tokenizer.from_file(path).to_str() != tokenizer.to_str():
-    raise ConfigError(f"dataset_path, tokenizer_type, tokenizer_path, vocab_size, grain_train_files: they give a tokenizer other "
-                      f"than the one run {config.run_dir} trained with ({path}); use the run's flags, or a new run_name")
+    raise ConfigError(f"dataset_path, tokenizer_type, tokenizer_path, vocab_size, grain_train_files: they give a "
+                      f"tokenizer other than the one run {config.run_dir} trained with ({path}); use the run's flags, "
+                      "or a new run_name")
 
 
 @contextlib.contextmanager

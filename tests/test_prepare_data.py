@@ -2,14 +2,16 @@
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
 import pytest
 from absl import flags
 from array_record.python import array_record_module
+from tokenizers import Tokenizer
 
-from MaxText import corpus, input_pipeline, prepare_data, token_shards, tokenizer
+from MaxText import corpus, input_pipeline, prepare_data, token_shards, tokenizer, train
 from MaxText.pyconfig import ConfigError
 from conftest import ROOT, run_cli, tiny_config
 
@@ -105,7 +107,6 @@ def test_grain_batches_are_packed_rows_of_the_stream_and_resume_exactly(prepared
 
 
 def test_a_missing_or_damaged_shard_is_a_config_error_naming_it(prepared, tmp_path):
-  import shutil
   copy = tmp_path / "copy"
   shutil.copytree(prepared[0].output_path, copy)
   config = lambda: grain_config(prepared, f"grain_train_files={copy}/train-*", f"grain_eval_files={copy}/eval-*")
@@ -207,3 +208,15 @@ def test_parquet_text_streams_as_packed_rows_of_its_documents_and_resumes_exactl
   restored.set_state(iterator.get_state())
   for expected in batches[3:]:
     jax.tree.map(np.testing.assert_array_equal, next(restored), expected)
+
+
+def test_a_grain_run_trains_and_keeps_the_shards_tokenizer_for_decode(prepared, tmp_path):
+  config = grain_config(prepared, f"base_output_directory={tmp_path}", "steps=2", "run_name=grain", "eval_interval=2",
+                        "eval_steps=1", "enable_checkpointing=true", f"metrics_file={tmp_path}/metrics.jsonl")
+  train.train(config)
+  kept = Tokenizer.from_file(str(tmp_path / "grain" / "tokenizer.json"))
+  shards = Tokenizer.from_file(os.path.join(prepared[0].output_path, "tokenizer.json"))
+  assert kept.to_str() == shards.to_str()
+  assert [p.name for p in (tmp_path / "grain" / "checkpoints").iterdir()] == ["2"]
+  last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+  assert np.isfinite(last["eval/loss"])
