@@ -16,6 +16,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # check end_to_end/launch_xpk.sh's command against its argument parser.
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade --target .venv/xpk "xpk==1.16.0" \
     2> >(grep -v "dependency resolver\|which is incompatible" >&2)
+  # Apache Beam (prepare_data runner=...), apart for the same reason: it pins older protobuf,
+  # pillow and python-dateutil. Run it with PYTHONPATH=.venv/beam.
+  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade --target .venv/beam "apache-beam==2.77.0" \
+    2> >(grep -v "dependency resolver\|which is incompatible" >&2)
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
   echo "$want" > "$stamp"
 fi

@@ -1,20 +1,30 @@
 """Text documents to train on: Shakespeare's plays by default, or the user's own files.
 
-A document is one play, one .txt file, or one line of a .jsonl file. Evaluation holds out
-whole documents, chosen by their sorted position so the split never changes: every tenth
-document (positions 9, 19, ...), or the last one when there are fewer than ten, or the final
-tenth of the lines when there is only one.
+A document is one play, one .txt file, one line of a .jsonl file or one row of a .parquet
+file (the last for prepare_data). Evaluation holds out whole documents, chosen by their sorted
+position so the split never changes: every tenth document (positions 9, 19, ...), or the last
+one when there are fewer than ten, or the final tenth of the lines when there is only one.
 """
 
 import glob
 import importlib.util
+import itertools
 import json
 import os
 import re
+from typing import Iterator, NamedTuple
 
 from MaxText.pyconfig import ConfigError
 
 _EVAL_EVERY = 10
+TEXT_SUFFIXES = (".txt", ".jsonl", ".md")
+
+
+class BadRecord(NamedTuple):
+  """A record that is not a document: `kind` counts it, `message` names the file and line."""
+
+  kind: str
+  message: str
 
 
 def shakespeare_dir() -> str:
@@ -34,47 +44,103 @@ def strip_markdown(text: str) -> str:
   return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 
-def _files(path: str) -> list[str]:
+def files(path: str, suffixes=TEXT_SUFFIXES) -> list[str]:
+  """The files of dataset_path (a file, a directory walked for `suffixes`, or a glob), sorted."""
+  path = path or os.path.join(shakespeare_dir(), "*", "*.md")
   if os.path.isdir(path):
     # os.walk does not descend into linked directories: a link back up the tree would loop,
     # and one out of it would mix another corpus (or its held-out documents) into this one.
-    files = [os.path.join(root, name) for root, _, names in os.walk(path) for name in names
-             if name.endswith((".txt", ".jsonl", ".md"))]
+    found = [os.path.join(root, name) for root, _, names in os.walk(path) for name in names
+             if name.endswith(suffixes)]
   elif any(c in path for c in "*?["):
-    files = glob.glob(path, recursive=True)
+    found = glob.glob(path, recursive=True)
   elif os.path.isfile(path):
-    files = [path]
+    found = [path]
   else:
     raise ConfigError(f"dataset_path={path!r}: no such file or directory")
-  files = sorted(f for f in files if os.path.isfile(f))
-  if not files:
-    raise ConfigError(f"dataset_path={path!r}: matches no .txt, .md or .jsonl files")
-  return files
+  found = sorted(f for f in found if os.path.isfile(f))
+  if not found:
+    raise ConfigError(f"dataset_path={path!r}: matches no {', '.join(suffixes)} files")
+  return found
+
+
+def _no_text(text_column: str, where: str) -> BadRecord:
+  return BadRecord(f"no string {text_column!r}", f"text_column={text_column!r}: {where} has no string field "
+                   f"{text_column!r}")
+
+
+def _jsonl_records(f, path: str, text_column: str) -> Iterator[tuple[str | BadRecord, int]]:
+  consumed = 0
+  for number, line in enumerate(f, 1):
+    consumed += len(line)
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError as e:
+      yield BadRecord("not UTF-8", f"dataset_path: cannot read {path} line {number}: {e}"), consumed
+      continue
+    except json.JSONDecodeError as e:
+      yield BadRecord("malformed JSON", f"dataset_path: cannot read {path} line {number}: {e}"), consumed
+      continue
+    if isinstance(record, dict) and isinstance(record.get(text_column), str):
+      yield record[text_column], consumed
+    else:
+      yield _no_text(text_column, f"{path} line {number}"), consumed
+
+
+def _parquet_records(path: str, text_column: str) -> Iterator[tuple[str | BadRecord, int]]:
+  import pyarrow  # noqa: PLC0415 (only parquet needs it)
+  import pyarrow.parquet  # noqa: PLC0415
+  try:
+    parquet = pyarrow.parquet.ParquetFile(path)
+    if text_column not in parquet.schema_arrow.names:
+      yield _no_text(text_column, path), os.path.getsize(path)
+      return
+    size, rows, seen = os.path.getsize(path), max(1, parquet.metadata.num_rows), 0
+    for batch in parquet.iter_batches(batch_size=1024, columns=[text_column]):
+      for text in batch.column(0).to_pylist():
+        seen += 1
+        yield (text if isinstance(text, str) else _no_text(text_column, f"{path} row {seen}")), size * seen // rows
+  except (OSError, pyarrow.ArrowException) as e:
+    yield BadRecord("unreadable file", f"dataset_path: cannot read {path}: {str(e).splitlines()[0]}"), 0
+
+
+def records(path: str, text_column: str) -> Iterator[tuple[str | BadRecord, int]]:
+  """(document or BadRecord, bytes of the file read so far) for every record of `path`,
+  read lazily; empty documents are yielded too (the callers drop them)."""
+  if path.endswith(".parquet"):
+    yield from _parquet_records(path, text_column)
+    return
+  try:
+    with open(path, "rb") as f:
+      if path.endswith(".jsonl"):
+        yield from _jsonl_records(f, path, text_column)
+        return
+      data = f.read()
+  except OSError as e:
+    yield BadRecord("unreadable file", f"dataset_path: cannot read {path}: {e}"), 0
+    return
+  try:
+    text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # as open()'s universal newlines
+  except UnicodeDecodeError as e:
+    yield BadRecord("not UTF-8", f"dataset_path: cannot read {path}: {e}"), len(data)
+    return
+  yield (strip_markdown(text) if path.endswith(".md") else text), len(data)
 
 
 def _read(path: str, text_column: str) -> list[str]:
-  try:
-    with open(path, encoding="utf-8") as f:
-      if not path.endswith(".jsonl"):
-        text = f.read()
-        return [strip_markdown(text) if path.endswith(".md") else text]
-      documents = []
-      for number, line in enumerate(f, 1):
-        if line.strip():
-          record = json.loads(line)
-          if not isinstance(record, dict) or not isinstance(record.get(text_column), str):
-            raise ConfigError(f"text_column={text_column!r}: {path} line {number} has no string field "
-                              f"{text_column!r}")
-          documents.append(record[text_column])
-      return documents
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ConfigError(f"dataset_path: cannot read {path}: {e}") from None
+  documents = []
+  for record, _ in records(path, text_column):
+    if isinstance(record, BadRecord):
+      raise ConfigError(record.message)
+    documents.append(record)
+  return documents
 
 
 def read_documents(config) -> list[str]:
   """All documents of config.dataset_path (or the plays), in sorted file order."""
-  path = config.dataset_path or os.path.join(shakespeare_dir(), "*", "*.md")
-  documents = [d for f in _files(path) for d in _read(f, config.text_column) if d.strip()]
+  documents = [d for f in files(config.dataset_path) for d in _read(f, config.text_column) if d.strip()]
   if not documents:
     raise ConfigError(f"dataset_path={config.dataset_path!r}: the corpus is empty")
   return documents
@@ -89,3 +155,27 @@ def split_documents(documents: list[str]) -> tuple[list[str], list[str]]:
   held_out = set(range(_EVAL_EVERY - 1, len(documents), _EVAL_EVERY)) or {len(documents) - 1}
   return ([d for i, d in enumerate(documents) if i not in held_out],
           [d for i, d in enumerate(documents) if i in held_out])
+
+
+def split_position(index: int, total: int | None) -> tuple[str, int]:
+  """(split, position within the split) of document `index` of `total` >= 2 by split_documents'
+  rule; total=None: at least ten, the only case where the rule needs no count."""
+  if total is not None and total < _EVAL_EVERY:
+    return ("eval", 0) if index == total - 1 else ("train", index)
+  if index % _EVAL_EVERY == _EVAL_EVERY - 1:
+    return "eval", index // _EVAL_EVERY
+  return "train", index - (index + 1) // _EVAL_EVERY
+
+
+def split_stream(documents) -> Iterator[tuple[str, int, str]]:
+  """(split, position within the split, document) by split_documents' rule, for a stream:
+  only the first ten documents are held, to learn whether the corpus is shorter than that."""
+  documents = iter(documents)
+  head = [d for _, d in zip(range(_EVAL_EVERY), documents)]
+  if len(head) == 1:
+    train, held_out = split_documents(head)
+    yield from (("train", 0, train[0]), ("eval", 0, held_out[0]))
+    return
+  total = len(head) if len(head) < _EVAL_EVERY else None
+  for index, document in enumerate(itertools.chain(head, documents)):
+    yield *split_position(index, total), document

@@ -25,12 +25,13 @@ def _parameters_path(config) -> str:
 
 
 def generate(config) -> str:
-  if config.dataset_type != "text":
-    raise pyconfig.ConfigError("dataset_type: decoding needs the text tokenizer (dataset_type=text)")
   run_tokenizer = os.path.join(config.run_dir, "tokenizer.json")
   # The tokenizer the run trained with, which train keeps in its directory; else the flags'.
   tokenizer = (Tokenizer.from_file(run_tokenizer) if os.path.exists(run_tokenizer) and not config.load_parameters_path
-               else input_pipeline.TextData(config).tokenizer)
+               else input_pipeline.load(config).tokenizer)
+  if tokenizer is None:
+    raise pyconfig.ConfigError(f"dataset_type={config.dataset_type!r}: has no tokenizer to decode with "
+                               "(use the dataset_type the model was trained with)")
   model = Transformer(config)
   length = config.max_target_length
   params = checkpointing.load_model_parameters(config, _parameters_path(config))

@@ -1,26 +1,34 @@
 """Input pipeline on grain: rows of tokens -> shuffled, per-process global batches.
 
+DATASET_TYPES maps each dataset_type to the function giving its tokenizer and its train and
+eval rows; the rest of the trainer never asks which type it has.
+
 Every row is a dict of [max_target_length] int32 arrays, MaxText's names:
   inputs, targets (inputs shifted by one), inputs_position (position within the document),
   inputs_segmentation (document id within the row, 0 for padding), targets_segmentation
   (the loss mask: 0 where the target must not be scored).
-Datasets are grain MapDatasets with random access, so the iterator's state is an index and
-a restored run continues with exactly the batches it would have seen.
+Datasets are grain MapDatasets with random access (all but streamed parquet), so the
+iterator's state is an index and a restored run continues with exactly the batches it would
+have seen.
 
-Text is tokenized once into a stream `doc EOD doc EOD ...`, cached as .npy, and row r is
-the window stream[r*L : r*L + L + 1] (inputs and the targets one token on). Packing is done
+Text is tokenized into a stream `doc EOD doc EOD ...` (dataset_type=text: in memory, cached as
+.npy; grain: by prepare_data, read from ArrayRecord shards by token_shards.TokenStream), and
+row r is the window stream[r*L : r*L + L + 1] (inputs and the targets one token on). Packing is done
 here rather than with grain's iterator packers because windows of one stream are randomly
 addressable: shuffling rows (not whole documents) and resuming at any index stay exact.
 """
 
+import glob
 import os
+from typing import NamedTuple
 
 import grain
 import jax
 import numpy as np
 from absl import logging
+from tokenizers import Tokenizer
 
-from MaxText import corpus, tokenizer as tokenizers
+from MaxText import corpus, token_shards, tokenizer as tokenizers
 from MaxText.pyconfig import ConfigError
 
 
@@ -104,20 +112,129 @@ def batches(rows: grain.MapDataset, batch_size: int) -> grain.MapDataset:
   return rows.batch(batch_size // processes, drop_remainder=True)[jax.process_index()::processes]
 
 
-def create_train_iterator(config, data: TextData | None) -> grain.DatasetIterator:
+def _batches(rows, batch_size: int) -> grain.IterDataset:
+  if isinstance(rows, grain.MapDataset):
+    return batches(rows, batch_size).to_iter_dataset()
+  return rows.batch(batch_size // jax.process_count(), drop_remainder=True)  # already this process's rows
+
+
+class Data(NamedTuple):
+  """What a dataset type gives the trainer."""
+
+  tokenizer: Tokenizer | None  # None: the data is not text (synthetic)
+  # Rows, endless and shuffled: a MapDataset of all rows (each process takes its slices), or
+  # an IterDataset of this process's rows (streamed formats, each process reading its files).
+  train: grain.MapDataset | grain.IterDataset
+  eval: grain.MapDataset | grain.IterDataset | None  # the same rows every evaluation; None: no held-out data
+  worker_count: int = 0  # grain worker processes preparing batches (0: threads)
+  worker_buffer_size: int = 1
+
+
+def synthetic_data(config) -> Data:
+  rows = synthetic_rows(config)
+  return Data(None, rows, rows[-config.eval_steps * config.micro_batch_size:])
+
+
+def text_data(config) -> Data:
+  text = TextData(config)
+  length = config.max_target_length
+  return Data(text.tokenizer, text_rows(text.train, length, text.eod).shuffle(seed=config.data_shuffle_seed).repeat(),
+              text_rows(text.eval, length, text.eod).repeat())
+
+
+def _shards(config, key: str):
+  """(TokenStream, Tokenizer) of the prepared shards named by config key `key`."""
+  stream, tokenizer = token_shards.open_split(key, getattr(config, key))
+  if len(stream) <= config.max_target_length:
+    raise ConfigError(f"{key}={getattr(config, key)!r}: {len(stream)} tokens, fewer than one row of "
+                      f"max_target_length={config.max_target_length}")
+  if tokenizer.get_vocab_size() > config.vocab_size:
+    raise ConfigError(f"vocab_size={config.vocab_size}: smaller than the {tokenizer.get_vocab_size()} tokens "
+                      f"of the tokenizer of {key}={getattr(config, key)!r}")
+  return stream, tokenizer
+
+
+def _parquet_rows(config, key: str, tokenizer: Tokenizer, shuffle: bool) -> grain.IterDataset:
+  """This process's rows of the parquet files named by config key `key` (every P-th file),
+  tokenized on the fly and cut into windows of L + 1 tokens by grain's concat-then-split:
+  resumable from grain's iterator state, but, unlike the shards' rows, only on as many hosts."""
+  import pyarrow  # noqa: PLC0415 (only parquet needs it)
+  import pyarrow.parquet  # noqa: PLC0415
+  pattern = getattr(config, key)
+  files = sorted(glob.glob(pattern))[jax.process_index()::jax.process_count()]
+  if not files:
+    raise ConfigError(f"{key}={pattern!r}: no parquet file for process {jax.process_index()} of "
+                      f"{jax.process_count()} (each process reads every P-th file)")
+  for path in files:
+    try:
+      names = pyarrow.parquet.ParquetFile(path).schema_arrow.names
+    except (OSError, pyarrow.ArrowException) as e:
+      raise ConfigError(f"{key}: cannot read {path} ({str(e).splitlines()[0]})") from None
+    if config.text_column not in names:
+      raise ConfigError(f"text_column={config.text_column!r}: {path} has no such column")
+  eod, column = tokenizers.eod_id(tokenizer, "tokenizer"), config.text_column
+
+  def tokens(record):
+    text = record[column]
+    ids = tokenizer.encode(text, add_special_tokens=False).ids if isinstance(text, str) else []
+    return {"tokens": np.asarray([*ids, eod], np.int32)}
+
+  paths = grain.MapDataset.source(files)
+  paths = paths.shuffle(seed=config.data_shuffle_seed) if shuffle else paths
+  documents = grain.experimental.InterleaveIterDataset(paths.repeat().map(grain.experimental.ParquetIterDataset),
+                                                       cycle_length=min(len(files), 16))
+  windows = grain.experimental.ConcatThenSplitIterDataset(
+      documents.map(tokens).filter(lambda d: len(d["tokens"]) > 1),
+      length_struct={"tokens": config.max_target_length + 1})
+  return windows.map(lambda window: pack(window["tokens"], eod))
+
+
+def _shard_rows(config, key: str, shuffle: bool):
+  """(endless rows, tokenizer) of the prepared shards named by config key `key`."""
+  stream, tokenizer = _shards(config, key)
+  rows = text_rows(stream, config.max_target_length, stream.eod)
+  return (rows.shuffle(seed=config.data_shuffle_seed) if shuffle else rows).repeat(), tokenizer
+
+
+def grain_data(config) -> Data:
+  """Shards written by prepare_data, read a window at a time (token_shards.TokenStream), or
+  parquet files streamed (grain_file_type=parquet)."""
+  if config.eval_interval and not config.grain_eval_files:
+    raise ConfigError(f"grain_eval_files='': needed for eval_interval={config.eval_interval} (e.g. "
+                      f"DIR/eval-*.arrayrecord beside the train shards), or set eval_interval=0")
+  held_out = None
+  if config.grain_file_type == "parquet":
+    tokenizer = tokenizers.load_pretrained(config, "grain_file_type='parquet'")
+    train = _parquet_rows(config, "grain_train_files", tokenizer, shuffle=True)
+    if config.grain_eval_files:
+      held_out = _parquet_rows(config, "grain_eval_files", tokenizer, shuffle=False)
+  else:
+    train, tokenizer = _shard_rows(config, "grain_train_files", shuffle=True)
+    if config.grain_eval_files:
+      held_out, eval_tokenizer = _shard_rows(config, "grain_eval_files", shuffle=False)
+      if eval_tokenizer.to_str() != tokenizer.to_str():
+        raise ConfigError(f"grain_eval_files={config.grain_eval_files!r}: tokenized with another tokenizer than "
+                          f"grain_train_files={config.grain_train_files!r}")
+  return Data(tokenizer, train, held_out, config.grain_worker_count, config.grain_per_worker_buffer_size)
+
+
+# dataset_type -> the function giving its Data; the only place that tells the types apart.
+DATASET_TYPES = {"text": text_data, "grain": grain_data, "synthetic": synthetic_data}
+
+
+def load(config) -> Data:
+  return DATASET_TYPES[config.dataset_type](config)
+
+
+def create_train_iterator(config, data: Data) -> grain.DatasetIterator:
   """Endless shuffled training batches (reshuffled every epoch); checkpointable."""
-  if config.dataset_type == "synthetic":
-    rows = synthetic_rows(config)
-  else:
-    rows = text_rows(data.train, config.max_target_length, data.eod)
-    rows = rows.shuffle(seed=config.data_shuffle_seed).repeat()
-  return iter(batches(rows, config.global_batch_size_to_train_on).to_iter_dataset())
+  dataset = _batches(data.train, config.global_batch_size_to_train_on)
+  if data.worker_count:
+    dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=data.worker_count,
+                                                               per_worker_buffer_size=data.worker_buffer_size))
+  return iter(dataset)
 
 
-def create_eval_iterator(config, data: TextData | None) -> grain.DatasetIterator:
+def create_eval_iterator(config, data: Data) -> grain.DatasetIterator:
   """The same eval_steps batches of held-out rows every time (repeated if the split is short)."""
-  if config.dataset_type == "synthetic":
-    rows = synthetic_rows(config)[-config.eval_steps * config.micro_batch_size:]
-  else:
-    rows = text_rows(data.eval, config.max_target_length, data.eod).repeat()
-  return iter(batches(rows, config.micro_batch_size).to_iter_dataset())
+  return iter(_batches(data.eval, config.micro_batch_size))

@@ -186,7 +186,13 @@ def _validate(v: dict) -> None:
   _require(v["adam_eps"] > 0, "adam_eps", "must be > 0", v)
   for key in ("adam_weight_decay", "gradient_clipping_threshold", "z_loss_multiplier"):
     _require(v[key] >= 0, key, "must be >= 0", v)
-  _one_of(v, "dataset_type", ("text", "synthetic"))
+  from MaxText.input_pipeline import DATASET_TYPES  # noqa: PLC0415 (it imports this module)
+  _one_of(v, "dataset_type", tuple(DATASET_TYPES))
+  _one_of(v, "grain_file_type", ("arrayrecord", "parquet"))
+  for key in ("num_train_shards", "num_eval_shards", "grain_per_worker_buffer_size"):
+    _require(v[key] >= 1, key, "must be >= 1", v)
+  for key in ("prepare_workers", "grain_worker_count"):
+    _require(v[key] >= 0, key, "must be >= 0", v)
   _one_of(v, "tokenizer_type", ("bpe", "byte"))
   if v["dataset_type"] == "text" and not v["tokenizer_path"]:
     _require(v["vocab_size"] >= 257, "vocab_size",
@@ -200,7 +206,7 @@ def _validate(v: dict) -> None:
   _require(bool(v["base_output_directory"]) and "\n" not in v["base_output_directory"], "base_output_directory",
            "must be a non-empty path", v)
   for key in ("base_output_directory", "dataset_cache_dir", "metrics_file", "memory_stats_file", "dataset_path",
-              "tokenizer_path", "load_parameters_path"):
+              "tokenizer_path", "load_parameters_path", "output_path", "grain_train_files", "grain_eval_files"):
     _require("://" not in v[key], key, "must be a local path (URLs such as gs:// are not supported; mount a "
              "bucket with GCS FUSE and give its local path)", v)
   # A run owns base_output_directory/run_name; a path here could reach another run's directory.

@@ -103,7 +103,7 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 def record_run_files(config, tokenizer) -> None:
-  """Writes run_dir/config.yml (the resolved config of this start) and, for text runs, keeps
+  """Writes run_dir/config.yml (the resolved config of this start) and, for text data, keeps
   run_dir/tokenizer.json: written by the run's first start, and afterwards the tokenizer every
   start and `decode` must use. A resume whose flags give another tokenizer is refused: its
   token ids would mean other text to the trained model. Process 0 only; call under run_lock."""
@@ -116,8 +116,9 @@ def record_run_files(config, tokenizer) -> None:
   if not os.path.exists(path):
     _write_atomic(path, tokenizer.to_str())
   elif Tokenizer.from_file(path).to_str() != tokenizer.to_str():
-    raise ConfigError(f"dataset_path, tokenizer_type, tokenizer_path, vocab_size: they give a tokenizer other "
-                      f"than the one run {config.run_dir} trained with ({path}); use the run's flags, or a new run_name")
+    raise ConfigError(f"dataset_path, tokenizer_type, tokenizer_path, vocab_size, grain_train_files: they give a "
+                      f"tokenizer other than the one run {config.run_dir} trained with ({path}); use the run's flags, "
+                      "or a new run_name")
 
 
 @contextlib.contextmanager

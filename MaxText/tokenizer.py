@@ -65,8 +65,8 @@ def eod_id(tokenizer: Tokenizer, source: str) -> int:
   raise ConfigError(f"{source}: has no end-of-document token (one of {', '.join(EOD_CANDIDATES)})")
 
 
-def load_or_train(config, train_documents) -> Tokenizer:
-  """The tokenizer the config asks for; larger than vocab_size is a config error."""
+def from_config(config, train_documents) -> tuple[Tokenizer, str]:
+  """(the tokenizer the config asks for, the words naming where it came from)."""
   if config.tokenizer_path:
     try:
       tokenizer = Tokenizer.from_file(config.tokenizer_path)
@@ -89,6 +89,23 @@ def load_or_train(config, train_documents) -> Tokenizer:
       tokenizer = train_bpe(train_documents, config.vocab_size)
       save_atomic(tokenizer, path)
     source = f"tokenizer {path}"
+  return tokenizer, source
+
+
+def load_pretrained(config, user: str) -> Tokenizer:
+  """tokenizer_path's or the byte tokenizer, for `user`, which cannot train a BPE: that would
+  read the whole corpus first."""
+  if not config.tokenizer_path and config.tokenizer_type == "bpe":
+    raise ConfigError(f"tokenizer_type='bpe': {user} does not train tokenizers (that would read the whole corpus "
+                      "first); give tokenizer_path=tokenizer.json or tokenizer_type=byte")
+  tokenizer, source = from_config(config, [])
+  eod_id(tokenizer, source)
+  return tokenizer
+
+
+def load_or_train(config, train_documents) -> Tokenizer:
+  """The tokenizer the config asks for; larger than vocab_size is a config error."""
+  tokenizer, source = from_config(config, train_documents)
   if tokenizer.get_vocab_size() > config.vocab_size:
     raise ConfigError(f"vocab_size={config.vocab_size}: smaller than the {tokenizer.get_vocab_size()} "
                       f"tokens of {source}")

@@ -207,12 +207,12 @@ def train(config) -> None:
   if config.metrics_file:
     run_control.check_writable("metrics_file", config.metrics_file, is_file=True)
   # Reading and tokenizing first: a bad dataset or tokenizer stops the run before it writes.
-  data = input_pipeline.TextData(config) if config.dataset_type == "text" else None
+  data = input_pipeline.load(config)
   mesh = sharding.create_mesh(config)
   trainer = build(config, mesh)
   train_iterator = input_pipeline.create_train_iterator(config, data)
   with run_control.run_lock(config.run_dir), run_control.stop_signals() as signals:
-    run_control.record_run_files(config, data.tokenizer if data else None)
+    run_control.record_run_files(config, data.tokenizer)
     manager = checkpointing.create_manager(config)
     try:
       with sharding.activate(mesh, config):

@@ -6,12 +6,19 @@
 #   4. the same run sent SIGTERM (preemption) at a random moment: it saves the step it is on,
 #      exits with code 143, and the rerun resumes from that step.
 # Usage: bash end_to_end/test_checkpointing.sh [OUTPUT_DIR] [extra key=value ...]
+# With dataset_type=grain (and no grain_train_files) it first prepares the default corpus into
+# OUTPUT_DIR/shards with MaxText.prepare_data and streams it with grain's worker processes.
 # learning_rate_schedule_steps is pinned so that the run stopped at 10 follows the 20-step
 # schedule; checkpoint_period=2 makes the kill land between, or during, saves.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-$(mktemp -d)}; shift || true
 python=${PYTHON:-.venv/bin/python}
+if [[ " $* " == *" dataset_type=grain "* && " $* " != *" grain_train_files="* ]]; then
+  echo "== preparing the default corpus as grain shards"
+  "$python" -m MaxText.prepare_data configs/base.yml tokenizer_type=byte "output_path=$out/shards" num_train_shards=4
+  set -- "$@" "grain_train_files=$out/shards/train-*" "grain_eval_files=$out/shards/eval-*"
+fi
 common=(configs/base.yml "base_output_directory=$out" steps=20 learning_rate_schedule_steps=20
         checkpoint_period=2 eval_interval=0 log_period=5 base_num_decoder_layers=2
         per_device_batch_size=4 max_target_length=128 "$@")

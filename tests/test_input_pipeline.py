@@ -154,10 +154,11 @@ def batches_of(config, data, count):
 
 def test_batches_are_shuffled_by_seed_and_resume_from_the_iterator_state(shared):
   config = shared()
-  data = input_pipeline.TextData(config)
+  data = input_pipeline.load(config)
   batches = batches_of(config, data, 6)
   assert batches[0]["inputs"].shape == (config.global_batch_size_to_train_on, config.max_target_length)
-  assert not np.array_equal(batches[0]["inputs"], batches_of(shared("data_shuffle_seed=1"), data, 1)[0]["inputs"])
+  reseeded = shared("data_shuffle_seed=1")
+  assert not np.array_equal(batches[0]["inputs"], batches_of(reseeded, input_pipeline.load(reseeded), 1)[0]["inputs"])
   iterator = input_pipeline.create_train_iterator(config, data)
   for _ in range(3):
     next(iterator)
@@ -170,7 +171,7 @@ def test_batches_are_shuffled_by_seed_and_resume_from_the_iterator_state(shared)
 
 def test_each_process_loads_its_slice_of_the_global_batch(shared, monkeypatch):
   config = shared()
-  data = input_pipeline.TextData(config)
+  data = input_pipeline.load(config)
   whole = batches_of(config, data, 2)
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   parts = []

@@ -75,7 +75,7 @@ def measure(variants: dict, warmup: int, steps: int) -> dict:
         initialised[layout] = trainer.init(jax.random.key(cfg.init_weights_seed))
     state = jax.tree.unflatten(jax.tree.structure(trainer.abstract_state),
                                [jnp.copy(x) for x in jax.tree.leaves(initialised[layout])])
-    batch = train.device_batch(trainer, next(input_pipeline.create_train_iterator(cfg, None)))
+    batch = train.device_batch(trainer, next(input_pipeline.create_train_iterator(cfg, input_pipeline.load(cfg))))
     runs[name] = {"compiled": compiled, "state": state, "batch": batch, "times": [],
                   **metrics.memory_stats(compiled)}
     print(f"compiled {name}: temp {runs[name]['temp_bytes'] / 2**20:,.1f} MiB", flush=True)

@@ -43,8 +43,7 @@ def device_step_seconds(steps: int, tmp: str) -> float:
   compiled = train.compile_train_step(trainer, config)
   with sharding.activate(trainer.mesh, config):
     state = trainer.init(jax.random.key(0))
-  data = input_pipeline.TextData(config)
-  batch = train.device_batch(trainer, next(input_pipeline.create_train_iterator(config, data)))
+  batch = train.device_batch(trainer, next(input_pipeline.create_train_iterator(config, input_pipeline.load(config))))
   state, _ = compiled(state, batch)
   jax.block_until_ready(state)
   start = time.perf_counter()

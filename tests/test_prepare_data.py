@@ -1,0 +1,222 @@
+"""prepare_data's shards, dataset_type=grain reading them, and bad data on both sides."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from absl import flags
+from array_record.python import array_record_module
+from tokenizers import Tokenizer
+
+from MaxText import corpus, input_pipeline, prepare_data, token_shards, tokenizer, train
+from MaxText.pyconfig import ConfigError
+from conftest import ROOT, run_cli, tiny_config
+
+TRAIN_SHARDS = 3
+
+
+def write_corpus(directory):
+  """25 .jsonl documents and one .txt, of random words and lengths."""
+  rng = np.random.default_rng(0)
+  words = ["thou", "art", "more", "lovely", "and", "temperate", "ça", "東京", "\n"]
+  text = lambda: " ".join(rng.choice(words, rng.integers(1, 60)))
+  directory.mkdir()
+  with open(directory / "a.jsonl", "w") as f:
+    for _ in range(25):
+      f.write(json.dumps({"text": text()}) + "\n")
+  (directory / "b.txt").write_text(text())
+  return directory
+
+
+def prepare(tmp, source, *overrides):
+  config = tiny_config(f"dataset_path={source}", "tokenizer_type=byte", f"output_path={tmp / 'shards'}",
+                       f"num_train_shards={TRAIN_SHARDS}", "prepare_workers=1", *overrides)
+  return config, prepare_data.prepare(config)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("prepared")
+  config, manifest = prepare(tmp, write_corpus(tmp / "corpus"))
+  return config, manifest
+
+
+def records(path):
+  return [np.frombuffer(r, "<i4") for r in array_record_module.ArrayRecordReader(str(path)).read_all()]
+
+
+def test_shards_hold_the_text_paths_documents_round_robin_with_its_held_out_rule(prepared):
+  config, manifest = prepared
+  train, held_out = corpus.split_documents(corpus.read_documents(config))
+  byte = tokenizer.byte_tokenizer()
+  out = config.output_path
+  for split, documents, count in (("train", train, TRAIN_SHARDS), ("eval", held_out, 1)):
+    want = [byte.encode(d, add_special_tokens=False).ids for d in documents]
+    for shard in range(count):
+      got = records(os.path.join(out, token_shards.shard_name(split, shard, count)))
+      assert [list(r) for r in got] == want[shard::count]
+    assert manifest["splits"][split]["documents"] == len(documents)
+    assert manifest["splits"][split]["tokens"] == sum(map(len, want))
+  assert len(held_out) == 2 and manifest["tokenizer_fingerprint"] == tokenizer.fingerprint([byte.to_str()])
+  assert manifest["bad_records"] == {} and not any(n.startswith(".partial") for n in os.listdir(out))
+
+
+def grain_config(prepared, *overrides):
+  out = prepared[0].output_path
+  return tiny_config("dataset_type=grain", f"grain_train_files={out}/train-*", f"grain_eval_files={out}/eval-*",
+                     "vocab_size=320", "grain_worker_count=0", *overrides)
+
+
+def test_the_stream_is_the_shards_documents_each_closed_by_an_eod(prepared):
+  config = prepared[0]
+  stream, tok = token_shards.open_split("grain_train_files", f"{config.output_path}/train-*")
+  eod = tokenizer.eod_id(tok, "tokenizer")
+  want = np.concatenate([np.append(r, eod) for shard in range(TRAIN_SHARDS) for r in records(
+      os.path.join(config.output_path, token_shards.shard_name("train", shard, TRAIN_SHARDS)))])
+  assert len(stream) == len(want)
+  rng = np.random.default_rng(0)
+  for start in [0, len(want) - 5, *rng.integers(0, len(want), 30)]:
+    stop = start + int(rng.integers(1, 400))
+    np.testing.assert_array_equal(stream[start:stop], want[start:stop])
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_grain_batches_are_packed_rows_of_the_stream_and_resume_exactly(prepared, workers):
+  flags.FLAGS.mark_as_parsed()  # grain's workers read its absl flags, which app.run parses outside pytest
+  config = grain_config(prepared, f"grain_worker_count={workers}")
+  data = input_pipeline.load(config)
+  stream, _ = token_shards.open_split("grain_train_files", config.grain_train_files)
+  reference = input_pipeline.text_rows(np.asarray(stream[:]), config.max_target_length, stream.eod)
+  rows = reference.shuffle(seed=config.data_shuffle_seed).repeat()
+  iterator = input_pipeline.create_train_iterator(config, data)
+  batches = [next(iterator) for _ in range(4)]
+  for step, batch in enumerate(batches):
+    size = config.global_batch_size_to_train_on
+    for key in batch:
+      np.testing.assert_array_equal(batch[key], np.stack([rows[step * size + i][key] for i in range(size)]))
+  restored = input_pipeline.create_train_iterator(config, data)
+  iterator = input_pipeline.create_train_iterator(config, data)
+  next(iterator)
+  next(iterator)
+  restored.set_state(iterator.get_state())
+  for expected in batches[2:]:
+    jax.tree.map(np.testing.assert_array_equal, next(restored), expected)
+
+
+def test_a_missing_or_damaged_shard_is_a_config_error_naming_it(prepared, tmp_path):
+  copy = tmp_path / "copy"
+  shutil.copytree(prepared[0].output_path, copy)
+  config = lambda: grain_config(prepared, f"grain_train_files={copy}/train-*", f"grain_eval_files={copy}/eval-*")
+  shard = copy / token_shards.shard_name("train", 1, TRAIN_SHARDS)
+  data = shard.read_bytes()
+  shard.write_bytes(data[:len(data) // 2])
+  with pytest.raises(ConfigError, match=f"grain shard {shard}: unreadable"):
+    input_pipeline.load(config())
+  shard.unlink()
+  with pytest.raises(ConfigError, match=f"grain shard {shard}: missing"):
+    input_pipeline.load(config())
+  (copy / "manifest.json").unlink()
+  with pytest.raises(ConfigError, match="manifest.json"):
+    input_pipeline.load(config())
+  with pytest.raises(ConfigError, match="grain_eval_files=''"):
+    input_pipeline.load(grain_config(prepared, "grain_eval_files=", "eval_interval=5"))
+
+
+def test_bad_records_are_counted_and_skipped_or_stop_a_strict_run(tmp_path):
+  import pyarrow
+  import pyarrow.parquet
+  source = tmp_path / "corpus"
+  source.mkdir()
+  (source / "a.jsonl").write_bytes(b'{"text": "good one"}\n{"text": \n{"body": "no text"}\n'
+                                   b'{"text": "\xff\xfe"}\n{"text": ""}\n{"text": "good two"}\n')
+  (source / "b.txt").write_bytes(b"\xff not utf-8")
+  (source / "c.txt").write_text("")
+  pyarrow.parquet.write_table(pyarrow.table({"body": ["x"]}), source / "d.parquet")
+  pyarrow.parquet.write_table(pyarrow.table({"text": ["good three", None]}), source / "e.parquet")
+  (source / "f.parquet").write_bytes(b"PAR1 not parquet")
+  args = (f"dataset_path={source}", "tokenizer_type=byte", "prepare_workers=1")
+  result = run_cli("prepare_data", *args, f"output_path={tmp_path / 'out'}")
+  assert result.returncode == 0, result.stderr
+  summary = result.stdout.strip().splitlines()[-1]
+  assert summary.endswith("skipped 9 bad records (3 no string 'text', 2 not UTF-8, 2 empty document, "
+                          "1 malformed JSON, 1 unreadable file)"), summary
+  assert "2 train documents" in summary and "Traceback" not in result.stderr
+  result = run_cli("prepare_data", *args, f"output_path={tmp_path / 'strict'}", "strict_data=true")
+  assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("config error: dataset_path")
+  assert "a.jsonl line 2" in result.stderr and not (tmp_path / "strict").exists()
+  result = run_cli("prepare_data", *args, f"output_path={tmp_path / 'out'}")
+  assert result.returncode == 2 and "already holds a prepared corpus" in result.stderr
+
+
+def test_the_split_of_a_stream_is_split_documents_for_every_corpus_size():
+  for count in (1, 2, 9, 10, 11, 25):
+    documents = [f"document {i}\nsecond line\n" for i in range(count)]
+    got = {"train": {}, "eval": {}}
+    for split, position, document in corpus.split_stream(iter(documents)):
+      got[split][position] = document
+    train, held_out = corpus.split_documents(documents)
+    assert [got["train"][k] for k in range(len(got["train"]))] == train
+    assert [got["eval"][k] for k in range(len(got["eval"]))] == held_out
+
+
+def test_the_beam_pipeline_writes_the_local_paths_shards(prepared, tmp_path):
+  config, manifest = prepared
+  result = run_cli("prepare_data", f"dataset_path={config.dataset_path}", "tokenizer_type=byte",
+                   f"output_path={tmp_path}/beam", f"num_train_shards={TRAIN_SHARDS}", "runner=DirectRunner",
+                   env={"PYTHONPATH": str(ROOT / ".venv" / "beam")})  # where setup.sh installs Beam, apart
+  assert result.returncode == 0, result.stderr
+  with open(tmp_path / "beam" / "manifest.json") as f:
+    assert json.load(f)["splits"] == manifest["splits"]
+  for split in manifest["splits"].values():
+    for shard in split["shards"]:
+      local, beam = records(os.path.join(config.output_path, shard["file"])), records(tmp_path / "beam" / shard["file"])
+      assert len(local) == len(beam) == shard["documents"]
+      for a, b in zip(local, beam):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_parquet_text_streams_as_packed_rows_of_its_documents_and_resumes_exactly(tmp_path):
+  import pyarrow
+  import pyarrow.parquet
+  rng = np.random.default_rng(0)
+  texts = [[" ".join(["word"] * int(rng.integers(1, 12))) + f" {f}.{i}" for i in range(40)] for f in range(3)]
+  for f, column in enumerate(texts):
+    pyarrow.parquet.write_table(pyarrow.table({"text": column}), tmp_path / f"{f}.parquet")
+  config = tiny_config("dataset_type=grain", "grain_file_type=parquet", f"grain_train_files={tmp_path}/*.parquet",
+                       "tokenizer_type=byte", "vocab_size=320", "grain_worker_count=0")
+  data = input_pipeline.load(config)
+  iterator = input_pipeline.create_train_iterator(config, data)
+  batches = [next(iterator) for _ in range(6)]
+  byte = tokenizer.byte_tokenizer()
+  documents = {tuple(byte.encode(t, add_special_tokens=False).ids) for column in texts for t in column}
+  for batch in batches:
+    for row in range(len(batch["inputs"])):
+      inputs, segments = batch["inputs"][row], batch["inputs_segmentation"][row]
+      # Every whole document inside a row (neither the first nor the last segment) is one of the files'.
+      for segment in np.unique(segments)[1:-1]:
+        ids = inputs[segments == segment]
+        assert ids[-1] == 256 and tuple(ids[:-1]) in documents
+      np.testing.assert_array_equal(batch["targets"][row][:-1], inputs[1:])
+      assert np.all(batch["targets_segmentation"][row][inputs == 256] == 0)
+  iterator = input_pipeline.create_train_iterator(config, data)
+  for _ in range(3):
+    next(iterator)
+  restored = input_pipeline.create_train_iterator(config, data)
+  restored.set_state(iterator.get_state())
+  for expected in batches[3:]:
+    jax.tree.map(np.testing.assert_array_equal, next(restored), expected)
+
+
+def test_a_grain_run_trains_and_keeps_the_shards_tokenizer_for_decode(prepared, tmp_path):
+  config = grain_config(prepared, f"base_output_directory={tmp_path}", "steps=2", "run_name=grain", "eval_interval=2",
+                        "eval_steps=1", "enable_checkpointing=true", f"metrics_file={tmp_path}/metrics.jsonl")
+  train.train(config)
+  kept = Tokenizer.from_file(str(tmp_path / "grain" / "tokenizer.json"))
+  shards = Tokenizer.from_file(os.path.join(prepared[0].output_path, "tokenizer.json"))
+  assert kept.to_str() == shards.to_str()
+  assert [p.name for p in (tmp_path / "grain" / "checkpoints").iterdir()] == ["2"]
+  last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+  assert np.isfinite(last["eval/loss"])
