@@ -23,6 +23,8 @@ VARIANTS = {
     "full, interval 4": ("remat_policy=full", "remat_layer_interval=4"),
     "minimal, interval 4": ("remat_policy=minimal", "remat_layer_interval=4"),
     "full, interval 3, loop": ("remat_policy=full", "remat_layer_interval=3", "scan_layers=false"),
+    "full, loop": ("remat_policy=full", "scan_layers=false"),
+    "minimal, loop": ("remat_policy=minimal", "scan_layers=false"),
 }
 
 
@@ -64,6 +66,8 @@ def test_every_policy_saves_memory_in_the_documented_order(steps):
   assert temp["none"] > temp["full, interval 4"] > temp["full, interval 2"] > temp["full"]
   assert temp["none"] > temp["full, interval 3"] > temp["full"]  # layers 0 and 3 (a leftover group)
   assert temp["custom qkv"] == temp["save_qkv_proj"]
+  # The same in a Python-loop stack (train.compiler_options is what makes it so on XLA:CPU).
+  assert temp["none, loop"] > temp["minimal, loop"] > temp["full, loop"]
 
 
 def scan_lengths(jaxpr) -> list:
