@@ -37,13 +37,12 @@ EOD = "<|endoftext|>"
 
 
 def imported_params(config, hf_path):
-  with mapping.open_tensors(str(hf_path)) as tensors:
-    params = {}
-    for entry in mapping.layout(config):
-      node = params
-      for key in entry[0][:-1]:
-        node = node.setdefault(key, {})
-      node[entry[0][-1]] = mapping.to_param(config, entry, lambda name: tensors[name].get_tensor(name), None)
+  tensors, params = mapping.tensor_index(str(hf_path)), {}
+  for entry in mapping.layout(config):
+    node = params
+    for key in entry[0][:-1]:
+      node = node.setdefault(key, {})
+    node[entry[0][-1]] = mapping.to_param(config, entry, lambda name: mapping.read_tensor(tensors, name), None)
   return params
 
 

@@ -5,7 +5,6 @@ directory's safetensors one tensor at a time.
 Supported: LlamaForCausalLM (Llama 2, 3, 3.1, 3.2), Qwen3ForCausalLM, Gemma2ForCausalLM.
 """
 
-import contextlib
 import glob
 import json
 import math
@@ -192,10 +191,9 @@ def read_config(hf_path: str) -> dict:
     return json.load(f)
 
 
-@contextlib.contextmanager
-def open_tensors(hf_path: str):
-  """{name: open safetensors file holding it} for a Hugging Face model directory, sharded
-  (model.safetensors.index.json) or not; nothing is read until handle.get_tensor(name)."""
+def tensor_index(hf_path: str) -> dict:
+  """{name: (file, shape)} of a Hugging Face model directory's tensors, sharded
+  (model.safetensors.index.json) or not, from the files' headers."""
   index = os.path.join(hf_path, "model.safetensors.index.json")
   if os.path.isfile(index):
     with open(index) as f:
@@ -209,16 +207,22 @@ def open_tensors(hf_path: str):
   if not files:
     raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: no *.safetensors files (expected a Hugging Face "
                                "model directory: config.json and *.safetensors)")
-  with contextlib.ExitStack() as stack:
-    tensors = {}
-    for file in files:
-      try:
-        handle = stack.enter_context(safe_open(file, framework="numpy"))
-      except Exception as e:  # safetensors raises its own error types for truncated or foreign files
-        raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: {os.path.basename(file)} is not a readable "
-                                   f"safetensors file ({str(e).splitlines()[0]})") from None
-      tensors.update(dict.fromkeys(handle.keys(), handle))
-    yield tensors
+  tensors = {}
+  for file in files:
+    try:
+      with safe_open(file, framework="numpy") as handle:
+        tensors.update({name: (file, tuple(handle.get_slice(name).get_shape())) for name in handle.keys()})
+    except Exception as e:  # safetensors raises its own error types for truncated or foreign files
+      raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: {os.path.basename(file)} is not a readable "
+                                 f"safetensors file ({str(e).splitlines()[0]})") from None
+  return tensors
+
+
+def read_tensor(tensors: dict, name: str) -> np.ndarray:
+  """One tensor, copied out of its file, which is closed again: the file's pages read so far do
+  not stay mapped, so memory holds what is being converted, not the whole model."""
+  with safe_open(tensors[name][0], framework="numpy") as handle:
+    return handle.get_tensor(name)
 
 
 def check_tensors(config, tensors: dict, hf_path: str) -> None:
@@ -229,7 +233,7 @@ def check_tensors(config, tensors: dict, hf_path: str) -> None:
   for name, shape in wanted.items():
     if name not in tensors:
       raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: tensor {name} is missing")
-    found = tuple(tensors[name].get_slice(name).get_shape())
+    found = tensors[name][1]
     if found != tuple(shape):
       raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: tensor {name} has shape {found}, expected {shape}")
   tied_head = {"lm_head.weight"} if config.logits_via_embedding else set()

@@ -46,18 +46,17 @@ def convert(config) -> str:
   if os.path.exists(output):
     raise pyconfig.ConfigError(f"run_name={config.run_name!r}: {output} exists; pick a new run_name")
   dtype = jnp.dtype(config.convert_dtype) if config.convert_dtype else None
-  with mapping.open_tensors(config.hf_model_path) as tensors:
-    mapping.check_tensors(config, tensors, config.hf_model_path)
-    staging = f"{output}.converting"
-    shutil.rmtree(staging, ignore_errors=True)  # this tool's own leftover from a killed conversion
-    os.makedirs(staging)
-    for entry in mapping.layout(config):
-      param = mapping.to_param(config, entry, lambda name: tensors[name].get_tensor(name), dtype)
-      tree = param
-      for key in reversed(("params", *entry[0])):
-        tree = {key: tree}
-      ocp.partial.save(os.path.join(staging, "0"), tree)
-      del param, tree
+  tensors = mapping.tensor_index(config.hf_model_path)
+  mapping.check_tensors(config, tensors, config.hf_model_path)
+  staging = f"{output}.converting"
+  shutil.rmtree(staging, ignore_errors=True)  # this tool's own leftover from a killed conversion
+  os.makedirs(staging)
+  for entry in mapping.layout(config):
+    tree = mapping.to_param(config, entry, lambda name: mapping.read_tensor(tensors, name), dtype)
+    for key in reversed(("params", *entry[0])):
+      tree = {key: tree}
+    ocp.partial.save(os.path.join(staging, "0"), tree)
+    del tree  # before the next parameter is built: one in memory at a time
   ocp.partial.finalize(os.path.join(staging, "0"))
   with open(os.path.join(staging, "0", pyconfig.MODEL_KEYS_FILE), "w") as f:
     yaml.safe_dump({key: getattr(config, key) for key in pyconfig.MODEL_KEYS}, f, sort_keys=False)
