@@ -204,6 +204,11 @@ def reshape_tensor(hf, name):
   save_file(tensors, hf / "model.safetensors")
 
 
+def add_tensor(hf, name):
+  tensors = load_file(hf / "model.safetensors")
+  save_file({**tensors, name: np.zeros(32, np.float32)}, hf / "model.safetensors")
+
+
 def split_and_lose_a_shard(hf):
   tensors = load_file(hf / "model.safetensors")
   (hf / "model.safetensors").unlink()
@@ -225,8 +230,10 @@ def split_and_lose_a_shard(hf):
      "missing"),
     (lambda hf: reshape_tensor(hf, "model.layers.2.self_attn.k_proj.weight"),
      "tensor model.layers.2.self_attn.k_proj.weight has shape (31, 32), expected (32, 32)"),
+    (lambda hf: add_tensor(hf, "model.layers.0.self_attn.q_proj.bias"),
+     "tensor model.layers.0.self_attn.q_proj.bias is not part of a LlamaForCausalLM of this shape"),
 ], ids=["no directory", "no config.json", "no safetensors", "a lost shard", "architecture", "missing tensor",
-        "mis-shaped tensor"])
+        "mis-shaped tensor", "extra tensor"])
 def test_a_bad_hugging_face_directory_names_what_is_wrong_and_writes_nothing(tmp_path, damage, message):
   hf = tmp_path / "hf"
   shutil.copytree(ASSETS / "llama", hf)
@@ -250,3 +257,22 @@ def test_a_model_key_config_json_contradicts_is_one_line_exit_2_and_writes_nothi
   lines = result.stderr.strip().splitlines()
   assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr[-2000:]
   assert not output.exists()
+
+
+def test_outputs_are_never_overwritten_and_a_checkpoint_of_other_keys_is_named(tmp_path):
+  """A second import into the same run, an export into an existing directory, and an export
+  under model keys the checkpoint was not saved with: one line each, nothing written."""
+  args = [BASE_YML, f"hf_model_path={ASSETS / 'llama'}", f"base_output_directory={tmp_path}", "run_name=a"]
+  converted = to_maxtext.convert(to_maxtext.resolve_config(args))
+  with pytest.raises(pyconfig.ConfigError, match=re.escape(f"run_name='a': {converted} exists")):
+    to_maxtext.convert(to_maxtext.resolve_config(args))
+  exported = tmp_path / "exported"
+  exported.mkdir()
+  export = [BASE_YML, mapping.NO_DATA, f"load_parameters_path={converted}", f"hf_output_path={exported}"]
+  with pytest.raises(pyconfig.ConfigError, match=re.escape(f"hf_output_path='{exported}': exists")):
+    to_huggingface.convert(pyconfig.initialize(export))
+  exported.rmdir()
+  with pytest.raises(pyconfig.ConfigError, match=re.escape("parameter token_embedder/embedding has shape (96, 32), "
+                                                           "the model keys give (128, 32)")):
+    to_huggingface.convert(pyconfig.initialize([*export, "vocab_size=128"]))
+  assert not exported.exists() and sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["0"]
