@@ -187,6 +187,21 @@ def test_bf16_weights_stay_bf16_unless_convert_dtype_asks(tmp_path, convert_dtyp
   assert json.loads((exported / "config.json").read_text())["torch_dtype"] == stored
 
 
+@pytest.mark.parametrize("model_name", ["llama3.2-1b", "qwen3-0.6b", "gemma2-2b"])
+def test_a_published_config_json_gives_the_model_file_keys(tmp_path, model_name):
+  """config.json as the Hub publishes it (transcribed in tests/assets/hf/published_configs.json;
+  Gemma 2's names neither a tied head nor layer_types, which transformers takes as tied and
+  sliding on even layers): with model_name it agrees with configs/models/NAME.yml, and without
+  it to_maxtext resolves the same model keys."""
+  (tmp_path / "config.json").write_text(json.dumps(
+      json.loads((ASSETS / "published_configs.json").read_text())[model_name]))
+  named = to_maxtext.resolve_config([BASE_YML, f"hf_model_path={tmp_path}", f"model_name={model_name}"])
+  resolved = to_maxtext.resolve_config([BASE_YML, f"hf_model_path={tmp_path}"])
+  keys = lambda config: {key: getattr(config, key) for key in pyconfig.MODEL_KEYS} | {
+      "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim}
+  assert keys(resolved) == keys(named)
+
+
 def edit_config(hf, **changes):
   config = json.loads((hf / "config.json").read_text())
   (hf / "config.json").write_text(json.dumps({**config, **changes}))

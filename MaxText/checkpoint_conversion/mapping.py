@@ -20,6 +20,10 @@ FAMILIES = {"llama2": ("LlamaForCausalLM", "llama", "hidden_act", "silu"),
             "qwen3": ("Qwen3ForCausalLM", "qwen3", "hidden_act", "silu"),
             "gemma2": ("Gemma2ForCausalLM", "gemma2", "hidden_activation", "gelu_pytorch_tanh")}
 ARCHITECTURES = {architecture: block for block, (architecture, *_) in FAMILIES.items()}
+# What transformers assumes where a family's config.json is silent: Gemma 2's published files
+# name neither a tied head nor layer_types, its head is tied and its even layers slide.
+TIED_BY_DEFAULT = {"llama2": False, "qwen3": False, "gemma2": True}
+SLIDING_ON_EVEN_LAYERS_BY_DEFAULT = ("gemma2",)
 # Put before the user's keys: the converters read no data, so the text dataset's checks (a
 # tokenizer that fits vocab_size) must not stop them.
 NO_DATA = "dataset_type=synthetic"
@@ -52,27 +56,35 @@ def _expected(config) -> dict:
 
 def model_keys(hf: dict, hf_path: str) -> dict:
   """The config keys config.json sets (None where it sets none); an architecture this project
-  lacks is a config error naming the supported ones."""
+  lacks, or a config.json without a size, is a config error."""
   architecture = (hf.get("architectures") or ["(none)"])[0]
   if architecture not in ARCHITECTURES:
     raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: architecture {architecture} is not supported "
                                f"(supported: {', '.join(ARCHITECTURES)})")
+  try:
+    return _model_keys(hf, ARCHITECTURES[architecture])
+  except KeyError as e:
+    raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: config.json has no {e.args[0]}") from None
+
+
+def _model_keys(hf: dict, block: str) -> dict:
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   rope_type = rope.get("rope_type", rope.get("type", "default"))
   head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-  kinds = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
+  alternating = [("full_attention", "sliding_attention")[i % 2 == 0] for i in range(hf["num_hidden_layers"])]
+  by_default = block in SLIDING_ON_EVEN_LAYERS_BY_DEFAULT and hf.get("sliding_window")
+  kinds = hf.get("layer_types") or (alternating if by_default else ["full_attention"] * hf["num_hidden_layers"])
   window = 0
   if "sliding_attention" in kinds:
-    alternating = [("full_attention", "sliding_attention")[i % 2 == 0] for i in range(len(kinds))]
     window = (hf["sliding_window"] if kinds == alternating
               else f"layer_types {kinds} (supported: sliding on even layers only)")
-  return {"decoder_block": ARCHITECTURES[architecture],
+  return {"decoder_block": block,
           "vocab_size": hf["vocab_size"], "base_emb_dim": hf["hidden_size"], "base_mlp_dim": hf["intermediate_size"],
           "base_num_query_heads": hf["num_attention_heads"],
           "base_num_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
           "base_num_decoder_layers": hf["num_hidden_layers"],
           "head_dim": head_dim,
-          "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+          "logits_via_embedding": bool(hf.get("tie_word_embeddings", TIED_BY_DEFAULT[block])),
           "rope_max_timescale": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
           "normalization_layer_epsilon": hf["rms_norm_eps"],
           "rope_type": {"default": "default", "llama3": "llama3.1"}.get(rope_type, f"{rope_type} (not supported)"),
@@ -175,6 +187,7 @@ def hf_config(config, dtype: str) -> dict:
           "head_dim": config.head_dim, activation_key: activation, "rms_norm_eps": config.normalization_layer_epsilon,
           "max_position_embeddings": config.max_target_length, "tie_word_embeddings": config.logits_via_embedding,
           "rope_theta": float(config.rope_max_timescale), "rope_scaling": rope if config.rope_type != "default" else None,
+          # dtype for transformers 5, torch_dtype for 4
           "rope_parameters": rope, "attention_bias": False, "torch_dtype": dtype, "dtype": dtype,
           "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim,
           "attn_logit_softcapping": config.attn_logits_soft_cap or None,
@@ -187,8 +200,11 @@ def read_config(hf_path: str) -> dict:
   if not os.path.isfile(path):
     raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: no config.json (expected a Hugging Face model "
                                "directory: config.json and *.safetensors)")
-  with open(path) as f:
-    return json.load(f)
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: config.json is not valid JSON ({e})") from None
 
 
 def tensor_index(hf_path: str) -> dict:

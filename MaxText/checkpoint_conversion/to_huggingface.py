@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import app
+from etils import epath
 from safetensors.numpy import save_file
 
 from MaxText import checkpointing, metrics, pyconfig
@@ -36,7 +37,7 @@ def _stored(config) -> dict:
   if not os.path.isdir(item):
     raise pyconfig.ConfigError(f"load_parameters_path={path!r}: no such checkpoint directory")
   try:
-    tree = ocp.PyTreeCheckpointer().metadata(item).item_metadata.tree["params"]
+    tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(item)).tree["params"]
   except Exception as e:  # orbax raises many types for a directory that is not a checkpoint
     raise pyconfig.ConfigError(f"load_parameters_path={path!r}: not a checkpoint with parameters "
                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
