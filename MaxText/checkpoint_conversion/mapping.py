@@ -31,6 +31,11 @@ NO_DATA = "dataset_type=synthetic"
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
+def tool_argv(argv: list) -> list:
+  """A converter's [config.yml, key=value ...] with NO_DATA before the user's keys."""
+  return [*argv[:1], NO_DATA, *argv[1:]] if argv else argv
+
+
 def layer_types(config) -> list:
   """Hugging Face's per-layer attention kinds for this config (sliding on even layers)."""
   return ["sliding_attention" if config.sliding_window_size and i % 2 == 0 else "full_attention"

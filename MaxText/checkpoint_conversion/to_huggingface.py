@@ -84,6 +84,29 @@ def _restore(config, entry, shape, dtype) -> np.ndarray:
   return np.asarray(param)
 
 
+def _write(config, stored: dict, shards: dict, directory: str) -> None:
+  """Each shard {file: names} written as soon as its last tensor is converted, then config.json."""
+  file_of = {name: file for file, names in shards.items() for name in names}
+  pending, total = {file: {} for file in shards}, 0
+  for entry in mapping.layout(config):
+    param = _restore(config, entry, *stored[entry[0]])
+    for name, tensor in mapping.to_hf_tensors(config, entry, param).items():
+      shard = pending[file_of[name]]
+      shard[name] = tensor
+      total += tensor.nbytes
+      if len(shard) == len(shards[file_of[name]]):
+        save_file(shard, os.path.join(directory, file_of[name]), metadata={"format": "pt"})
+        os.chmod(os.path.join(directory, file_of[name]), 0o644)  # safetensors makes 0600 files; a model is to share
+        shard.clear()
+    del param
+  if len(shards) > 1:
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": file_of}, f, indent=2)
+  embedding_dtype = stored[mapping.layout(config)[0][0]][1]
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(mapping.hf_config(config, str(embedding_dtype)), f, indent=2)
+
+
 def convert(config, max_shard_bytes: int = MAX_SHARD_BYTES) -> list:
   """Writes the Hugging Face directory; returns its files. Every check runs before anything is written."""
   if not config.load_parameters_path:
@@ -97,27 +120,14 @@ def convert(config, max_shard_bytes: int = MAX_SHARD_BYTES) -> list:
   shards = _shards(config, stored, max_shard_bytes)
   files = (["model.safetensors"] if len(shards) == 1 else
            [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
-  file_of = {name: file for file, names in zip(files, shards) for name in names}
   partial = f"{output}.partial"
   shutil.rmtree(partial, ignore_errors=True)  # this tool's own leftover from a killed export
   os.makedirs(partial)
-  pending, total = {file: {} for file in files}, 0
-  for entry in mapping.layout(config):
-    param = _restore(config, entry, *stored[entry[0]])
-    for name, tensor in mapping.to_hf_tensors(config, entry, param).items():
-      shard = pending[file_of[name]]
-      shard[name] = tensor
-      total += tensor.nbytes
-      if len(shard) == len(shards[files.index(file_of[name])]):
-        save_file(shard, os.path.join(partial, file_of[name]), metadata={"format": "pt"})
-        shard.clear()
-    del param
-  if len(files) > 1:
-    with open(os.path.join(partial, "model.safetensors.index.json"), "w") as f:
-      json.dump({"metadata": {"total_size": total}, "weight_map": file_of}, f, indent=2)
-  embedding_dtype = stored[mapping.layout(config)[0][0]][1]
-  with open(os.path.join(partial, "config.json"), "w") as f:
-    json.dump(mapping.hf_config(config, str(embedding_dtype)), f, indent=2)
+  try:
+    _write(config, stored, dict(zip(files, shards)), partial)
+  except BaseException:
+    shutil.rmtree(partial)
+    raise
   os.replace(partial, output)
   return files
 
@@ -125,7 +135,7 @@ def convert(config, max_shard_bytes: int = MAX_SHARD_BYTES) -> list:
 def main(argv):
   metrics.quiet_library_logs()
   with pyconfig.errors_to_exit_codes():
-    config = pyconfig.initialize([argv[1], mapping.NO_DATA, *argv[2:]])
+    config = pyconfig.initialize(mapping.tool_argv(argv[1:]))
     files = convert(config)
   print(f"wrote {config.load_parameters_path} to {config.hf_output_path} ({len(files)} safetensors file(s), "
         f"Hugging Face {mapping.FAMILIES[config.decoder_block][0]})", file=sys.stderr)

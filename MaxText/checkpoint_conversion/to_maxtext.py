@@ -26,7 +26,7 @@ from MaxText.checkpoint_conversion import mapping
 
 def resolve_config(argv):
   """The config of argv with, unless it names a model_name, every model key from config.json."""
-  argv = [argv[0], mapping.NO_DATA, *argv[1:]]
+  argv = mapping.tool_argv(argv)
   config = pyconfig.initialize(argv)
   if not config.hf_model_path:
     raise pyconfig.ConfigError("hf_model_path='': give the Hugging Face model directory to import")
@@ -40,6 +40,19 @@ def resolve_config(argv):
   return config
 
 
+def _write(config, tensors: dict, dtype, path: str) -> None:
+  """The checkpoint, one parameter at a time, then model.yml."""
+  for entry in mapping.layout(config):
+    tree = mapping.to_param(config, entry, lambda name: mapping.read_tensor(tensors, name), dtype)
+    for key in reversed(("params", *entry[0])):
+      tree = {key: tree}
+    ocp.partial.save(path, tree)
+    del tree  # before the next parameter is built: one in memory at a time
+  ocp.partial.finalize(path)
+  with open(os.path.join(path, pyconfig.MODEL_KEYS_FILE), "w") as f:
+    yaml.safe_dump({key: getattr(config, key) for key in pyconfig.MODEL_KEYS}, f, sort_keys=False)
+
+
 def convert(config) -> str:
   """Writes the checkpoint; returns its path. Every check runs before anything is written."""
   output = os.path.abspath(os.path.join(config.run_dir, "checkpoints", "0"))
@@ -51,15 +64,11 @@ def convert(config) -> str:
   staging = f"{output}.converting"
   shutil.rmtree(staging, ignore_errors=True)  # this tool's own leftover from a killed conversion
   os.makedirs(staging)
-  for entry in mapping.layout(config):
-    tree = mapping.to_param(config, entry, lambda name: mapping.read_tensor(tensors, name), dtype)
-    for key in reversed(("params", *entry[0])):
-      tree = {key: tree}
-    ocp.partial.save(os.path.join(staging, "0"), tree)
-    del tree  # before the next parameter is built: one in memory at a time
-  ocp.partial.finalize(os.path.join(staging, "0"))
-  with open(os.path.join(staging, "0", pyconfig.MODEL_KEYS_FILE), "w") as f:
-    yaml.safe_dump({key: getattr(config, key) for key in pyconfig.MODEL_KEYS}, f, sort_keys=False)
+  try:
+    _write(config, tensors, dtype, os.path.join(staging, "0"))
+  except BaseException:
+    shutil.rmtree(staging)
+    raise
   os.replace(os.path.join(staging, "0"), output)
   os.rmdir(staging)
   return output
