@@ -1,4 +1,5 @@
-"""Configuration: configs/base.yml, then configs/models/<model_name>.yml, then key=value.
+"""Configuration: configs/base.yml, then configs/models/<model_name>.yml, then the model keys
+saved with load_parameters_path's checkpoint, then key=value.
 
 base.yml is the schema: every key, its default and its type. Overrides are parsed to the
 type of the default, checked, and the derived values are computed once. The result is a
@@ -22,6 +23,14 @@ from MaxText.layers.attentions import FLASH_KERNELS
 
 MESH_AXES = ("data", "fsdp", "tensor", "sequence")
 DTYPES = ("float32", "bfloat16", "float16")
+# The keys that fix the parameters' shapes and meaning. Saved with a checkpoint (the converters'
+# model.yml, a run's config.yml), they come with load_parameters_path: see saved_model_keys.
+MODEL_KEYS = ("decoder_block", "vocab_size", "base_emb_dim", "base_mlp_dim", "base_num_query_heads",
+              "base_num_kv_heads", "base_num_decoder_layers", "head_dim", "logits_via_embedding",
+              "rope_max_timescale", "rope_type", "rope_scaling_factor", "rope_low_freq_factor",
+              "rope_high_freq_factor", "rope_original_max_position", "normalization_layer_epsilon",
+              "attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar", "sliding_window_size")
+MODEL_KEYS_FILE = "model.yml"
 # decoder_block -> the switches that family sets; the layers read only the switches.
 #   qk_norm: RMSNorm over each head's queries and keys before RoPE (Qwen3)
 #   sandwich_norms: norms both before and after attention and MLP (Gemma 2)
@@ -154,6 +163,7 @@ def _validate(v: dict) -> None:
     raise ConfigError(f"head_dim={head_dim}: must be even (RoPE rotates pairs of features)")
   for key in ("dtype", "weight_dtype"):
     _one_of(v, key, DTYPES)
+  _one_of(v, "convert_dtype", ("", *DTYPES))
   _one_of(v, "decoder_block", tuple(DECODER_BLOCKS))
   _one_of(v, "attention", ("dot_product", "chunked", "flash"))
   if v["attention"] == "flash":  # the kernels' blocks: min(512, length) on TPU, 128 on GPU
@@ -206,7 +216,8 @@ def _validate(v: dict) -> None:
   _require(bool(v["base_output_directory"]) and "\n" not in v["base_output_directory"], "base_output_directory",
            "must be a non-empty path", v)
   for key in ("base_output_directory", "dataset_cache_dir", "metrics_file", "memory_stats_file", "dataset_path",
-              "tokenizer_path", "load_parameters_path", "output_path", "grain_train_files", "grain_eval_files"):
+              "tokenizer_path", "load_parameters_path", "output_path", "grain_train_files", "grain_eval_files",
+              "hf_model_path", "hf_output_path"):
     _require("://" not in v[key], key, "must be a local path (URLs such as gs:// are not supported; mount a "
              "bucket with GCS FUSE and give its local path)", v)
   # A run owns base_output_directory/run_name; a path here could reach another run's directory.
@@ -379,6 +390,18 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   v["dataset_cache_dir"] = v["dataset_cache_dir"] or os.path.join(v["base_output_directory"], "cache")
 
 
+def saved_model_keys(checkpoint: str) -> tuple[dict, str] | None:
+  """(model keys, file) saved with a checkpoint step directory: the converters' model.yml in
+  it, or else the config.yml of the run it belongs to (run_dir/checkpoints/step)."""
+  if not checkpoint:
+    return None
+  for path in (os.path.join(checkpoint, MODEL_KEYS_FILE), os.path.join(checkpoint, "..", "..", "config.yml")):
+    if os.path.isfile(path):
+      values = _load_yaml(path)
+      return {key: values[key] for key in MODEL_KEYS if key in values}, os.path.normpath(path)
+  return None
+
+
 def _freeze(value):
   if isinstance(value, list):
     return tuple(_freeze(x) for x in value)
@@ -411,6 +434,10 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
     if not os.path.isfile(model_path):
       raise ConfigError(f"model_name={model_name!r}: no file {model_path}")
     _merge(values, _load_yaml(model_path), model_path)
+  saved = saved_model_keys(_coerce("load_parameters_path", overrides.get("load_parameters_path",
+                                                                          values["load_parameters_path"]), ""))
+  if saved:
+    _merge(values, *saved)
   _merge(values, overrides, "the command line")
   _validate(values)
   if num_devices is None and not values["compile_topology"]:

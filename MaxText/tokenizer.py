@@ -1,6 +1,6 @@
 """Tokenizers, all Hugging Face `tokenizers` objects with an end-of-document token.
 
-- tokenizer_path=PATH: any HF tokenizer.json.
+- tokenizer_path=PATH: any HF tokenizer.json, or a Hugging Face model directory holding one.
 - tokenizer_type=bpe: a byte-level BPE trained at vocab_size on the training documents the
   first time, then cached under dataset_cache_dir, keyed by corpus and vocab size.
 - tokenizer_type=byte: the 256 byte symbols and the end-of-document token (a BPE with no
@@ -68,8 +68,11 @@ def eod_id(tokenizer: Tokenizer, source: str) -> int:
 def from_config(config, train_documents) -> tuple[Tokenizer, str]:
   """(the tokenizer the config asks for, the words naming where it came from)."""
   if config.tokenizer_path:
+    path = config.tokenizer_path
+    if os.path.isdir(path):  # a Hugging Face model directory
+      path = os.path.join(path, "tokenizer.json")
     try:
-      tokenizer = Tokenizer.from_file(config.tokenizer_path)
+      tokenizer = Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises bare Exceptions for missing and malformed files.
       raise ConfigError(f"tokenizer_path={config.tokenizer_path!r}: cannot load a tokenizer.json "
                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None

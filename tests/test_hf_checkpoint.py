@@ -1,13 +1,24 @@
-"""Hugging Face checkpoints: converted weights give transformers' own logits (golden files
-written by tests/assets/hf/make_golden.py from random LlamaForCausalLM, Qwen3ForCausalLM and
-Gemma2ForCausalLM)."""
+"""Hugging Face checkpoints: converted weights give transformers' own logits and greedy tokens
+(golden files written by tests/assets/hf/make_golden.py from random LlamaForCausalLM,
+Qwen3ForCausalLM and Gemma2ForCausalLM), both converters round-trip bit for bit, and runs
+continue from the imported weights with the model directory's tokenizer."""
 
+import json
+import re
+import shutil
+
+import jax
+import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from safetensors.numpy import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
 
-from MaxText import convert_hf_checkpoint
+from MaxText import decode, pyconfig
+from MaxText.checkpoint_conversion import mapping, to_huggingface, to_maxtext
 from MaxText.layers.models import Transformer
-from conftest import ROOT, TINY, run_cli, tiny_config
+from conftest import BASE_YML, ROOT, TINY, run_cli, tiny_config
 
 ASSETS = ROOT / "tests" / "assets" / "hf"
 SHAPE = ("vocab_size=96", "base_emb_dim=32", "base_mlp_dim=64", "base_num_decoder_layers=3",
@@ -20,14 +31,26 @@ FAMILIES = {"llama": ("decoder_block=llama2", "logits_via_embedding=false"),
             "llama3.1": ("decoder_block=llama2", "logits_via_embedding=true", *LLAMA31_ROPE),
             "gemma2": ("decoder_block=gemma2", "logits_via_embedding=true", "sliding_window_size=8",
                        "query_pre_attn_scalar=24", "attn_logits_soft_cap=2", "final_logits_soft_cap=3")}
+# TINY's run keys without its model keys: runs from a converted checkpoint take those saved with it.
+RUN = tuple(a for a in TINY if a.partition("=")[0] not in pyconfig.MODEL_KEYS) + ("max_target_length=24",)
+EOD = "<|endoftext|>"
+
+
+def imported_params(config, hf_path):
+  tensors, params = mapping.tensor_index(str(hf_path)), {}
+  for entry in mapping.layout(config):
+    node = params
+    for key in entry[0][:-1]:
+      node = node.setdefault(key, {})
+    node[entry[0][-1]] = mapping.to_param(config, entry, lambda name: mapping.read_tensor(tensors, name), None)
+  return params
 
 
 def logits_and_golden(family, config):
-  _, tensors = convert_hf_checkpoint.read(str(ASSETS / family))
   golden = np.load(ASSETS / family / "golden.npz")
   tokens = golden["tokens"]
   positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
-  logits = Transformer(config).apply({"params": convert_hf_checkpoint.to_params(config, tensors)},
+  logits = Transformer(config).apply({"params": imported_params(config, ASSETS / family)},
                                      tokens, positions, np.ones_like(tokens))
   return np.asarray(logits), golden["logits"]
 
@@ -36,8 +59,7 @@ def logits_and_golden(family, config):
 @pytest.mark.parametrize("settings", [(), ("scan_layers=false", "remat_layer_interval=2")], ids=["scan", "loop"])
 def test_converted_weights_give_the_hugging_face_logits(family, settings):
   config = tiny_config(*SHAPE, *FAMILIES[family], *settings)
-  hf, _ = convert_hf_checkpoint.read(str(ASSETS / family))
-  convert_hf_checkpoint.check_shape(config, hf, str(ASSETS / family))
+  mapping.check_shape(config, mapping.read_config(str(ASSETS / family)), str(ASSETS / family))
   logits, golden = logits_and_golden(family, config)
   scale = np.abs(golden).max()
   np.testing.assert_allclose(logits / scale, golden / scale, rtol=0, atol=1e-5)
@@ -55,35 +77,217 @@ def test_without_the_family_feature_the_logits_are_not_matched(family, without):
   assert np.abs(logits - golden).max() > 1e-3 * np.abs(golden).max()
 
 
+def hf_dir_with_tokenizer(tmp_path, family, vocab_size=96):
+  """A copy of the family's asset with a tokenizer.json: word k is token k ("w0" ... ), the
+  last id the end-of-document token; and a corpus of ten documents in those words."""
+  hf = tmp_path / f"hf-{family}"
+  shutil.copytree(ASSETS / family, hf)
+  vocab = {f"w{k}": k for k in range(vocab_size - 1)} | {EOD: vocab_size - 1}
+  tokenizer = Tokenizer(models.WordLevel(vocab))
+  tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tokenizer.save(str(hf / "tokenizer.json"))
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  rng = np.random.default_rng(0)
+  for doc in range(10):
+    (corpus / f"{doc}.txt").write_text(" ".join(f"w{k}" for k in rng.integers(0, vocab_size - 1, 120)))
+  return hf, tokenizer, corpus
+
+
+def words(ids):
+  return " ".join(f"w{k}" for k in ids)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_decoding_of_an_imported_model_gives_the_hugging_face_tokens(tmp_path, family):
+  """to_maxtext (every model key from config.json), then decode with the model directory as
+  tokenizer_path: transformers' generate(do_sample=False) continuation. (The tied tiny models
+  echo their last prompt token, as random tied models do; Llama's and Gemma 2's do not.)"""
+  hf, tokenizer, corpus = hf_dir_with_tokenizer(tmp_path, family)
+  golden = np.load(hf / "golden.npz")
+  converted = to_maxtext.convert(to_maxtext.resolve_config(
+      [BASE_YML, f"hf_model_path={hf}", f"base_output_directory={tmp_path}", "run_name=imported"]))
+  config = pyconfig.initialize([BASE_YML, *RUN, "dataset_type=text", f"dataset_path={corpus}",
+                                f"tokenizer_path={hf}", f"load_parameters_path={converted}",
+                                f"prompt={words(golden['greedy_prompt'])}", f"max_decode_length={len(golden['greedy'])}",
+                                "decode_sampling_strategy=greedy"])
+  assert decode.generate(config) == words(golden["greedy_prompt"]) + tokenizer.decode(golden["greedy"].tolist())
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama3.1", "gemma2"])
-def test_import_then_export_gives_back_the_hugging_face_model_and_a_run_starts_from_it(tmp_path, family):
-  """Hugging Face -> checkpoint -> Hugging Face: the same tensors bit for bit, a config.json
-  that imports again, and the checkpoint starts a training run."""
-  args = ("dataset_type=synthetic", *SHAPE, *FAMILIES[family])
-  converted, exported = tmp_path / "converted", tmp_path / "exported"
-  result = run_cli("convert_hf_checkpoint", *args, f"hf_path={ASSETS / family}", f"output_path={converted}")
+def test_import_export_round_trip_and_continued_pretraining(tmp_path, family):
+  """The command lines of README's "Bring your own weights": Hugging Face -> checkpoint ->
+  Hugging Face gives the same tensors bit for bit with no model key given (config.json's are
+  saved with the checkpoint and read back), and a tiled training run continues from the
+  checkpoint on the model directory's tokenizer."""
+  hf, _, corpus = hf_dir_with_tokenizer(tmp_path, family)
+  result = run_cli("checkpoint_conversion.to_maxtext", f"hf_model_path={hf}", f"base_output_directory={tmp_path}",
+                   "run_name=imported")
   assert result.returncode == 0, result.stderr[-3000:]
-  result = run_cli("convert_hf_checkpoint", *args, f"load_parameters_path={converted}", f"output_path={exported}")
+  converted, exported = tmp_path / "imported" / "checkpoints" / "0", tmp_path / "exported"
+  result = run_cli("checkpoint_conversion.to_huggingface", f"load_parameters_path={converted}",
+                   f"hf_output_path={exported}")
   assert result.returncode == 0, result.stderr[-3000:]
-  _, original = convert_hf_checkpoint.read(str(ASSETS / family))
-  hf, tensors = convert_hf_checkpoint.read(str(exported))
+  original, tensors = load_file(hf / "model.safetensors"), load_file(exported / "model.safetensors")
   assert sorted(tensors) == sorted(original)
   assert all(np.array_equal(tensors[name], original[name]) for name in original)
-  convert_hf_checkpoint.check_shape(tiny_config(*SHAPE, *FAMILIES[family]), hf, str(exported))
-  result = run_cli("train", *TINY, *args, "steps=1", f"base_output_directory={tmp_path}",
+  config = tiny_config(*SHAPE, *FAMILIES[family])
+  mapping.check_shape(config, mapping.read_config(str(exported)), str(exported))
+  result = run_cli("train", *RUN, "steps=2", "dataset_type=text", f"dataset_path={corpus}", f"tokenizer_path={hf}",
+                   "num_vocab_tiling=8", f"base_output_directory={tmp_path}", "run_name=continued",
                    f"load_parameters_path={converted}")
   assert result.returncode == 0 and f"parameters loaded from {converted}" in result.stderr, result.stderr[-3000:]
 
 
+def test_export_shards_above_the_shard_size_and_the_shards_import_again(tmp_path):
+  """Shards as save_pretrained writes them (files of at most the shard size, an index naming
+  each tensor's file and the total size), read back by to_maxtext to the same parameters."""
+  converted = to_maxtext.convert(to_maxtext.resolve_config(
+      [BASE_YML, f"hf_model_path={ASSETS / 'llama'}", f"base_output_directory={tmp_path}", "run_name=a"]))
+  exported = tmp_path / "sharded"
+  config = pyconfig.initialize([BASE_YML, mapping.NO_DATA, f"load_parameters_path={converted}",
+                                f"hf_output_path={exported}"])
+  original = load_file(ASSETS / "llama" / "model.safetensors")
+  shard_bytes = max(t.nbytes for t in original.values())
+  files = to_huggingface.convert(config, max_shard_bytes=shard_bytes)
+  index = json.loads((exported / "model.safetensors.index.json").read_text())
+  assert len(files) > 1 and sorted(set(index["weight_map"].values())) == files
+  assert index["metadata"]["total_size"] == sum(t.nbytes for t in original.values())
+  for file in files:
+    shard = load_file(exported / file)
+    assert sum(t.nbytes for t in shard.values()) <= shard_bytes
+    assert all(index["weight_map"][name] == file and np.array_equal(t, original[name]) for name, t in shard.items())
+  assert sorted(index["weight_map"]) == sorted(original)
+  again = to_maxtext.convert(to_maxtext.resolve_config(
+      [BASE_YML, f"hf_model_path={exported}", f"base_output_directory={tmp_path}", "run_name=b"]))
+  assert jax.tree.all(jax.tree.map(np.array_equal, restore(again), restore(converted)))
+
+
+def restore(checkpoint):
+  return ocp.PyTreeCheckpointer().restore(f"{checkpoint}/state")["params"]
+
+
+@pytest.mark.parametrize("convert_dtype, stored", [("", "bfloat16"), ("float32", "float32")])
+def test_bf16_weights_stay_bf16_unless_convert_dtype_asks(tmp_path, convert_dtype, stored):
+  hf = tmp_path / "bf16"
+  shutil.copytree(ASSETS / "qwen3", hf)
+  original = {name: t.astype(ml_dtypes.bfloat16) for name, t in load_file(hf / "model.safetensors").items()}
+  save_file(original, hf / "model.safetensors")
+  converted = to_maxtext.convert(to_maxtext.resolve_config(
+      [BASE_YML, f"hf_model_path={hf}", f"base_output_directory={tmp_path}", "run_name=a",
+       f"convert_dtype={convert_dtype}"]))
+  assert {str(x.dtype) for x in jax.tree.leaves(restore(converted))} == {stored}
+  exported = tmp_path / "exported"
+  to_huggingface.convert(pyconfig.initialize([BASE_YML, mapping.NO_DATA, f"load_parameters_path={converted}",
+                                              f"hf_output_path={exported}"]))
+  tensors = load_file(exported / "model.safetensors")
+  assert all(str(tensors[name].dtype) == stored and np.array_equal(tensors[name].astype(np.float32),
+                                                              original[name].astype(np.float32))
+             for name in original)
+  assert json.loads((exported / "config.json").read_text())["torch_dtype"] == stored
+
+
+@pytest.mark.parametrize("model_name", ["llama3.2-1b", "qwen3-0.6b", "gemma2-2b"])
+def test_a_published_config_json_gives_the_model_file_keys(tmp_path, model_name):
+  """config.json as the Hub publishes it (transcribed in tests/assets/hf/published_configs.json;
+  Gemma 2's names neither a tied head nor layer_types, which transformers takes as tied and
+  sliding on even layers): with model_name it agrees with configs/models/NAME.yml, and without
+  it to_maxtext resolves the same model keys."""
+  (tmp_path / "config.json").write_text(json.dumps(
+      json.loads((ASSETS / "published_configs.json").read_text())[model_name]))
+  named = to_maxtext.resolve_config([BASE_YML, f"hf_model_path={tmp_path}", f"model_name={model_name}"])
+  resolved = to_maxtext.resolve_config([BASE_YML, f"hf_model_path={tmp_path}"])
+  keys = lambda config: {key: getattr(config, key) for key in pyconfig.MODEL_KEYS} | {
+      "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim}
+  assert keys(resolved) == keys(named)
+
+
+def edit_config(hf, **changes):
+  config = json.loads((hf / "config.json").read_text())
+  (hf / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def drop_tensor(hf, name):
+  tensors = load_file(hf / "model.safetensors")
+  del tensors[name]
+  save_file(tensors, hf / "model.safetensors")
+
+
+def reshape_tensor(hf, name):
+  tensors = load_file(hf / "model.safetensors")
+  tensors[name] = tensors[name][:-1]
+  save_file(tensors, hf / "model.safetensors")
+
+
+def add_tensor(hf, name):
+  tensors = load_file(hf / "model.safetensors")
+  save_file({**tensors, name: np.zeros(32, np.float32)}, hf / "model.safetensors")
+
+
+def split_and_lose_a_shard(hf):
+  tensors = load_file(hf / "model.safetensors")
+  (hf / "model.safetensors").unlink()
+  names = sorted(tensors)
+  save_file({name: tensors[name] for name in names[:5]}, hf / "model-00001-of-00002.safetensors")
+  (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+      name: f"model-0000{1 + (k >= 5)}-of-00002.safetensors" for k, name in enumerate(names)}}))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda hf: shutil.rmtree(hf), "no config.json"),
+    (lambda hf: (hf / "config.json").unlink(), "no config.json"),
+    (lambda hf: (hf / "model.safetensors").unlink(), "no *.safetensors files"),
+    (split_and_lose_a_shard, "model-00002-of-00002.safetensors, which is not there"),
+    (lambda hf: edit_config(hf, architectures=["MistralForCausalLM"]),
+     "architecture MistralForCausalLM is not supported (supported: LlamaForCausalLM, Qwen3ForCausalLM, "
+     "Gemma2ForCausalLM)"),
+    (lambda hf: drop_tensor(hf, "model.layers.1.mlp.up_proj.weight"), "tensor model.layers.1.mlp.up_proj.weight is "
+     "missing"),
+    (lambda hf: reshape_tensor(hf, "model.layers.2.self_attn.k_proj.weight"),
+     "tensor model.layers.2.self_attn.k_proj.weight has shape (31, 32), expected (32, 32)"),
+    (lambda hf: add_tensor(hf, "model.layers.0.self_attn.q_proj.bias"),
+     "tensor model.layers.0.self_attn.q_proj.bias is not part of a LlamaForCausalLM of this shape"),
+], ids=["no directory", "no config.json", "no safetensors", "a lost shard", "architecture", "missing tensor",
+        "mis-shaped tensor", "extra tensor"])
+def test_a_bad_hugging_face_directory_names_what_is_wrong_and_writes_nothing(tmp_path, damage, message):
+  hf = tmp_path / "hf"
+  shutil.copytree(ASSETS / "llama", hf)
+  damage(hf)
+  output = tmp_path / "out"
+  with pytest.raises(pyconfig.ConfigError, match=re.escape(f"hf_model_path='{hf}': ") + ".*" + re.escape(message)):
+    to_maxtext.convert(to_maxtext.resolve_config(
+        [BASE_YML, f"hf_model_path={hf}", f"base_output_directory={output}", "run_name=a"]))
+  assert not output.exists()
+
+
 @pytest.mark.parametrize("args, message", [
-    (("decoder_block=llama2",), "decoder_block='llama2': "),
+    (("model_name=qwen3-0.6b",), "vocab_size=151936: "),
     (("base_num_kv_heads=4",), "base_num_kv_heads=4: "),
     (("logits_via_embedding=false",), "logits_via_embedding=False: "),
 ])
-def test_a_shape_mismatch_is_one_line_and_writes_nothing(tmp_path, args, message):
-  output = tmp_path / "converted"
-  result = run_cli("convert_hf_checkpoint", "dataset_type=synthetic", *SHAPE, *FAMILIES["qwen3"], *args, f"hf_path={ASSETS / 'qwen3'}",
-                   f"output_path={output}")
+def test_a_model_key_config_json_contradicts_is_one_line_exit_2_and_writes_nothing(tmp_path, args, message):
+  output = tmp_path / "out"
+  result = run_cli("checkpoint_conversion.to_maxtext", f"hf_model_path={ASSETS / 'qwen3'}",
+                   f"base_output_directory={output}", "run_name=a", *args)
   lines = result.stderr.strip().splitlines()
   assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr[-2000:]
   assert not output.exists()
+
+
+def test_outputs_are_never_overwritten_and_a_checkpoint_of_other_keys_is_named(tmp_path):
+  """A second import into the same run, an export into an existing directory, and an export
+  under model keys the checkpoint was not saved with: one line each, nothing written."""
+  args = [BASE_YML, f"hf_model_path={ASSETS / 'llama'}", f"base_output_directory={tmp_path}", "run_name=a"]
+  converted = to_maxtext.convert(to_maxtext.resolve_config(args))
+  with pytest.raises(pyconfig.ConfigError, match=re.escape(f"run_name='a': {converted} exists")):
+    to_maxtext.convert(to_maxtext.resolve_config(args))
+  exported = tmp_path / "exported"
+  exported.mkdir()
+  export = [BASE_YML, mapping.NO_DATA, f"load_parameters_path={converted}", f"hf_output_path={exported}"]
+  with pytest.raises(pyconfig.ConfigError, match=re.escape(f"hf_output_path='{exported}': exists")):
+    to_huggingface.convert(pyconfig.initialize(export))
+  exported.rmdir()
+  with pytest.raises(pyconfig.ConfigError, match=re.escape("parameter token_embedder/embedding has shape (96, 32), "
+                                                           "the model keys give (128, 32)")):
+    to_huggingface.convert(pyconfig.initialize([*export, "vocab_size=128"]))
+  assert not exported.exists() and sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["0"]

@@ -2,8 +2,9 @@
 and transformers, which are not runtime dependencies; any versions that have Qwen3 and Gemma 2).
 
 For each family, a small randomly initialised transformers model saved as Hugging Face does
-(config.json, model.safetensors) and its float32 logits on fixed tokens (golden.npz), which
-tests/test_hf_checkpoint.py compares with this project's model on the converted weights.
+(config.json, model.safetensors), its float32 logits on fixed tokens and its greedy
+continuation of a prompt (golden.npz), which tests/test_hf_checkpoint.py compares with this
+project's model on the converted weights.
 """
 
 import os
@@ -14,6 +15,7 @@ import transformers
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0)
+PROMPT, GREEDY = 8, 8  # greedy decoding: the first row's first PROMPT tokens, continued by GREEDY tokens
 MODELS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(tie_word_embeddings=False)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(tie_word_embeddings=True)),
@@ -45,7 +47,11 @@ def main():
     model.save_pretrained(os.path.join(here, name), safe_serialization=True)
     with torch.no_grad():
       logits = model(torch.as_tensor(tokens)).logits.numpy()
-    np.savez(os.path.join(here, name, "golden.npz"), tokens=tokens.astype(np.int32), logits=logits)
+      prompt = torch.as_tensor(tokens[:1, :PROMPT])
+      greedy = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                              max_new_tokens=GREEDY, min_new_tokens=GREEDY, pad_token_id=0).numpy()[0, PROMPT:]
+    np.savez(os.path.join(here, name, "golden.npz"), tokens=tokens.astype(np.int32), logits=logits,
+             greedy_prompt=tokens[0, :PROMPT].astype(np.int32), greedy=greedy.astype(np.int32))
     print(name, logits.shape)
 
 

@@ -1,42 +1,39 @@
-"""Hugging Face weights <-> this project's checkpoints.
+"""Hugging Face model directories <-> this project's parameters: the one mapping table both
+converters read (to_maxtext.py, to_huggingface.py), config.json both ways, and reading a
+directory's safetensors one tensor at a time.
 
-Import, to a checkpoint that `load_parameters_path` starts a run from:
-  python -m MaxText.convert_hf_checkpoint configs/base.yml model_name=qwen3-0.6b \\
-    hf_path=DIR output_path=DIR [key=value ...]
-Export, a checkpoint (a step directory of any run) to a Hugging Face model directory:
-  python -m MaxText.convert_hf_checkpoint configs/base.yml model_name=qwen3-0.6b \\
-    load_parameters_path=RUN/checkpoints/STEP output_path=DIR
-
-hf_path is a Hugging Face model directory (config.json and *.safetensors, as
-`save_pretrained` or `huggingface-cli download` leave it) of a LlamaForCausalLM (Llama 2,
-3, 3.1, 3.2), Qwen3ForCausalLM or Gemma2ForCausalLM. Its shape must be the config's
-(vocabulary, widths, heads, layers, tied head, RoPE base and scaling, soft caps, query scale,
-sliding window, family): a mismatch is one line naming the key, exit 2, nothing written.
-Then: python -m MaxText.train ... load_parameters_path=OUTPUT_PATH (same model keys).
+Supported: LlamaForCausalLM (Llama 2, 3, 3.1, 3.2), Qwen3ForCausalLM, Gemma2ForCausalLM.
 """
 
-import functools
 import glob
 import json
 import math
 import os
-import shutil
-import sys
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
-from absl import app
-from safetensors.numpy import load_file, save_file
+from safetensors import safe_open
 
-from MaxText import checkpointing, metrics, pyconfig
+from MaxText import pyconfig
 
 # decoder_block -> (Hugging Face architecture, model_type, name of its activation key, activation)
 FAMILIES = {"llama2": ("LlamaForCausalLM", "llama", "hidden_act", "silu"),
             "qwen3": ("Qwen3ForCausalLM", "qwen3", "hidden_act", "silu"),
             "gemma2": ("Gemma2ForCausalLM", "gemma2", "hidden_activation", "gelu_pytorch_tanh")}
 ARCHITECTURES = {architecture: block for block, (architecture, *_) in FAMILIES.items()}
+# What transformers assumes where a family's config.json is silent: Gemma 2's published files
+# name neither a tied head nor layer_types, its head is tied and its even layers slide.
+TIED_BY_DEFAULT = {"llama2": False, "qwen3": False, "gemma2": True}
+SLIDING_ON_EVEN_LAYERS_BY_DEFAULT = ("gemma2",)
+# Put before the user's keys: the converters read no data, so the text dataset's checks (a
+# tokenizer that fits vocab_size) must not stop them.
+NO_DATA = "dataset_type=synthetic"
+# Tensors some Hugging Face checkpoints carry that the model recomputes or ties: not weights.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def tool_argv(argv: list) -> list:
+  """A converter's [config.yml, key=value ...] with NO_DATA before the user's keys."""
+  return [*argv[:1], NO_DATA, *argv[1:]] if argv else argv
 
 
 def layer_types(config) -> list:
@@ -62,23 +59,37 @@ def _expected(config) -> dict:
              if config.rope_type == "llama3.1" else {})}
 
 
-def _found(hf: dict) -> dict:
+def model_keys(hf: dict, hf_path: str) -> dict:
+  """The config keys config.json sets (None where it sets none); an architecture this project
+  lacks, or a config.json without a size, is a config error."""
+  architecture = (hf.get("architectures") or ["(none)"])[0]
+  if architecture not in ARCHITECTURES:
+    raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: architecture {architecture} is not supported "
+                               f"(supported: {', '.join(ARCHITECTURES)})")
+  try:
+    return _model_keys(hf, ARCHITECTURES[architecture])
+  except KeyError as e:
+    raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: config.json has no {e.args[0]}") from None
+
+
+def _model_keys(hf: dict, block: str) -> dict:
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   rope_type = rope.get("rope_type", rope.get("type", "default"))
   head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-  kinds = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
+  alternating = [("full_attention", "sliding_attention")[i % 2 == 0] for i in range(hf["num_hidden_layers"])]
+  by_default = block in SLIDING_ON_EVEN_LAYERS_BY_DEFAULT and hf.get("sliding_window")
+  kinds = hf.get("layer_types") or (alternating if by_default else ["full_attention"] * hf["num_hidden_layers"])
   window = 0
   if "sliding_attention" in kinds:
-    alternating = [("full_attention", "sliding_attention")[i % 2 == 0] for i in range(len(kinds))]
     window = (hf["sliding_window"] if kinds == alternating
               else f"layer_types {kinds} (supported: sliding on even layers only)")
-  return {"decoder_block": ARCHITECTURES.get((hf.get("architectures") or ["?"])[0], hf.get("architectures")),
+  return {"decoder_block": block,
           "vocab_size": hf["vocab_size"], "base_emb_dim": hf["hidden_size"], "base_mlp_dim": hf["intermediate_size"],
           "base_num_query_heads": hf["num_attention_heads"],
           "base_num_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
           "base_num_decoder_layers": hf["num_hidden_layers"],
           "head_dim": head_dim,
-          "logits_via_embedding": bool(hf.get("tie_word_embeddings", False)),
+          "logits_via_embedding": bool(hf.get("tie_word_embeddings", TIED_BY_DEFAULT[block])),
           "rope_max_timescale": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
           "normalization_layer_epsilon": hf["rms_norm_eps"],
           "rope_type": {"default": "default", "llama3": "llama3.1"}.get(rope_type, f"{rope_type} (not supported)"),
@@ -91,17 +102,18 @@ def _found(hf: dict) -> dict:
 
 
 def check_shape(config, hf: dict, hf_path: str) -> None:
-  found = _found(hf)
+  found = model_keys(hf, hf_path)
   for key, want in _expected(config).items():
     if found[key] != want:
-      raise pyconfig.ConfigError(f"{key}={want!r}: {hf_path}/config.json has {found[key]!r} (set {key}, or pick "
-                                 "the model_name of that model)")
+      raise pyconfig.ConfigError(f"{key}={want!r}: {hf_path}/config.json has {found[key]!r} (set {key}, or leave "
+                                 "model_name out to take every model key from config.json)")
 
 
-def _layout(config):
+def layout(config) -> list:
   """(path in this project's parameter tree, Hugging Face name, per layer, this project's shape
   (of one layer), input axes of a linear weight or 0 for a tensor copied as it is). Hugging
-  Face keeps linear weights [out, in]; here they are [in..., out...] kernels."""
+  Face keeps linear weights [out, in]; here they are [in..., out...] kernels, and per-layer
+  weights are stacked on a leading layer axis."""
   dim, heads, kv_heads, head_dim = (config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads,
                                     config.head_dim)
   attention, layer = ("decoder", "layers", "self_attention"), "model.layers.{i}."
@@ -132,34 +144,40 @@ def _layout(config):
   return entries
 
 
-def to_params(config, tensors: dict) -> dict:
-  """Hugging Face tensors -> this project's parameter tree (layers stacked on a leading axis)."""
-  params = {}
-  for path, name, per_layer, shape, in_axes in _layout(config):
-    convert = (lambda w: w.T.reshape(shape)) if in_axes else (lambda w: w)  # noqa: B023 (used at once)
-    value = (np.stack([convert(tensors[name.format(i=i)]) for i in range(config.base_num_decoder_layers)])
-             if per_layer else convert(tensors[name]))
-    node = params
-    for key in path[:-1]:
-      node = node.setdefault(key, {})
-    node[path[-1]] = np.ascontiguousarray(value, dtype=jnp.dtype(config.weight_dtype))
-  return params
+def hf_names(config, entry) -> list:
+  _, name, per_layer, _, _ = entry
+  return [name.format(i=i) for i in range(config.base_num_decoder_layers)] if per_layer else [name]
 
 
-def from_params(config, params) -> dict:
-  """This project's parameter tree -> Hugging Face tensors, the inverse of to_params."""
-  tensors = {}
-  for path, name, per_layer, shape, in_axes in _layout(config):
-    value = np.asarray(functools.reduce(lambda node, key: node[key], path, params))
-    convert = (lambda w: w.reshape(math.prod(shape[:in_axes]), -1).T) if in_axes else (lambda w: w)  # noqa: B023
-    if per_layer:
-      tensors.update({name.format(i=i): np.ascontiguousarray(convert(value[i])) for i in range(len(value))})
-    else:
-      tensors[name] = np.ascontiguousarray(convert(value))
-  return tensors
+def hf_shape(entry) -> tuple:
+  _, _, _, shape, in_axes = entry
+  return (math.prod(shape[in_axes:]), math.prod(shape[:in_axes])) if in_axes else shape
 
 
-def hf_config(config) -> dict:
+def to_param(config, entry, read, dtype) -> np.ndarray:
+  """One parameter of this project (layers stacked) from its Hugging Face tensors, read one
+  at a time with read(name); dtype None keeps theirs."""
+  _, _, per_layer, shape, in_axes = entry
+  names = hf_names(config, entry)
+  out = None
+  for i, name in enumerate(names):
+    tensor = read(name)
+    value = tensor.T.reshape(shape) if in_axes else tensor
+    if out is None:
+      out = np.empty(((len(names),) if per_layer else ()) + shape, dtype or tensor.dtype)
+    out[i if per_layer else ...] = value
+  return out
+
+
+def to_hf_tensors(config, entry, param) -> dict:
+  """The inverse of to_param: {Hugging Face name: tensor} of one parameter."""
+  _, _, per_layer, shape, in_axes = entry
+  convert = (lambda w: w.reshape(math.prod(shape[:in_axes]), -1).T) if in_axes else (lambda w: w)
+  values = param if per_layer else [param]
+  return {name: np.ascontiguousarray(convert(value)) for name, value in zip(hf_names(config, entry), values)}
+
+
+def hf_config(config, dtype: str) -> dict:
   """config.json for Hugging Face transformers, describing this config's model."""
   rope = {"rope_type": "default", "rope_theta": float(config.rope_max_timescale)}
   if config.rope_type == "llama3.1":
@@ -174,73 +192,73 @@ def hf_config(config) -> dict:
           "head_dim": config.head_dim, activation_key: activation, "rms_norm_eps": config.normalization_layer_epsilon,
           "max_position_embeddings": config.max_target_length, "tie_word_embeddings": config.logits_via_embedding,
           "rope_theta": float(config.rope_max_timescale), "rope_scaling": rope if config.rope_type != "default" else None,
-          "rope_parameters": rope, "attention_bias": False, "torch_dtype": config.weight_dtype,
+          # dtype for transformers 5, torch_dtype for 4
+          "rope_parameters": rope, "attention_bias": False, "torch_dtype": dtype, "dtype": dtype,
           "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim,
           "attn_logit_softcapping": config.attn_logits_soft_cap or None,
           "final_logit_softcapping": config.final_logits_soft_cap or None,
           "sliding_window": config.sliding_window_size or None, "layer_types": layer_types(config)}
 
 
-def read(hf_path: str) -> tuple[dict, dict]:
-  """(config.json, every tensor of the *.safetensors files) of a Hugging Face model directory."""
-  files = sorted(glob.glob(os.path.join(hf_path, "*.safetensors")))
-  if not os.path.isfile(os.path.join(hf_path, "config.json")) or not files:
-    raise pyconfig.ConfigError(f"hf_path={hf_path!r}: expected a Hugging Face model directory "
-                               "(config.json and *.safetensors)")
-  with open(os.path.join(hf_path, "config.json")) as f:
-    hf = json.load(f)
+def read_config(hf_path: str) -> dict:
+  path = os.path.join(hf_path, "config.json")
+  if not os.path.isfile(path):
+    raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: no config.json (expected a Hugging Face model "
+                               "directory: config.json and *.safetensors)")
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: config.json is not valid JSON ({e})") from None
+
+
+def tensor_index(hf_path: str) -> dict:
+  """{name: (file, shape)} of a Hugging Face model directory's tensors, sharded
+  (model.safetensors.index.json) or not, from the files' headers."""
+  index = os.path.join(hf_path, "model.safetensors.index.json")
+  if os.path.isfile(index):
+    with open(index) as f:
+      files = sorted({os.path.join(hf_path, file) for file in json.load(f)["weight_map"].values()})
+    missing = [os.path.basename(file) for file in files if not os.path.isfile(file)]
+    if missing:
+      raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: incomplete, model.safetensors.index.json lists "
+                                 f"{missing[0]}, which is not there ({len(missing)} of {len(files)} files missing)")
+  else:
+    files = sorted(glob.glob(os.path.join(hf_path, "*.safetensors")))
+  if not files:
+    raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: no *.safetensors files (expected a Hugging Face "
+                               "model directory: config.json and *.safetensors)")
   tensors = {}
-  for path in files:
-    tensors.update(load_file(path))
-  return hf, tensors
+  for file in files:
+    try:
+      with safe_open(file, framework="numpy") as handle:
+        tensors.update({name: (file, tuple(handle.get_slice(name).get_shape())) for name in handle.keys()})
+    except Exception as e:  # safetensors raises its own error types for truncated or foreign files
+      raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: {os.path.basename(file)} is not a readable "
+                                 f"safetensors file ({str(e).splitlines()[0]})") from None
+  return tensors
 
 
-def _tool_args(argv) -> tuple[list, dict]:
-  """Splits hf_path= and output_path= (this tool's) from the config's key=value arguments."""
-  ours = {a.partition("=")[0]: a.partition("=")[2] for a in argv if a.partition("=")[0] in ("hf_path", "output_path")}
-  if not ours.get("output_path"):
-    raise pyconfig.ConfigError("output_path=...: required")
-  if os.path.exists(ours["output_path"]):
-    raise pyconfig.ConfigError(f"output_path={ours['output_path']!r}: exists; give a new directory")
-  return [a for a in argv if a.partition("=")[0] not in ours], ours
+def read_tensor(tensors: dict, name: str) -> np.ndarray:
+  """One tensor, copied out of its file, which is closed again: the file's pages read so far do
+  not stay mapped, so memory holds what is being converted, not the whole model."""
+  with safe_open(tensors[name][0], framework="numpy") as handle:
+    return handle.get_tensor(name)
 
 
-def import_hf(config, hf_path: str, output_path: str) -> None:
-  hf, tensors = read(hf_path)
-  check_shape(config, hf, hf_path)
-  params = to_params(config, tensors)
-  ocp.PyTreeCheckpointer().save(os.path.abspath(output_path), {"params": params})
-  print(f"wrote {sum(w.size for w in jax.tree.leaves(params)):,} parameters to {output_path}; train with "
-        f"load_parameters_path={output_path}", file=sys.stderr)
-
-
-def export_hf(config, output_path: str) -> None:
-  """Written into a temporary directory renamed when complete: never half a model."""
-  tensors = from_params(config, jax.device_get(checkpointing.load_model_parameters(config, config.load_parameters_path)))
-  partial = f"{output_path}.partial"
-  shutil.rmtree(partial, ignore_errors=True)
-  os.makedirs(partial)
-  save_file(tensors, os.path.join(partial, "model.safetensors"))
-  with open(os.path.join(partial, "config.json"), "w") as f:
-    json.dump(hf_config(config), f, indent=2)
-  os.replace(partial, output_path)
-  print(f"wrote {len(tensors)} tensors to {output_path} (Hugging Face {hf_config(config)['architectures'][0]})",
-        file=sys.stderr)
-
-
-def main(argv):
-  metrics.quiet_library_logs()
-  with pyconfig.errors_to_exit_codes():
-    config_args, paths = _tool_args(argv[1:])
-    config = pyconfig.initialize(config_args)
-    if paths.get("hf_path"):
-      import_hf(config, paths["hf_path"], paths["output_path"])
-    elif config.load_parameters_path:
-      export_hf(config, paths["output_path"])
-    else:
-      raise pyconfig.ConfigError("hf_path=...: required to import (or load_parameters_path=... to export a "
-                                 "checkpoint to Hugging Face)")
-
-
-if __name__ == "__main__":
-  app.run(main)
+def check_tensors(config, tensors: dict, hf_path: str) -> None:
+  """Every tensor the config's model needs is there with its shape, and nothing else is."""
+  wanted = {}
+  for entry in layout(config):
+    wanted.update(dict.fromkeys(hf_names(config, entry), hf_shape(entry)))
+  for name, shape in wanted.items():
+    if name not in tensors:
+      raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: tensor {name} is missing")
+    found = tensors[name][1]
+    if found != tuple(shape):
+      raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: tensor {name} has shape {found}, expected {shape}")
+  tied_head = {"lm_head.weight"} if config.logits_via_embedding else set()
+  extra = [n for n in tensors if n not in wanted and n not in tied_head and not n.endswith(IGNORED_SUFFIXES)]
+  if extra:
+    raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: tensor {extra[0]} is not part of a "
+                               f"{FAMILIES[config.decoder_block][0]} of this shape ({len(extra)} such tensors)")

@@ -1,0 +1,145 @@
+"""A checkpoint -> a Hugging Face model directory:
+
+  python -m MaxText.checkpoint_conversion.to_huggingface configs/base.yml \\
+    load_parameters_path=RUN/checkpoints/STEP hf_output_path=DIR [convert_dtype=...]
+
+The model keys are those saved with the checkpoint (to_maxtext's model.yml, or the config.yml
+of the run that trained it), or given. Writes config.json and model.safetensors, or above
+5 GB shards model-0000K-of-0000N.safetensors with model.safetensors.index.json, as
+transformers' save_pretrained does, so AutoModelForCausalLM.from_pretrained(DIR) loads it.
+One parameter is restored at a time and each shard is written once full: memory holds one
+parameter and one shard. The directory is written aside and renamed when complete.
+"""
+
+import json
+import os
+import shutil
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import app
+from etils import epath
+from safetensors.numpy import save_file
+
+from MaxText import checkpointing, metrics, pyconfig
+from MaxText.checkpoint_conversion import mapping
+
+MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained shards at "5GB"
+
+
+def _stored(config) -> dict:
+  """{parameter path: (shape, dtype)} as the checkpoint stores them."""
+  path = config.load_parameters_path
+  item = os.path.join(path, "state") if os.path.isdir(os.path.join(path, "state")) else path
+  if not os.path.isdir(item):
+    raise pyconfig.ConfigError(f"load_parameters_path={path!r}: no such checkpoint directory")
+  try:
+    tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(item)).tree["params"]
+  except Exception as e:  # orbax raises many types for a directory that is not a checkpoint
+    raise pyconfig.ConfigError(f"load_parameters_path={path!r}: not a checkpoint with parameters "
+                               f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+  stored = {}
+  for entry in mapping.layout(config):
+    node = tree
+    for key in entry[0]:
+      node = node.get(key) if isinstance(node, dict) else None
+    if node is None:
+      raise pyconfig.ConfigError(f"load_parameters_path={path!r}: has no parameter {'/'.join(entry[0])} (its model "
+                                 "keys are not this config's: give them, or model_name)")
+    want = ((config.base_num_decoder_layers,) if entry[2] else ()) + entry[3]
+    if tuple(node.shape) != want:
+      raise pyconfig.ConfigError(f"load_parameters_path={path!r}: parameter {'/'.join(entry[0])} has shape "
+                                 f"{tuple(node.shape)}, the model keys give {want} (give the checkpoint's keys)")
+    stored[entry[0]] = (want, jnp.dtype(config.convert_dtype or node.dtype))
+  return stored
+
+
+def _shards(config, stored: dict, max_shard_bytes: int) -> list:
+  """Hugging Face tensor names, grouped into files of at most max_shard_bytes (a larger tensor alone)."""
+  shards, size = [[]], 0
+  for entry in mapping.layout(config):
+    dtype = stored[entry[0]][1]
+    nbytes = int(np.prod(mapping.hf_shape(entry))) * dtype.itemsize
+    for name in mapping.hf_names(config, entry):
+      if shards[-1] and size + nbytes > max_shard_bytes:
+        shards.append([])
+        size = 0
+      shards[-1].append(name)
+      size += nbytes
+  return shards
+
+
+def _restore(config, entry, shape, dtype) -> np.ndarray:
+  """One parameter of the checkpoint, in `dtype`."""
+  abstract = jax.ShapeDtypeStruct(shape, dtype)
+  tree, shardings = abstract, jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  for key in reversed(entry[0]):
+    tree, shardings = {key: tree}, {key: shardings}
+  param = checkpointing.load_parameters(config.load_parameters_path, tree, shardings)
+  for key in entry[0]:
+    param = param[key]
+  return np.asarray(param)
+
+
+def _write(config, stored: dict, shards: dict, directory: str) -> None:
+  """Each shard {file: names} written as soon as its last tensor is converted, then config.json."""
+  file_of = {name: file for file, names in shards.items() for name in names}
+  pending, total = {file: {} for file in shards}, 0
+  for entry in mapping.layout(config):
+    param = _restore(config, entry, *stored[entry[0]])
+    for name, tensor in mapping.to_hf_tensors(config, entry, param).items():
+      shard = pending[file_of[name]]
+      shard[name] = tensor
+      total += tensor.nbytes
+      if len(shard) == len(shards[file_of[name]]):
+        save_file(shard, os.path.join(directory, file_of[name]), metadata={"format": "pt"})
+        os.chmod(os.path.join(directory, file_of[name]), 0o644)  # safetensors makes 0600 files; a model is to share
+        shard.clear()
+    del param
+  if len(shards) > 1:
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+      json.dump({"metadata": {"total_size": total}, "weight_map": file_of}, f, indent=2)
+  embedding_dtype = stored[mapping.layout(config)[0][0]][1]
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(mapping.hf_config(config, str(embedding_dtype)), f, indent=2)
+
+
+def convert(config, max_shard_bytes: int = MAX_SHARD_BYTES) -> list:
+  """Writes the Hugging Face directory; returns its files. Every check runs before anything is written."""
+  if not config.load_parameters_path:
+    raise pyconfig.ConfigError("load_parameters_path='': give the checkpoint step directory to export")
+  output = config.hf_output_path
+  if not output:
+    raise pyconfig.ConfigError("hf_output_path='': give a new directory for the Hugging Face model")
+  if os.path.exists(output):
+    raise pyconfig.ConfigError(f"hf_output_path={output!r}: exists; give a new directory")
+  stored = _stored(config)
+  shards = _shards(config, stored, max_shard_bytes)
+  files = (["model.safetensors"] if len(shards) == 1 else
+           [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+  partial = f"{output}.partial"
+  shutil.rmtree(partial, ignore_errors=True)  # this tool's own leftover from a killed export
+  os.makedirs(partial)
+  try:
+    _write(config, stored, dict(zip(files, shards)), partial)
+  except BaseException:
+    shutil.rmtree(partial)
+    raise
+  os.replace(partial, output)
+  return files
+
+
+def main(argv):
+  metrics.quiet_library_logs()
+  with pyconfig.errors_to_exit_codes():
+    config = pyconfig.initialize(mapping.tool_argv(argv[1:]))
+    files = convert(config)
+  print(f"wrote {config.load_parameters_path} to {config.hf_output_path} ({len(files)} safetensors file(s), "
+        f"Hugging Face {mapping.FAMILIES[config.decoder_block][0]})", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,87 @@
+"""Hugging Face model directory -> a parameters checkpoint:
+
+  python -m MaxText.checkpoint_conversion.to_maxtext configs/base.yml hf_model_path=DIR \\
+    base_output_directory=OUT run_name=R [model_name=NAME] [convert_dtype=...]
+
+writes OUT/R/checkpoints/0 (orbax, layers stacked as every run stores them) with model.yml,
+the resolved model keys, beside the arrays; `load_parameters_path=OUT/R/checkpoints/0` then
+starts a run (of another run_name) or a decode from it, with those keys. Without model_name
+every model key comes from config.json; with it, config.json must agree (a mismatch is one
+line naming the key). Tensors are read, converted and saved one parameter at a time (orbax
+partial saves), into a directory renamed into place only when complete.
+"""
+
+import os
+import shutil
+import sys
+
+import jax.numpy as jnp
+import yaml
+from absl import app
+from orbax.checkpoint.experimental import v1 as ocp
+
+from MaxText import metrics, pyconfig
+from MaxText.checkpoint_conversion import mapping
+
+
+def resolve_config(argv):
+  """The config of argv with, unless it names a model_name, every model key from config.json."""
+  argv = mapping.tool_argv(argv)
+  config = pyconfig.initialize(argv)
+  if not config.hf_model_path:
+    raise pyconfig.ConfigError("hf_model_path='': give the Hugging Face model directory to import")
+  hf = mapping.read_config(config.hf_model_path)
+  if config.model_name == "default":
+    keys = mapping.model_keys(hf, config.hf_model_path)
+    # Whole floats as integers: config.json writes rope_theta 10000.0 for the integer key rope_max_timescale.
+    config = pyconfig.initialize([argv[0], *(f"{k}={int(v) if isinstance(v, float) and v.is_integer() else v}"
+                                             for k, v in keys.items() if v is not None), *argv[1:]])
+  mapping.check_shape(config, hf, config.hf_model_path)
+  return config
+
+
+def _write(config, tensors: dict, dtype, path: str) -> None:
+  """The checkpoint, one parameter at a time, then model.yml."""
+  for entry in mapping.layout(config):
+    tree = mapping.to_param(config, entry, lambda name: mapping.read_tensor(tensors, name), dtype)
+    for key in reversed(("params", *entry[0])):
+      tree = {key: tree}
+    ocp.partial.save(path, tree)
+    del tree  # before the next parameter is built: one in memory at a time
+  ocp.partial.finalize(path)
+  with open(os.path.join(path, pyconfig.MODEL_KEYS_FILE), "w") as f:
+    yaml.safe_dump({key: getattr(config, key) for key in pyconfig.MODEL_KEYS}, f, sort_keys=False)
+
+
+def convert(config) -> str:
+  """Writes the checkpoint; returns its path. Every check runs before anything is written."""
+  output = os.path.abspath(os.path.join(config.run_dir, "checkpoints", "0"))
+  if os.path.exists(output):
+    raise pyconfig.ConfigError(f"run_name={config.run_name!r}: {output} exists; pick a new run_name")
+  dtype = jnp.dtype(config.convert_dtype) if config.convert_dtype else None
+  tensors = mapping.tensor_index(config.hf_model_path)
+  mapping.check_tensors(config, tensors, config.hf_model_path)
+  staging = f"{output}.converting"
+  shutil.rmtree(staging, ignore_errors=True)  # this tool's own leftover from a killed conversion
+  os.makedirs(staging)
+  try:
+    _write(config, tensors, dtype, os.path.join(staging, "0"))
+  except BaseException:
+    shutil.rmtree(staging)
+    raise
+  os.replace(os.path.join(staging, "0"), output)
+  os.rmdir(staging)
+  return output
+
+
+def main(argv):
+  metrics.quiet_library_logs()
+  with pyconfig.errors_to_exit_codes():
+    config = resolve_config(argv[1:])
+    output = convert(config)
+  print(f"wrote {config.hf_model_path} ({mapping.FAMILIES[config.decoder_block][0]}) to {output}; start a run "
+        f"from it with load_parameters_path={output}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+  app.run(main)
