@@ -4,6 +4,8 @@ Layout: <run_dir>/checkpoints/<step>/{state,data,checksums}. orbax writes each s
 temporary directory and renames it only once complete, so a run killed mid-save leaves the
 previous checkpoint as the latest and the partial one is never restored (cleanup_tmp_directories
 removes it on the next start). Old checkpoints are deleted only after a newer save commits.
+`data` is grain's iterator state, one file per process; it is restored only for streamed
+data, whose position does not follow from the step (see input_pipeline.resumes_by_step).
 
 orbax and tensorstore restore flipped bits inside array chunks without a word, so each save
 records checksums of the state it saves and each restore recomputes them. A checkpoint that
@@ -95,8 +97,10 @@ def _with_shardings(abstract, shardings):
 
 def _restore_verified(manager, step: int, abstract_state, state_sharding, data_iterator):
   """(state, None) if checkpoint `step` restores and matches its checksums, else (None, why)."""
-  items = {"state": ocp.args.StandardRestore(_with_shardings(abstract_state, state_sharding)),
-           "data": grain.checkpoint.CheckpointRestore(data_iterator)}
+  items = {"state": ocp.args.StandardRestore(_with_shardings(abstract_state, state_sharding))}
+  if data_iterator is not None:
+    _check_process_count(manager.directory / str(step) / "data")
+    items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
   verified = (manager.directory / str(step) / "checksums").is_dir()
   if verified:
     items["checksums"] = ocp.args.JsonRestore()
@@ -112,11 +116,22 @@ def _restore_verified(manager, step: int, abstract_state, state_sharding, data_i
   return (None, problem) if problem else (restored.state, None)
 
 
+def _check_process_count(directory) -> None:
+  """grain saves an iterator's state per process (process_I-of-P.json): saved by another
+  number of processes, the state is not damaged but cannot be restored here."""
+  saved = sorted(path.name for path in directory.glob("process_*-of-*.json")) if directory.is_dir() else []
+  mine = "process_%d-of-%d.json" % (jax.process_index(), jax.process_count())
+  if saved and mine not in saved:
+    raise CheckpointError(f"{directory}: the data iterator's state was saved by {saved[0].split('-of-')[1][:-5]} "
+                          f"processes; this streamed dataset resumes only on as many ({jax.process_count()} now)")
+
+
 def restore_latest(manager, abstract_state, state_sharding, data_iterator):
   """(state, step) from the newest checkpoint that restores and matches its checksums, laid
-  out by `state_sharding` (any mesh), with `data_iterator` moved to where that step left it;
-  None if there is none. Newer damaged checkpoints are moved to damaged_checkpoints/ (they
-  would block the saves of the steps trained again); if none is good, nothing is moved."""
+  out by `state_sharding` (any mesh), with `data_iterator` moved to where that step left it
+  (None: the data's position follows from the step); None if there is none. Newer damaged
+  checkpoints are moved to damaged_checkpoints/ (they would block the saves of the steps
+  trained again); if none is good, nothing is moved."""
   damaged = []
   for step in sorted(manager.all_steps(), reverse=True):
     state, problem = _restore_verified(manager, step, abstract_state, state_sharding, data_iterator)

@@ -226,9 +226,22 @@ def load(config) -> Data:
   return DATASET_TYPES[config.dataset_type](config)
 
 
-def create_train_iterator(config, data: Data) -> grain.DatasetIterator:
-  """Endless shuffled training batches (reshuffled every epoch); checkpointable."""
-  dataset = _batches(data.train, config.global_batch_size_to_train_on)
+def resumes_by_step(data: Data) -> bool:
+  """Whether the training batches from step s on depend on s alone: rows found by index (a
+  MapDataset), so a checkpoint resumes at its step on any number of processes and workers.
+  Streamed rows resume from the iterator state grain saves, one file per process."""
+  return isinstance(data.train, grain.MapDataset)
+
+
+def create_train_iterator(config, data: Data, step: int = 0) -> grain.DatasetIterator:
+  """Endless shuffled training batches (reshuffled every epoch) from global batch `step` on;
+  checkpointable. Streamed rows start at 0 only (set the saved state to go further)."""
+  if resumes_by_step(data):
+    dataset = batches(data.train, config.global_batch_size_to_train_on)[step:].to_iter_dataset()
+  elif step:
+    raise ValueError(f"streamed rows cannot start at step {step}: restore the iterator's state")
+  else:
+    dataset = _batches(data.train, config.global_batch_size_to_train_on)
   if data.worker_count:
     dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=data.worker_count,
                                                                per_worker_buffer_size=data.worker_buffer_size))

@@ -50,23 +50,44 @@ def _offsets(shard_path: str) -> np.ndarray:
 
 
 class ShardWriter:
-  """Appends documents to one shard and its offsets file."""
+  """Appends documents to one shard and its offsets file.
+
+  A round-robin pass keeps every shard of a split open at once, and array_record's Python
+  writer holds a 16 MiB buffer per open file: N shards would hold N x 16 MiB, growing with the
+  corpus until each shard passes 16 MiB. So documents go first to a plain spill file beside the
+  shard (4 bytes a token, a small buffer), and close() writes the ArrayRecord shard from it,
+  one shard at a time, and deletes it.
+  """
 
   def __init__(self, path: str):
     self.path = path
-    self._records = array_record_module.ArrayRecordWriter(path, WRITER_OPTIONS)
+    self._spill = open(_spill_path(path), "wb")  # noqa: SIM115 (closed in close())
     self._offsets = open(offsets_path(path), "wb")  # noqa: SIM115 (closed in close())
     self.documents = self.stream_tokens = 0
 
   def add(self, ids: np.ndarray) -> None:
-    self._records.write(np.asarray(ids, "<i4").tobytes())
+    self._spill.write(np.asarray(ids, "<i4").tobytes())
     self.documents += 1
     self.stream_tokens += len(ids) + 1  # and its EOD
     self._offsets.write(np.int64(self.stream_tokens).astype("<i8").tobytes())
 
   def close(self) -> None:
-    self._records.close()
+    self._spill.close()
     self._offsets.close()
+    records = array_record_module.ArrayRecordWriter(self.path, WRITER_OPTIONS)
+    with open(_spill_path(self.path), "rb") as spill, open(offsets_path(self.path), "rb") as offsets:
+      previous = 0
+      while block := offsets.read(8 << 16):
+        ends = np.frombuffer(block, "<i8")
+        for length in np.diff(ends, prepend=previous) - 1:  # each document's tokens, its EOD not stored
+          records.write(spill.read(4 * int(length)))
+        previous = int(ends[-1])
+    records.close()
+    os.remove(_spill_path(self.path))
+
+
+def _spill_path(shard_path: str) -> str:
+  return shard_path.removesuffix(".arrayrecord") + ".spill"
 
 
 def shard_stats(directory: str, split: str) -> list[dict]:

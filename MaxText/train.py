@@ -183,24 +183,29 @@ def evaluate(trainer: Trainer, config, params, data) -> dict:
           "eval/accuracy": sums["correct"] / weights}
 
 
-def initial_state(trainer: Trainer, config, manager, train_iterator):
-  """The latest checkpoint of this run (moving the iterator to match), else a fresh state,
-  with parameters from load_parameters_path when given."""
+def initial_state(trainer: Trainer, config, manager, data):
+  """(state, training iterator) from the latest checkpoint of this run, else a fresh state
+  with parameters from load_parameters_path when given. Where the batches depend on the step
+  alone the iterator starts at the restored step, whatever number of processes saved it;
+  streamed data restores the iterator state its checkpoint saved."""
+  by_step = input_pipeline.resumes_by_step(data)
+  iterator = None if by_step else input_pipeline.create_train_iterator(config, data)
   restored = manager and checkpointing.restore_latest(manager, trainer.abstract_state,
-                                                      trainer.state_sharding, train_iterator)
+                                                      trainer.state_sharding, iterator)
   if restored and config.load_parameters_path:
     raise pyconfig.ConfigError(f"load_parameters_path={config.load_parameters_path!r}: run {config.run_dir} already "
                                f"has checkpoints (latest step {restored[1]}); use a new run_name to start from it")
   if restored:
     logging.info("resuming from checkpoint step %d in %s", restored[1], manager.directory)
-    return restored[0]
-  state = trainer.init(jax.random.key(config.init_weights_seed))
-  if config.load_parameters_path:
-    params = checkpointing.load_parameters(config.load_parameters_path, trainer.abstract_state.params,
-                                           trainer.state_sharding.params)
-    logging.info("parameters loaded from %s", config.load_parameters_path)
-    state = state.replace(params=params)
-  return state
+    state = restored[0]
+  else:
+    state = trainer.init(jax.random.key(config.init_weights_seed))
+    if config.load_parameters_path:
+      params = checkpointing.load_parameters(config.load_parameters_path, trainer.abstract_state.params,
+                                             trainer.state_sharding.params)
+      logging.info("parameters loaded from %s", config.load_parameters_path)
+      state = state.replace(params=params)
+  return state, input_pipeline.create_train_iterator(config, data, int(state.step)) if by_step else iterator
 
 
 def save_if_finite(manager, step: int, state, train_iterator, params_finite) -> None:
@@ -221,13 +226,12 @@ def train(config) -> None:
   data = input_pipeline.load(config)
   mesh = sharding.create_mesh(config)
   trainer = build(config, mesh)
-  train_iterator = input_pipeline.create_train_iterator(config, data)
   with run_control.run_lock(config.run_dir), run_control.stop_signals() as signals:
     run_control.record_run_files(config, data.tokenizer)
     manager = checkpointing.create_manager(config)
     try:
       with sharding.activate(mesh, config):
-        state = initial_state(trainer, config, manager, train_iterator)
+        state, train_iterator = initial_state(trainer, config, manager, data)
       _train_steps(trainer, config, state, data, train_iterator, manager, signals)
     finally:
       if manager:  # whatever stopped the run, saves already under way are good: let them commit

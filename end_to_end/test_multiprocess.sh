@@ -3,7 +3,8 @@
 # through jax.distributed must give the losses of 1 process x 8 devices on the same mesh
 # (data=2 across processes, fsdp=4 within each), including across a checkpoint that both
 # processes save and restore, and across a preemption: SIGTERM sent to process 1 alone stops
-# both processes at the same step, and both save it.
+# both processes at the same step, and both save it. That checkpoint also resumes on another
+# number of hosts: 1 process x 8 devices takes it on to the same losses.
 # Usage: bash end_to_end/test_multiprocess.sh [OUTPUT_DIR] [extra key=value ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,9 +58,18 @@ stopped=$(grep -ho "stopped: SIGTERM at step [0-9]*: checkpoint [0-9]* saved" "$
 echo "$stopped"
 [ "$(cat "$out"/process_*.log | grep -c "stopped: SIGTERM")" = 2 ] && [ "$(echo "$stopped" | wc -l)" = 1 ]
 step=$(echo "$stopped" | sed 's/.*at step \([0-9]*\).*/\1/')
+echo "== 1 process x 8 devices (another number of hosts): restore a copy of step $step, on to step 6"
+cp -r "$out/multi" "$out/rehosted"
+cp "$out/multi.jsonl" "$out/rehosted.jsonl"
+JAX_NUM_CPU_DEVICES=8 timeout "$limit" "$python" -m MaxText.train "${common[@]}" run_name=rehosted \
+  ici_data_parallelism=2 ici_fsdp_parallelism=4 metrics_file="$out/rehosted.jsonl" > "$out/rehosted.log" 2>&1 ||
+  { tail -n 20 "$out/rehosted.log"; exit 1; }
+grep -q "resuming from checkpoint step $step" "$out/rehosted.log"
+"$python" end_to_end/compare_losses.py "$out/single.jsonl" "$out/rehosted.jsonl" 1 6 1e-5
 echo "== 2 processes x 4 devices: restore step $step, on to step 6"
 start_two
 wait_two 0
 grep -q "resuming from checkpoint step $step" "$out/process_1.log"
 "$python" end_to_end/compare_losses.py "$out/single.jsonl" "$out/multi.jsonl" 1 6 1e-5
-echo "PASS: 2 processes x 4 devices reproduce 1 process x 8 devices, through a checkpoint and a SIGTERM"
+echo "PASS: 2 processes x 4 devices reproduce 1 process x 8 devices, through a checkpoint and a SIGTERM;" \
+  "their checkpoint resumes on 1 process"

@@ -184,6 +184,22 @@ def test_each_process_loads_its_slice_of_the_global_batch(shared, monkeypatch):
                                     whole[step][key])
 
 
+def test_batches_from_a_step_on_follow_from_the_step_alone_for_any_number_of_processes(shared, monkeypatch):
+  config = shared()
+  data = input_pipeline.load(config)
+  assert input_pipeline.resumes_by_step(data)
+  whole = batches_of(config, data, 5)[3:]
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  parts = []
+  for p in range(2):
+    monkeypatch.setattr(jax, "process_index", lambda p=p: p)
+    iterator = input_pipeline.create_train_iterator(config, data, 3)
+    parts.append([next(iterator) for _ in range(2)])
+  for step in range(2):
+    for key in whole[step]:
+      np.testing.assert_array_equal(np.concatenate([parts[0][step][key], parts[1][step][key]]), whole[step][key])
+
+
 def test_a_damaged_cache_entry_is_rebuilt_not_fatal(tmp_path):
   config = text_config(tmp_path)
   first = input_pipeline.TextData(config)

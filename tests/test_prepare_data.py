@@ -11,7 +11,7 @@ from absl import flags
 from array_record.python import array_record_module
 from tokenizers import Tokenizer
 
-from MaxText import corpus, input_pipeline, prepare_data, token_shards, tokenizer, train
+from MaxText import checkpointing, corpus, input_pipeline, prepare_data, token_shards, tokenizer, train
 from MaxText.pyconfig import ConfigError
 from conftest import ROOT, run_cli, tiny_config
 
@@ -102,8 +102,10 @@ def test_grain_batches_are_packed_rows_of_the_stream_and_resume_exactly(prepared
   next(iterator)
   next(iterator)
   restored.set_state(iterator.get_state())
+  from_step = input_pipeline.create_train_iterator(config, data, 2)  # as a resume on any number of hosts
   for expected in batches[2:]:
     jax.tree.map(np.testing.assert_array_equal, next(restored), expected)
+    jax.tree.map(np.testing.assert_array_equal, next(from_step), expected)
 
 
 def test_a_missing_or_damaged_shard_is_a_config_error_naming_it(prepared, tmp_path):
@@ -178,15 +180,25 @@ def test_the_beam_pipeline_writes_the_local_paths_shards(prepared, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-def test_parquet_text_streams_as_packed_rows_of_its_documents_and_resumes_exactly(tmp_path):
+def parquet_files(directory) -> list[list[str]]:
+  """Three parquet files of 40 short documents in `directory`; returns their texts."""
   import pyarrow
   import pyarrow.parquet
   rng = np.random.default_rng(0)
   texts = [[" ".join(["word"] * int(rng.integers(1, 12))) + f" {f}.{i}" for i in range(40)] for f in range(3)]
   for f, column in enumerate(texts):
-    pyarrow.parquet.write_table(pyarrow.table({"text": column}), tmp_path / f"{f}.parquet")
-  config = tiny_config("dataset_type=grain", "grain_file_type=parquet", f"grain_train_files={tmp_path}/*.parquet",
-                       "tokenizer_type=byte", "vocab_size=320", "grain_worker_count=0")
+    pyarrow.parquet.write_table(pyarrow.table({"text": column}), directory / f"{f}.parquet")
+  return texts
+
+
+def parquet_config(directory, *overrides):
+  return tiny_config("dataset_type=grain", "grain_file_type=parquet", f"grain_train_files={directory}/*.parquet",
+                     "tokenizer_type=byte", "vocab_size=320", "grain_worker_count=0", *overrides)
+
+
+def test_parquet_text_streams_as_packed_rows_of_its_documents_and_resumes_exactly(tmp_path):
+  texts = parquet_files(tmp_path)
+  config = parquet_config(tmp_path)
   data = input_pipeline.load(config)
   iterator = input_pipeline.create_train_iterator(config, data)
   batches = [next(iterator) for _ in range(6)]
@@ -220,3 +232,20 @@ def test_a_grain_run_trains_and_keeps_the_shards_tokenizer_for_decode(prepared, 
   assert [p.name for p in (tmp_path / "grain" / "checkpoints").iterdir()] == ["2"]
   last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
   assert np.isfinite(last["eval/loss"])
+
+
+def test_a_parquet_run_resumed_on_another_number_of_processes_stops_with_one_line_and_keeps_its_checkpoint(tmp_path):
+  parquet_files(tmp_path)
+  config = parquet_config(tmp_path, f"base_output_directory={tmp_path}", "steps=2", "run_name=p",
+                          "enable_checkpointing=true", "async_checkpointing=false")
+  train.train(config)
+  data = tmp_path / "p" / "checkpoints" / "2" / "data"
+  assert sorted(p.name for p in data.glob("process_*")) == ["process_0-of-1.json"]
+  # As two processes would have saved it: the stream's position is per process.
+  (data / "process_0-of-1.json").rename(data / "process_0-of-2.json")
+  (data / "process_1-of-2.json").write_text((data / "process_0-of-2.json").read_text())
+  before = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "p").rglob("*"))
+  with pytest.raises(checkpointing.CheckpointError, match="saved by 2 processes.*resumes only on as many .1 now"):
+    train.train(parquet_config(tmp_path, f"base_output_directory={tmp_path}", "steps=4", "run_name=p",
+                               "enable_checkpointing=true"))
+  assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "p").rglob("*")) == before

@@ -164,8 +164,8 @@ def test_the_host_fetches_metrics_a_step_late_and_prepares_the_next_batch_while_
   def recording_compile(trainer, config):
     return Recording(compile_train_step(trainer, config))
 
-  def recording_iterator(config, data):
-    for batch in create_train_iterator(config, data):
+  def recording_iterator(*args):
+    for batch in create_train_iterator(*args):
       events.append("batch")
       yield batch
 
