@@ -24,15 +24,11 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
-from MaxText.pyconfig import ConfigError, UserError
+from MaxText.pyconfig import ConfigError, UserError, first_line
 
 
 class CheckpointError(UserError):
   """A checkpoint exists but cannot be restored."""
-
-
-def _first_line(e: Exception) -> str:
-  return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _leaf_checksum(x):
@@ -107,7 +103,7 @@ def _restore_verified(manager, step: int, abstract_state, state_sharding, data_i
   try:
     restored = manager.restore(step, args=ocp.args.Composite(**items))
   except Exception as e:  # orbax and tensorstore raise many types for a damaged directory.
-    return None, f"cannot be restored: {_first_line(e)}"
+    return None, f"cannot be restored: {first_line(e)}"
   if not verified:
     logging.warning("checkpoint %s has no checksums (saved by an older version): restored unverified",
                     manager.directory / str(step))
@@ -165,18 +161,25 @@ def _unused(path):
   return candidate
 
 
-def load_parameters(path: str, abstract_params, params_sharding):
-  """Parameters only, from a checkpoint step directory (or its `state` item) of any run."""
+def parameters_item(path: str) -> str:
+  """The orbax item holding the parameters of checkpoint step directory `path` (of a run: its
+  `state`; of to_maxtext: `path` itself)."""
   item = os.path.join(path, "state") if os.path.isdir(os.path.join(path, "state")) else path
   if not os.path.isdir(item):
     raise ConfigError(f"load_parameters_path={path!r}: no such checkpoint directory")
+  return item
+
+
+def load_parameters(path: str, abstract_params, params_sharding):
+  """Parameters only, from a checkpoint step directory (or its `state` item) of any run."""
+  item = parameters_item(path)
   target = {"params": _with_shardings(abstract_params, params_sharding)}
   try:
     restored = ocp.PyTreeCheckpointer().restore(item, args=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True))
   except Exception as e:  # as above
-    raise CheckpointError(f"load_parameters_path={path!r}: cannot restore parameters: {_first_line(e)}") from None
+    raise CheckpointError(f"load_parameters_path={path!r}: cannot restore parameters: {first_line(e)}") from None
   recorded = os.path.join(os.path.dirname(os.path.abspath(item)), "checksums")
   if os.path.isdir(recorded):
     recorded = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(recorded)

@@ -14,7 +14,7 @@ import os
 import re
 from typing import Iterator, NamedTuple
 
-from MaxText.pyconfig import ConfigError
+from MaxText.pyconfig import ConfigError, first_line
 
 _EVAL_EVERY = 10
 TEXT_SUFFIXES = (".txt", ".jsonl", ".md")
@@ -103,7 +103,7 @@ def _parquet_records(path: str, text_column: str) -> Iterator[tuple[str | BadRec
         seen += 1
         yield (text if isinstance(text, str) else _no_text(text_column, f"{path} row {seen}")), size * seen // rows
   except (OSError, pyarrow.ArrowException) as e:
-    yield BadRecord("unreadable file", f"dataset_path: cannot read {path}: {str(e).splitlines()[0]}"), 0
+    yield BadRecord("unreadable file", f"dataset_path: cannot read {path}: {first_line(e)}"), 0
 
 
 def records(path: str, text_column: str) -> Iterator[tuple[str | BadRecord, int]]:

@@ -7,9 +7,8 @@ Every row is a dict of [max_target_length] int32 arrays, MaxText's names:
   inputs, targets (inputs shifted by one), inputs_position (position within the document),
   inputs_segmentation (document id within the row, 0 for padding), targets_segmentation
   (the loss mask: 0 where the target must not be scored).
-Datasets are grain MapDatasets with random access (all but streamed parquet), so the
-iterator's state is an index and a restored run continues with exactly the batches it would
-have seen.
+Datasets are grain MapDatasets with random access (all but streamed parquet), so a restored
+run starts at its step with exactly the batches it would have seen, on any number of hosts.
 
 Text is tokenized into a stream `doc EOD doc EOD ...` (dataset_type=text: in memory, cached as
 .npy; grain: by prepare_data, read from ArrayRecord shards by token_shards.TokenStream), and
@@ -29,7 +28,7 @@ from absl import logging
 from tokenizers import Tokenizer
 
 from MaxText import corpus, token_shards, tokenizer as tokenizers
-from MaxText.pyconfig import ConfigError
+from MaxText.pyconfig import ConfigError, first_line
 
 
 def synthetic_rows(config) -> grain.MapDataset:
@@ -112,9 +111,13 @@ def batches(rows: grain.MapDataset, batch_size: int) -> grain.MapDataset:
   return rows.batch(batch_size // processes, drop_remainder=True)[jax.process_index()::processes]
 
 
-def _batches(rows, batch_size: int) -> grain.IterDataset:
+def _batches(rows, batch_size: int, step: int = 0) -> grain.IterDataset:
+  """This process's batches from global batch `step` on. Streamed rows start at 0 only (their
+  position is the iterator's state, set from a checkpoint)."""
   if isinstance(rows, grain.MapDataset):
-    return batches(rows, batch_size).to_iter_dataset()
+    return batches(rows, batch_size)[step:].to_iter_dataset()
+  if step:
+    raise ValueError(f"streamed rows cannot start at step {step}: restore the iterator's state")
   return rows.batch(batch_size // jax.process_count(), drop_remainder=True)  # already this process's rows
 
 
@@ -169,7 +172,7 @@ def _parquet_rows(config, key: str, tokenizer: Tokenizer, shuffle: bool) -> grai
     try:
       names = pyarrow.parquet.ParquetFile(path).schema_arrow.names
     except (OSError, pyarrow.ArrowException) as e:
-      raise ConfigError(f"{key}: cannot read {path} ({str(e).splitlines()[0]})") from None
+      raise ConfigError(f"{key}: cannot read {path} ({first_line(e)})") from None
     if config.text_column not in names:
       raise ConfigError(f"text_column={config.text_column!r}: {path} has no such column")
   eod, column = tokenizers.eod_id(tokenizer, "tokenizer"), config.text_column
@@ -235,13 +238,8 @@ def resumes_by_step(data: Data) -> bool:
 
 def create_train_iterator(config, data: Data, step: int = 0) -> grain.DatasetIterator:
   """Endless shuffled training batches (reshuffled every epoch) from global batch `step` on;
-  checkpointable. Streamed rows start at 0 only (set the saved state to go further)."""
-  if resumes_by_step(data):
-    dataset = batches(data.train, config.global_batch_size_to_train_on)[step:].to_iter_dataset()
-  elif step:
-    raise ValueError(f"streamed rows cannot start at step {step}: restore the iterator's state")
-  else:
-    dataset = _batches(data.train, config.global_batch_size_to_train_on)
+  checkpointable."""
+  dataset = _batches(data.train, config.global_batch_size_to_train_on, step)
   if data.worker_count:
     dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=data.worker_count,
                                                                per_worker_buffer_size=data.worker_buffer_size))

@@ -61,6 +61,11 @@ class ConfigError(UserError, ValueError):
   label = "config error"
 
 
+def first_line(e: Exception) -> str:
+  """The first line of an exception's message (its type's name if it has none), for one-line errors."""
+  return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 class Config:
   """Read-only attribute access to the resolved keys."""
 
@@ -89,7 +94,7 @@ def _load_yaml(path: str) -> dict:
     with open(path) as f:
       values = yaml.safe_load(f) or {}
   except yaml.YAMLError as e:
-    raise ConfigError(f"config file {path!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    raise ConfigError(f"config file {path!r} is not valid YAML: {first_line(e)}") from None
   if not isinstance(values, dict):
     raise ConfigError(f"config file {path!r} must be a mapping of key: value")
   return values
@@ -324,7 +329,7 @@ def _initialize_distributed(v: dict) -> None:
                                process_id=v["jax_process_id"] if v["jax_process_id"] >= 0 else None)
   except (ValueError, RuntimeError) as e:
     raise UserError(f"jax.distributed.initialize failed (jax_distributed_coordinator="
-                    f"{v['jax_distributed_coordinator']!r}): {str(e).splitlines()[0]}") from None
+                    f"{v['jax_distributed_coordinator']!r}): {first_line(e)}") from None
 
 
 def devices(compile_topology: str, num_slices: int) -> list:

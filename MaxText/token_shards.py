@@ -24,7 +24,7 @@ from array_record.python import array_record_module
 from tokenizers import Tokenizer
 
 from MaxText import tokenizer as tokenizers
-from MaxText.pyconfig import ConfigError
+from MaxText.pyconfig import ConfigError, first_line
 
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
@@ -119,10 +119,6 @@ def write_manifest(directory: str, tokenizer: Tokenizer, extra: dict) -> dict:
   return manifest
 
 
-def _first_line(e: Exception) -> str:
-  return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
 def _corrupt(path: str, why: str) -> ConfigError:
   return ConfigError(f"grain shard {path}: {why}; prepare it again with python -m MaxText.prepare_data")
 
@@ -144,7 +140,7 @@ def open_split(key: str, pattern: str):
     tokenizer = Tokenizer.from_file(os.path.join(directory, manifest["tokenizer"]))
   except Exception as e:  # json, KeyError, OSError, and tokenizers' bare Exceptions
     raise ConfigError(f"{key}={pattern!r}: {manifest_path} or its tokenizer is missing or unreadable "
-                      f"({_first_line(e)}); is this a prepare_data output?") from None
+                      f"({first_line(e)}); is this a prepare_data output?") from None
   listed = {s["file"]: s for split in manifest["splits"].values() for s in split["shards"]}
   for path in paths:  # `-of-N` promises N shards: one gone would silently drop its documents
     named = re.fullmatch(r"(.+)-\d+-of-(\d+)\.arrayrecord", os.path.basename(path))
@@ -165,7 +161,7 @@ def open_split(key: str, pattern: str):
       records = reader.num_records()
       reader.close()
     except (RuntimeError, OSError, ValueError) as e:
-      raise _corrupt(path, f"unreadable ({_first_line(e)})") from None
+      raise _corrupt(path, f"unreadable ({first_line(e)})") from None
     stream = int(_offsets(path)[-1]) if records else 0
     if records != shard["documents"] or stream != shard["tokens"] + shard["documents"]:
       raise _corrupt(path, f"{records} records and {stream} tokens, the manifest says {shard['documents']} "
@@ -191,6 +187,10 @@ class TokenStream:
   def __getstate__(self):
     return {k: v for k, v in self.__dict__.items() if k not in ("_readers", "_offsets")}
 
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._open()
+
   def _record(self, shard: int, index: int) -> bytes:
     """Record `index` of shard `shard`, by array_record's reader: grain's source would log an
     error for every shard not written with group_size:1 (see WRITER_OPTIONS)."""
@@ -198,10 +198,6 @@ class TokenStream:
     if shard not in readers:
       readers[shard] = array_record_module.ArrayRecordReader(self.paths[shard], _RANDOM_ACCESS)
     return readers[shard].read([index])[0]
-
-  def __setstate__(self, state):
-    self.__dict__.update(state)
-    self._open()
 
   def __len__(self) -> int:
     return int(self._ends[-1]) if len(self._ends) else 0
@@ -218,7 +214,7 @@ class TokenStream:
       try:
         ids = np.frombuffer(self._record(shard, document), "<i4")
       except Exception as e:  # array_record raises bare RuntimeErrors for damaged chunks
-        raise _corrupt(self.paths[shard], f"record {document} unreadable ({_first_line(e)})") from None
+        raise _corrupt(self.paths[shard], f"record {document} unreadable ({first_line(e)})") from None
       if len(ids) + 1 != int(offsets[document]) - begin:
         raise _corrupt(self.paths[shard], f"record {document} has {len(ids)} tokens, its offsets say "
                        f"{int(offsets[document]) - begin - 1}")

@@ -13,7 +13,7 @@ import os
 from absl import logging
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from MaxText.pyconfig import ConfigError
+from MaxText.pyconfig import ConfigError, first_line
 
 EOD = "<|endoftext|>"
 # End-of-document tokens of common tokenizers, tried in order for a tokenizer_path.
@@ -75,7 +75,7 @@ def from_config(config, train_documents) -> tuple[Tokenizer, str]:
       tokenizer = Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises bare Exceptions for missing and malformed files.
       raise ConfigError(f"tokenizer_path={config.tokenizer_path!r}: cannot load a tokenizer.json "
-                        f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+                        f"({first_line(e)})") from None
     source = f"tokenizer_path={config.tokenizer_path!r}"
   elif config.tokenizer_type == "byte":
     tokenizer, source = byte_tokenizer(), "tokenizer_type='byte'"
@@ -87,7 +87,7 @@ def from_config(config, train_documents) -> tuple[Tokenizer, str]:
       try:
         tokenizer = Tokenizer.from_file(path)
       except Exception as e:  # written atomically, so damaged after the fact: train it again
-        logging.warning("tokenizer cache %s is unreadable (%s); training it again", path, str(e).splitlines()[0])
+        logging.warning("tokenizer cache %s is unreadable (%s); training it again", path, first_line(e))
     if tokenizer is None:
       tokenizer = train_bpe(train_documents, config.vocab_size)
       save_atomic(tokenizer, path)

@@ -153,7 +153,7 @@ def compile_train_step(trainer: Trainer, config):
   except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program larger than HBM
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
-    raise pyconfig.UserError(f"does not fit: {str(e).splitlines()[0]}") from None
+    raise pyconfig.UserError(f"does not fit: {pyconfig.first_line(e)}") from None
 
 
 def trace_train_step(trainer: Trainer, config):

@@ -235,7 +235,7 @@ def tensor_index(hf_path: str) -> dict:
         tensors.update({name: (file, tuple(handle.get_slice(name).get_shape())) for name in handle.keys()})
     except Exception as e:  # safetensors raises its own error types for truncated or foreign files
       raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: {os.path.basename(file)} is not a readable "
-                                 f"safetensors file ({str(e).splitlines()[0]})") from None
+                                 f"safetensors file ({pyconfig.first_line(e)})") from None
   return tensors
 
 

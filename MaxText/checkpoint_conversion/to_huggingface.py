@@ -33,14 +33,12 @@ MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained shards at "5GB"
 def _stored(config) -> dict:
   """{parameter path: (shape, dtype)} as the checkpoint stores them."""
   path = config.load_parameters_path
-  item = os.path.join(path, "state") if os.path.isdir(os.path.join(path, "state")) else path
-  if not os.path.isdir(item):
-    raise pyconfig.ConfigError(f"load_parameters_path={path!r}: no such checkpoint directory")
+  item = checkpointing.parameters_item(path)
   try:
     tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(item)).tree["params"]
   except Exception as e:  # orbax raises many types for a directory that is not a checkpoint
     raise pyconfig.ConfigError(f"load_parameters_path={path!r}: not a checkpoint with parameters "
-                               f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+                               f"({pyconfig.first_line(e)})") from None
   stored = {}
   for entry in mapping.layout(config):
     node = tree
