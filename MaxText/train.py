@@ -103,17 +103,6 @@ def _abstract_batch(config, rows):
   return {k: jax.ShapeDtypeStruct((rows, config.max_target_length), jnp.int32) for k in BATCH_KEYS}
 
 
-def compiler_options(config, mesh) -> dict:
-  """XLA options for the train step. XLA:CPU's default, concurrency-optimized scheduler undoes
-  remat in a Python-loop stack (jax 0.10.2's XLA; jax 0.12's does not): the default model's step
-  with scan_layers=false remat_policy=full compiled to 184 MiB temp against 196 MiB with none.
-  The memory-optimized scheduler keeps remat's savings (129 MiB, at the same step time). Only
-  there: other settings and backends keep their schedulers."""
-  if config.scan_layers or config.remat_policy == "none" or mesh.devices.flat[0].platform != "cpu":
-    return {}
-  return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
-
-
 def build(config, mesh) -> Trainer:
   """Traces the model under the mesh's logical rules and jits its steps with explicit shardings."""
   model = Transformer(config)
@@ -149,7 +138,7 @@ def compile_train_step(trainer: Trainer, config):
     batch = _abstract_batch(config, config.global_batch_size_to_train_on)
     lowered = trainer.train_step.lower(trainer.abstract_state, batch)
   try:
-    return lowered.compile(compiler_options(config, trainer.mesh))
+    return lowered.compile()
   except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program larger than HBM
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise

@@ -66,7 +66,7 @@ def test_every_policy_saves_memory_in_the_documented_order(steps):
   assert temp["none"] > temp["full, interval 4"] > temp["full, interval 2"] > temp["full"]
   assert temp["none"] > temp["full, interval 3"] > temp["full"]  # layers 0 and 3 (a leftover group)
   assert temp["custom qkv"] == temp["save_qkv_proj"]
-  # The same in a Python-loop stack (train.compiler_options is what makes it so on XLA:CPU).
+  # The same in a Python-loop stack.
   assert temp["none, loop"] > temp["minimal, loop"] > temp["full, loop"]
 
 
