@@ -13,7 +13,8 @@ import numpy as np
 from absl import app
 from tokenizers import Tokenizer
 
-from MaxText import checkpointing, input_pipeline, metrics, pyconfig
+from MaxText import checkpointing, metrics, pyconfig
+from MaxText.input_pipeline import input_pipeline
 from MaxText.layers.models import Transformer
 
 

@@ -201,7 +201,7 @@ def _validate(v: dict) -> None:
   _require(v["adam_eps"] > 0, "adam_eps", "must be > 0", v)
   for key in ("adam_weight_decay", "gradient_clipping_threshold", "z_loss_multiplier"):
     _require(v[key] >= 0, key, "must be >= 0", v)
-  from MaxText.input_pipeline import DATASET_TYPES  # noqa: PLC0415 (it imports this module)
+  from MaxText.input_pipeline.input_pipeline import DATASET_TYPES  # noqa: PLC0415 (it imports this module)
   _one_of(v, "dataset_type", tuple(DATASET_TYPES))
   _one_of(v, "grain_file_type", ("arrayrecord", "parquet"))
   for key in ("num_train_shards", "num_eval_shards", "grain_per_worker_buffer_size"):

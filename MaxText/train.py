@@ -17,7 +17,8 @@ import optax
 from absl import app, logging
 from flax.training.train_state import TrainState
 
-from MaxText import checkpointing, input_pipeline, metrics, optimizers, pyconfig, run_control, sharding, vocab_tiling
+from MaxText import checkpointing, metrics, optimizers, pyconfig, run_control, sharding, vocab_tiling
+from MaxText.input_pipeline import input_pipeline
 from MaxText.layers.models import Transformer
 
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")

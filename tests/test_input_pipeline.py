@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import corpus, input_pipeline, tokenizer
+from MaxText.input_pipeline import corpus, input_pipeline, tokenizer
 from MaxText.pyconfig import ConfigError
 from conftest import TINY_TEXT, tiny_config
 

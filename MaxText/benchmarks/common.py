@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText import input_pipeline, metrics, pyconfig, sharding, train
+from MaxText import metrics, pyconfig, sharding, train
+from MaxText.input_pipeline import input_pipeline
 
 BASE_YML = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "base.yml")
 

@@ -20,7 +20,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from MaxText import input_pipeline, sharding, train  # noqa: E402
+from MaxText import sharding, train  # noqa: E402
+from MaxText.input_pipeline import input_pipeline  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 SMALL = ("base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=256",

@@ -21,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from absl import flags  # noqa: E402
 
-from MaxText import input_pipeline, prepare_data  # noqa: E402
+from MaxText.input_pipeline import input_pipeline, prepare_data  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 WORKERS = (0, 1, 2)

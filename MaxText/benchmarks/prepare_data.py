@@ -21,7 +21,7 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from MaxText import corpus, tokenizer  # noqa: E402
+from MaxText.input_pipeline import corpus, tokenizer  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 _FILE_BYTES = 64 << 20

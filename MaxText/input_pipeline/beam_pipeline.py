@@ -15,7 +15,8 @@ import apache_beam as beam
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from MaxText import corpus, pyconfig, token_shards
+from MaxText import pyconfig
+from MaxText.input_pipeline import corpus, token_shards
 
 _NAMESPACE = "prepare_data"
 

@@ -27,7 +27,7 @@ import numpy as np
 from absl import logging
 from tokenizers import Tokenizer
 
-from MaxText import corpus, token_shards, tokenizer as tokenizers
+from MaxText.input_pipeline import corpus, token_shards, tokenizer as tokenizers
 from MaxText.pyconfig import ConfigError, first_line
 
 

@@ -26,8 +26,9 @@ import numpy as np
 from absl import app, logging
 from tqdm import tqdm
 
-from MaxText import corpus, metrics, pyconfig, token_shards
-from MaxText import tokenizer as tokenizers
+from MaxText import metrics, pyconfig
+from MaxText.input_pipeline import corpus, token_shards
+from MaxText.input_pipeline import tokenizer as tokenizers
 
 SUFFIXES = (*corpus.TEXT_SUFFIXES, ".parquet")
 _CHUNK_BYTES = 1 << 20
@@ -153,7 +154,7 @@ def prepare_local(config, tokenizer, paths, partial: str, bad: BadRecords) -> in
 
 def _beam():
   try:
-    from MaxText import beam_pipeline  # noqa: PLC0415 (Beam is installed apart; only runner= needs it)
+    from MaxText.input_pipeline import beam_pipeline  # noqa: PLC0415 (Beam is installed apart; only runner= needs it)
   except ImportError as e:
     raise pyconfig.ConfigError(f"runner: an Apache Beam runner needs apache_beam ({e}); setup.sh installs it "
                                "apart, into .venv/beam: run with PYTHONPATH=.venv/beam") from None
