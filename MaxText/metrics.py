@@ -1,7 +1,6 @@
 """What a run reports: model FLOPs, compiled memory, and per-step metrics to log/JSONL/TensorBoard."""
 
 import json
-import logging as python_logging
 import math
 import os
 import re
@@ -12,14 +11,6 @@ from absl import logging
 from tensorboardX import SummaryWriter
 
 from MaxText import accelerators
-
-
-def quiet_library_logs() -> None:
-  """Keeps this package's INFO lines and every library's warnings; drops libraries' INFO chatter
-  (orbax logs a dozen lines per checkpoint)."""
-  package_dir = os.path.dirname(os.path.abspath(__file__))
-  logging.get_absl_handler().addFilter(
-      lambda record: record.levelno >= python_logging.WARNING or record.pathname.startswith(package_dir))
 
 
 def training_flops_per_step(config) -> float:

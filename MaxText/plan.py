@@ -40,9 +40,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from absl import app, logging  # noqa: E402
+from absl import logging  # noqa: E402
 
-from MaxText import accelerators, metrics, pyconfig, remat, sharding, train  # noqa: E402
+from MaxText import accelerators, errors, metrics, pyconfig, remat, sharding, train  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 from MaxText.benchmarks.remat import pareto_front  # noqa: E402
 
@@ -134,12 +134,12 @@ def search_space(config, free) -> dict:
   for key, plan_key in SEARCH_KEYS.items():
     values = list(getattr(config, plan_key)) if key in free else [getattr(config, key)]
     if key == "remat_policy" and not values:
-      values = [p for p in remat.POLICY_NAMES if p != "custom"]
+      values = list(remat.SEARCHABLE_POLICIES)
     if key == "remat_layer_interval":
       values = [i for i in values if i <= config.base_num_decoder_layers]
       if not values:
-        raise pyconfig.ConfigError(f"plan_remat_layer_intervals={list(config.plan_remat_layer_intervals)}: none is "
-                                   f"<= base_num_decoder_layers={config.base_num_decoder_layers}")
+        raise errors.ConfigError(f"plan_remat_layer_intervals={list(config.plan_remat_layer_intervals)}: none is "
+                                 f"<= base_num_decoder_layers={config.base_num_decoder_layers}")
     space[key] = values
   return space
 
@@ -151,9 +151,9 @@ def evaluate(argv: list, settings: dict, rates: tuple) -> dict:
     config = pyconfig.initialize([*argv, *_assignments(settings)])
     trainer = train.build(config, sharding.create_mesh(config))
     compiled = train.compile_train_step(trainer, config)
-  except pyconfig.ConfigError as e:
+  except errors.ConfigError as e:
     return {**record, "status": "invalid", "reason": str(e)}
-  except pyconfig.UserError as e:  # the TPU compiler refuses a step larger than HBM
+  except errors.UserError as e:  # the TPU compiler refuses a step larger than HBM
     return {**record, "status": "does not fit", "reason": str(e).removeprefix("does not fit: ")}
   except Exception as e:  # noqa: BLE001 (a compiler failure is a result to report, not the end of the search)
     return {**record, "status": "failed", "reason": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
@@ -238,9 +238,9 @@ def choose(records: list, budget: int, how: str) -> dict:
   sized = [r for r in records if r["status"] == "ok"]
   if not sized:
     reasons = sorted({f"{r['status']}: {r['reason']}" for r in records})
-    raise pyconfig.UserError(f"no candidate compiled ({len(records)} tried): {'; '.join(reasons)[:500]}")
+    raise errors.UserError(f"no candidate compiled ({len(records)} tried): {'; '.join(reasons)[:500]}")
   smallest = min(sized, key=lambda r: r["total_bytes"])
-  raise pyconfig.ConfigError(
+  raise errors.ConfigError(
       f"hbm_budget_gib: the budget of {budget / 2**30:.4g} GiB per device ({how}) is below every candidate; the "
       f"smallest found needs "
       f"{smallest['total_bytes'] / 2**30:.2f} GiB per device ({describe(smallest['settings'])})")
@@ -269,11 +269,11 @@ def resolve_auto(argv: list) -> list:
   given = {_key(a) for a in argv[1:]}
   contradicting = [k for k in remat.TENSOR_NAMES if k in given]
   if "remat_policy" in auto and contradicting:
-    raise pyconfig.ConfigError(f"remat_policy=auto: {', '.join(contradicting)} only apply to remat_policy=custom, "
-                               "which auto never picks; drop them or name the policy")
+    raise errors.ConfigError(f"remat_policy=auto: {', '.join(contradicting)} only apply to remat_policy=custom, "
+                             "which auto never picks; drop them or name the policy")
   fixed_argv = [a for a in argv if _key(a) not in auto]
   config = pyconfig.initialize(fixed_argv)
-  device = pyconfig.devices(config.compile_topology, config.compile_topology_num_slices)[0]
+  device = sharding.run_devices(config.compile_topology, config.compile_topology_num_slices)[0]
   fingerprint = _fingerprint(config, auto, device)
   path = os.path.join(config.run_dir, CACHE_FILE)
   decision = _read_decision(path, fingerprint)
@@ -344,29 +344,27 @@ def report(records: list, chosen: dict, budget: int, how: str, train_line: str) 
 
 
 def main(argv):
-  metrics.quiet_library_logs()
-  with pyconfig.errors_to_exit_codes():
-    args = argv[1:]
-    if not args:
-      raise pyconfig.ConfigError("usage: python -m MaxText.plan <config.yml> [key=value ...]")
-    given = {_key(a): a.partition("=")[2] for a in args[1:]}
-    free = {k for k in SEARCH_KEYS if given.get(k, "auto") == "auto"}
-    fixed_argv = [a for a in args if _key(a) not in free]
-    config = pyconfig.initialize(fixed_argv)
-    device = pyconfig.devices(config.compile_topology, config.compile_topology_num_slices)[0]
-    budget, how = budget_bytes(config, device)
-    rates = roofline_rates(device)
-    space = search_space(config, free)
-    # Worker processes compile for devices they do not drive: simulated CPUs or a topology.
-    workers = config.plan_workers or os.cpu_count() if config.compile_topology or device.platform == "cpu" else 1
-    print(f"planning for {config.num_devices} x {device.device_kind}: budget {budget / 2**30:.2f} GiB per device "
-          f"({how}); roofline {rates[0] / 1e12:.3g} TFLOP/s, {rates[1] / 1e9:.4g} GB/s ({rates[2]}); "
-          f"searching {', '.join(f'{k} {v}' for k, v in space.items() if len(v) > 1)} with {workers} worker(s)",
-          flush=True)
-    start = time.perf_counter()
-    records = search(fixed_argv, space, budget, rates, workers, verbose=True)
-    seconds = time.perf_counter() - start
-    chosen = choose(records, budget, how)
+  args = argv[1:]
+  if not args:
+    raise errors.ConfigError("usage: python -m MaxText.plan <config.yml> [key=value ...]")
+  given = {_key(a): a.partition("=")[2] for a in args[1:]}
+  free = {k for k in SEARCH_KEYS if given.get(k, "auto") == "auto"}
+  fixed_argv = [a for a in args if _key(a) not in free]
+  config = pyconfig.initialize(fixed_argv)
+  device = sharding.run_devices(config.compile_topology, config.compile_topology_num_slices)[0]
+  budget, how = budget_bytes(config, device)
+  rates = roofline_rates(device)
+  space = search_space(config, free)
+  # Worker processes compile for devices they do not drive: simulated CPUs or a topology.
+  workers = config.plan_workers or os.cpu_count() if config.compile_topology or device.platform == "cpu" else 1
+  print(f"planning for {config.num_devices} x {device.device_kind}: budget {budget / 2**30:.2f} GiB per device "
+        f"({how}); roofline {rates[0] / 1e12:.3g} TFLOP/s, {rates[1] / 1e9:.4g} GB/s ({rates[2]}); "
+        f"searching {', '.join(f'{k} {v}' for k, v in space.items() if len(v) > 1)} with {workers} worker(s)",
+        flush=True)
+  start = time.perf_counter()
+  records = search(fixed_argv, space, budget, rates, workers, verbose=True)
+  seconds = time.perf_counter() - start
+  chosen = choose(records, budget, how)
   drop = set(SEARCH_KEYS) | set(SEARCH_KEYS.values()) | {"hbm_budget_gib", "plan_workers", "compile_topology",
                                                            "compile_topology_num_slices", "memory_stats_file"}
   train_line = " ".join(["python -m MaxText.train", args[0], *[a for a in args[1:] if _key(a) not in drop],
@@ -383,4 +381,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run(main)

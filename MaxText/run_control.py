@@ -12,7 +12,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 from tokenizers import Tokenizer
 
-from MaxText.pyconfig import ConfigError, UserError
+from MaxText.errors import ConfigError, UserError
 
 # The signals that stop a run cleanly, by name; the exit code is then 128 + the signal number.
 SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}

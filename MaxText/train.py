@@ -14,10 +14,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from absl import app, logging
+from absl import logging
 from flax.training.train_state import TrainState
 
-from MaxText import checkpointing, metrics, optimizers, pyconfig, run_control, sharding, vocab_tiling
+from MaxText import checkpointing, errors, metrics, optimizers, pyconfig, run_control, sharding, vocab_tiling
 from MaxText.input_pipeline import input_pipeline
 from MaxText.layers.models import Transformer
 
@@ -154,7 +154,7 @@ def compile_train_step(trainer: Trainer, config):
   except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program larger than HBM
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
-    raise pyconfig.UserError(f"does not fit: {pyconfig.first_line(e)}") from None
+    raise errors.UserError(f"does not fit: {errors.first_line(e)}") from None
 
 
 def trace_train_step(trainer: Trainer, config):
@@ -194,8 +194,8 @@ def initial_state(trainer: Trainer, config, manager, data):
   restored = manager and checkpointing.restore_latest(manager, trainer.abstract_state,
                                                       trainer.state_sharding, iterator)
   if restored and config.load_parameters_path:
-    raise pyconfig.ConfigError(f"load_parameters_path={config.load_parameters_path!r}: run {config.run_dir} already "
-                               f"has checkpoints (latest step {restored[1]}); use a new run_name to start from it")
+    raise errors.ConfigError(f"load_parameters_path={config.load_parameters_path!r}: run {config.run_dir} already "
+                             f"has checkpoints (latest step {restored[1]}); use a new run_name to start from it")
   if restored:
     logging.info("resuming from checkpoint step %d in %s", restored[1], manager.directory)
     state = restored[0]
@@ -246,7 +246,7 @@ def _train_steps(trainer, config, state, data, train_iterator, manager, signals)
   logging.info("train step memory per device:\n%s", metrics.format_memory_stats(stats))
   problem = metrics.fit_message(stats, trainer.mesh.devices.flat[0])
   if problem:  # fail now, not at the first allocation of a run that cannot fit
-    raise pyconfig.UserError(problem)
+    raise errors.UserError(problem)
   params_finite = jax.jit(lambda params: jnp.all(jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(params)])))
   logger = metrics.MetricLogger(config)
   flops_per_device = metrics.training_flops_per_step(config) / config.num_devices
@@ -318,15 +318,13 @@ def _train_steps(trainer, config, state, data, train_iterator, manager, signals)
 
 
 def main(argv):
-  metrics.quiet_library_logs()
   from MaxText import plan  # noqa: PLC0415 (the planner compiles this module's train step)
-  with pyconfig.errors_to_exit_codes():
-    config = pyconfig.initialize(plan.resolve_auto(argv[1:]))
-    if config.compile_topology:
-      raise pyconfig.ConfigError(f"compile_topology={config.compile_topology!r}: only MaxText.train_compile "
-                                 "compiles for a topology; train runs on the devices it sees (set it to \"\")")
-    train(config)
+  config = pyconfig.initialize(plan.resolve_auto(argv[1:]))
+  if config.compile_topology:
+    raise errors.ConfigError(f"compile_topology={config.compile_topology!r}: only MaxText.train_compile "
+                             "compiles for a topology; train runs on the devices it sees (set it to \"\")")
+  train(config)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run(main)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from MaxText.input_pipeline import corpus, input_pipeline, tokenizer
-from MaxText.pyconfig import ConfigError
+from MaxText.errors import ConfigError
 from conftest import TINY_TEXT, tiny_config
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import BASE_YML, TINY, metrics_losses, run_cli
-from MaxText import metrics, plan, pyconfig, train
+from MaxText import errors, metrics, plan, pyconfig, sharding, train
 
 # Head-heavy: 2048-token vocabulary, 32 positions, so vocabulary tiling changes the memory.
 HEAD_HEAVY = (*TINY, "vocab_size=2048", "max_target_length=32")
@@ -26,7 +26,7 @@ def searched():
   batch 4 untiled, so the ladders stop inside the search space."""
   search = (*SEARCH, "plan_per_device_batch_sizes=[2,4,8,16]")
   config = pyconfig.initialize(_argv(*search))
-  device = pyconfig.devices("", 1)[0]
+  device = sharding.run_devices("", 1)[0]
   rates = plan.roofline_rates(device)
   reference = plan.evaluate(_argv(), {"remat_policy": "full", "per_device_batch_size": 4, "num_vocab_tiling": 1}, rates)
   budget = reference["total_bytes"]
@@ -139,7 +139,7 @@ def test_auto_trains_exactly_as_the_setting_it_chose_given_explicitly(tmp_path, 
     ("hbm_budget_gib=-1", "must be >= 0"),
 ])
 def test_bad_plan_keys_are_config_errors(override, message):
-  with pytest.raises(pyconfig.ConfigError, match=re.escape(message)):
+  with pytest.raises(errors.ConfigError, match=re.escape(message)):
     pyconfig.initialize(_argv(override))
 
 

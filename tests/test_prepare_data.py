@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from MaxText import checkpointing, train
 from MaxText.input_pipeline import corpus, input_pipeline, prepare_data, token_shards, tokenizer
-from MaxText.pyconfig import ConfigError
+from MaxText.errors import ConfigError
 from conftest import ROOT, run_cli, tiny_config
 
 TRAIN_SHARDS = 3

@@ -15,7 +15,7 @@ MODEL = ("base_num_decoder_layers=4", "max_target_length=32", "per_device_batch_
 CUSTOM_QKV = ("remat_policy=custom", "query_proj=device", "key_proj=device", "value_proj=device")
 VARIANTS = {
     "none, loop": ("remat_policy=none", "scan_layers=false"),
-    **{policy: (f"remat_policy={policy}",) for policy in remat.POLICY_NAMES if policy != "custom"},
+    **{policy: (f"remat_policy={policy}",) for policy in remat.SEARCHABLE_POLICIES},
     "custom qkv": CUSTOM_QKV,
     "custom mixed": ("remat_policy=custom", "attention_out=device", "mlpwi_0=offload", "decoder_layer_input=offload"),
     "full, interval 2": ("remat_policy=full", "remat_layer_interval=2"),

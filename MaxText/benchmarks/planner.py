@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from scipy import stats  # noqa: E402
 
-from MaxText import plan, pyconfig  # noqa: E402
+from MaxText import plan, pyconfig, sharding  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 RUN = ("dataset_type=synthetic", "enable_checkpointing=false", "eval_interval=0", "enable_tensorboard=false")
@@ -31,7 +31,7 @@ TOP = 5
 def check(model: tuple, budget_batch: int, warmup: int, steps: int) -> dict:
   argv = [common.BASE_YML, *RUN, *model]
   config = pyconfig.initialize([*argv, *SEARCH])
-  rates = plan.roofline_rates(pyconfig.devices("", 1)[0])
+  rates = plan.roofline_rates(sharding.run_devices("", 1)[0])
   budget = plan.evaluate(argv, {"remat_policy": "full", "per_device_batch_size": budget_batch, "num_vocab_tiling": 1},
                          rates)["total_bytes"]
   records = plan.search(argv, plan.search_space(config, plan.SEARCH_KEYS), budget, rates, workers=1)

@@ -19,7 +19,7 @@ from MaxText.benchmarks import common  # noqa: E402
 MODEL = ("dataset_type=synthetic", "per_device_batch_size=4", "enable_checkpointing=false", "eval_interval=0")
 LLAMA3_8B = ("model_name=llama3-8b", "dataset_type=synthetic", "per_device_batch_size=1", "max_target_length=8192",
              "ici_fsdp_parallelism=8", "num_vocab_tiling=8")
-POLICIES = [p for p in remat.POLICY_NAMES if p != "custom"]
+POLICIES = list(remat.SEARCHABLE_POLICIES)
 INTERVALS = (1, 2, 4)
 
 

@@ -28,7 +28,7 @@ from absl import logging
 from tokenizers import Tokenizer
 
 from MaxText.input_pipeline import corpus, token_shards, tokenizer as tokenizers
-from MaxText.pyconfig import ConfigError, first_line
+from MaxText.errors import ConfigError, first_line
 
 
 def synthetic_rows(config) -> grain.MapDataset:

@@ -24,7 +24,7 @@ from array_record.python import array_record_module
 from tokenizers import Tokenizer
 
 from MaxText.input_pipeline import tokenizer as tokenizers
-from MaxText.pyconfig import ConfigError, first_line
+from MaxText.errors import ConfigError, first_line
 
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"

@@ -2,8 +2,7 @@
 
 A package rather than a module beside input_pipeline/: `python -m` needs a file at this name."""
 
-from absl import app
-
+from MaxText import errors
 from MaxText.input_pipeline.prepare_data import main
 
-app.run(main)
+errors.run(main)
