@@ -12,12 +12,11 @@ import os
 from types import MappingProxyType
 from typing import Any, Sequence
 
-import jax
 import yaml
 from absl import logging
 
-from MaxText import accelerators, remat, sharding
-from MaxText.errors import ConfigError, UserError, first_line
+from MaxText import accelerators, losses, remat, sharding
+from MaxText.errors import ConfigError, first_line
 from MaxText.input_pipeline.input_pipeline import DATASET_TYPES
 from MaxText.layers.attentions import ATTENTIONS, FLASH_KERNELS
 
@@ -263,7 +262,7 @@ def _validate_remat(v: dict) -> None:
 
 def _validate_vocab_tiling(v: dict) -> None:
   _require(v["num_vocab_tiling"] >= 1, "num_vocab_tiling", "must be >= 1 (1: no tiling)", v)
-  _one_of(v, "vocab_tiling_mode", ("fused", "recompute"))
+  _one_of(v, "vocab_tiling_mode", losses.MODES)
   tokens = v["per_device_batch_size"] * v["max_target_length"]
   _require(v["num_vocab_tiling"] <= tokens, "num_vocab_tiling",
            f"each tile must hold at least one token per device; at most "
@@ -320,6 +319,12 @@ def _freeze(value):
   return value
 
 
+def _thaw(value):
+  if isinstance(value, tuple):
+    return [_thaw(x) for x in value]
+  return value
+
+
 def initialize(argv: Sequence[str], num_devices: int | None = None,
                memory_kinds: Sequence[str] | None = None, num_granules: int | None = None) -> Config:
   """argv = [config.yml, key=value, ...].
@@ -354,6 +359,21 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
   _validate(values)
   if num_devices is None and not values["compile_topology"]:
     sharding.initialize_distributed(values)
+  return _for_devices(values, num_devices, memory_kinds, num_granules)
+
+
+def replace(config: Config, settings: dict) -> Config:
+  """config with `settings` (base.yml keys: the planner's choice) changed, then checked and
+  derived again exactly as initialize would, for the devices config was resolved for."""
+  values = {k: _thaw(x) for k, x in config.to_dict().items()}
+  _merge(values, settings, "the settings")
+  _validate(values)
+  return _for_devices(values, config.num_devices, None, None)
+
+
+def _for_devices(values: dict, num_devices: int | None, memory_kinds: Sequence[str] | None,
+                 num_granules: int | None) -> Config:
+  """The checks and derived values that need the run's devices (see initialize)."""
   run_devices = sharding.run_devices(values["compile_topology"], values["compile_topology_num_slices"])
   num_devices = num_devices or len(run_devices)
   memory_kinds = memory_kinds or [m.kind for m in run_devices[0].addressable_memories()]

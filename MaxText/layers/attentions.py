@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText import vocab_tiling
+from MaxText import losses
 from MaxText.layers.embeddings import apply_rope, rope_timescales
 from MaxText.layers.linears import dense
 from MaxText.layers.normalizations import rms_norm
@@ -38,7 +38,7 @@ def attend(q, k, v, mask, scale, soft_cap):
   kv_heads = k.shape[2]
   q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-  scores = jnp.where(mask[:, :, None], vocab_tiling.soft_cap(scores, soft_cap), jnp.finfo(jnp.float32).min)
+  scores = jnp.where(mask[:, :, None], losses.soft_cap(scores, soft_cap), jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(batch, length, heads, head_dim)
 
