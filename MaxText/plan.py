@@ -131,7 +131,7 @@ def evaluate(argv: list, settings: dict, rates: tuple) -> dict:
   except errors.UserError as e:  # the TPU compiler refuses a step larger than HBM
     return {**record, "status": "does not fit", "reason": str(e).removeprefix("does not fit: ")}
   except Exception as e:  # noqa: BLE001 (a compiler failure is a result to report, not the end of the search)
-    return {**record, "status": "failed", "reason": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+    return {**record, "status": "failed", "reason": f"{type(e).__name__}: {errors.first_line(e)}"}
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   jaxpr = train_step.trace_train_step(trainer, config).jaxpr
