@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jax.experimental import multihost_utils
 
-from MaxText.pyconfig import ConfigError, UserError, first_line
+from MaxText.errors import ConfigError, UserError, first_line
 
 
 class CheckpointError(UserError):

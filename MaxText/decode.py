@@ -10,17 +10,17 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app
 from tokenizers import Tokenizer
 
-from MaxText import checkpointing, input_pipeline, metrics, pyconfig
+from MaxText import checkpointing, errors, pyconfig
+from MaxText.input_pipeline import input_pipeline
 from MaxText.layers.models import Transformer
 
 
 def _parameters_path(config) -> str:
   path = config.load_parameters_path or checkpointing.latest_checkpoint(config)
   if not path:
-    raise pyconfig.ConfigError(f"load_parameters_path='': and run {config.run_dir} has no checkpoint to load")
+    raise errors.ConfigError(f"load_parameters_path='': and run {config.run_dir} has no checkpoint to load")
   return path
 
 
@@ -30,8 +30,8 @@ def generate(config) -> str:
   tokenizer = (Tokenizer.from_file(run_tokenizer) if os.path.exists(run_tokenizer) and not config.load_parameters_path
                else input_pipeline.load(config).tokenizer)
   if tokenizer is None:
-    raise pyconfig.ConfigError(f"dataset_type={config.dataset_type!r}: has no tokenizer to decode with "
-                               "(use the dataset_type the model was trained with)")
+    raise errors.ConfigError(f"dataset_type={config.dataset_type!r}: has no tokenizer to decode with "
+                             "(use the dataset_type the model was trained with)")
   model = Transformer(config)
   length = config.max_target_length
   params = checkpointing.load_model_parameters(config, _parameters_path(config))
@@ -46,7 +46,7 @@ def generate(config) -> str:
 
   prompt = tokenizer.encode(config.prompt, add_special_tokens=False).ids
   if not prompt:
-    raise pyconfig.ConfigError("prompt='': give some text to continue")
+    raise errors.ConfigError("prompt='': give some text to continue")
   tokens = list(prompt)
   key = jax.random.key(config.decode_sampling_seed)
   for i in range(config.max_decode_length):
@@ -58,10 +58,8 @@ def generate(config) -> str:
 
 
 def main(argv):
-  metrics.quiet_library_logs()
-  with pyconfig.errors_to_exit_codes():
-    print(generate(pyconfig.initialize(argv[1:])))
+  print(generate(pyconfig.initialize(argv[1:])))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run(main)

@@ -1,10 +1,10 @@
 """What a run reports: model FLOPs, compiled memory, and per-step metrics to log/JSONL/TensorBoard."""
 
 import json
-import logging as python_logging
 import math
 import os
 import re
+import time
 
 import jax
 import jax.extend
@@ -12,14 +12,6 @@ from absl import logging
 from tensorboardX import SummaryWriter
 
 from MaxText import accelerators
-
-
-def quiet_library_logs() -> None:
-  """Keeps this package's INFO lines and every library's warnings; drops libraries' INFO chatter
-  (orbax logs a dozen lines per checkpoint)."""
-  package_dir = os.path.dirname(os.path.abspath(__file__))
-  logging.get_absl_handler().addFilter(
-      lambda record: record.levelno >= python_logging.WARNING or record.pathname.startswith(package_dir))
 
 
 def training_flops_per_step(config) -> float:
@@ -151,6 +143,35 @@ def largest_vocab_arrays(compiled, vocab_size: int, num_devices: int, count: int
 
 def format_memory_stats(stats: dict) -> str:
   return "\n".join(f"  {k:15s} {v:16,d} bytes  {v / 2**30:9.3f} GiB" for k, v in stats.items())
+
+
+class StepClock:
+  """The perf/* metrics of each finished step: the time since the previous one finished (a step's
+  time once the host keeps the device busy), tokens/s and TFLOP/s per device, and MFU (model
+  FLOPs only, recomputation not counted) against the chip's peak where it is known."""
+
+  def __init__(self, config, device_kind: str):
+    self.flops_per_device = training_flops_per_step(config) / config.num_devices
+    self.tokens_per_device = config.global_batch_size_to_train_on * config.max_target_length / config.num_devices
+    self.peak_tflops = peak_tflops(device_kind)
+    self.last = time.perf_counter()
+
+  def restart(self) -> None:
+    """Time until now (an evaluation) is not step time."""
+    self.last = time.perf_counter()
+
+  def lap(self) -> dict:
+    """The perf/* metrics of the step that finished just now."""
+    now = time.perf_counter()
+    seconds, self.last = now - self.last, now
+    perf = {
+        "perf/step_time_seconds": seconds,
+        "perf/per_device_tokens_per_sec": self.tokens_per_device / seconds,
+        "perf/per_device_tflops_per_sec": self.flops_per_device / seconds / 1e12,
+    }
+    if self.peak_tflops:
+      perf["perf/mfu"] = perf["perf/per_device_tflops_per_sec"] / self.peak_tflops
+    return perf
 
 
 # (metric, label, format) of the log line, in order.

@@ -18,18 +18,11 @@ compiled in parallel processes (plan_workers) when the devices are simulated CPU
 compile_topology. It prints every compile, the Pareto front of memory vs predicted tokens/s as
 Markdown and the fastest candidate that fits as a `python -m MaxText.train` line, and writes
 base_output_directory/run_name/plan/plan.{md,json,png}. Exit code 2 when nothing fits the budget.
-
-`auto`: train and train_compile resolve num_vocab_tiling=auto, remat_policy=auto and
-per_device_batch_size=auto the same way at start-up (only those keys searched, in-process, on the
-run's devices), log the choice in one line, and keep it in run_dir/auto_plan.json under a
-fingerprint of the config: a rerun (a resume) with the same model, mesh, devices and budget reuses
-it. The choices are memory settings: parameters and losses are those of the setting given explicitly.
+MaxText.auto runs the same search for `auto` keys at the start of train and train_compile.
 """
 
 import concurrent.futures
 import functools
-import hashlib
-import json
 import multiprocessing
 import os
 import time
@@ -40,13 +33,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from absl import app, logging  # noqa: E402
 
-from MaxText import accelerators, metrics, pyconfig, remat, sharding, train  # noqa: E402
-from MaxText.benchmarks import common  # noqa: E402
-from MaxText.benchmarks.remat import pareto_front  # noqa: E402
+from MaxText import accelerators, errors, metrics, pyconfig, remat, reports, sharding, train_step  # noqa: E402
 
-AUTO_KEYS = ("num_vocab_tiling", "remat_policy", "per_device_batch_size")
 # Search key -> the key listing the values the planner tries, in search order.
 SEARCH_KEYS = {
     "remat_policy": "plan_remat_policies",
@@ -61,20 +50,6 @@ MARGIN = 0.1
 # One more tile count saving less than this fraction of the step's memory: the head no longer
 # sets the peak, and more tiles only add loop iterations.
 TILE_GAIN = 0.01
-# Keys that change neither the compiled step's memory nor its speed: changing them (more steps,
-# another output directory) keeps a run's `auto` decision. compile_topology is here so that a
-# decision train_compile made for a slice is the one train reuses on it (the device kind and
-# count are in the fingerprint).
-RUN_CONTROL_KEYS = frozenset((
-    "run_name", "base_output_directory", "run_dir", "steps", "learning_rate_schedule_steps", "log_period",
-    "metrics_file", "enable_tensorboard", "memory_stats_file", "compile_topology", "compile_topology_num_slices",
-    "enable_checkpointing", "checkpoint_period", "max_to_keep", "async_checkpointing", "load_parameters_path",
-    "eval_interval", "eval_steps", "dataset_cache_dir", "plan_workers", "prompt", "max_decode_length",
-    "decode_sampling_strategy", "decode_sampling_temperature", "jax_distributed_coordinator", "jax_num_processes",
-    "jax_process_id"))
-CACHE_FILE = "auto_plan.json"
-
-
 def _key(arg: str) -> str:
   return arg.partition("=")[0]
 
@@ -134,12 +109,12 @@ def search_space(config, free) -> dict:
   for key, plan_key in SEARCH_KEYS.items():
     values = list(getattr(config, plan_key)) if key in free else [getattr(config, key)]
     if key == "remat_policy" and not values:
-      values = [p for p in remat.POLICY_NAMES if p != "custom"]
+      values = list(remat.SEARCHABLE_POLICIES)
     if key == "remat_layer_interval":
       values = [i for i in values if i <= config.base_num_decoder_layers]
       if not values:
-        raise pyconfig.ConfigError(f"plan_remat_layer_intervals={list(config.plan_remat_layer_intervals)}: none is "
-                                   f"<= base_num_decoder_layers={config.base_num_decoder_layers}")
+        raise errors.ConfigError(f"plan_remat_layer_intervals={list(config.plan_remat_layer_intervals)}: none is "
+                                 f"<= base_num_decoder_layers={config.base_num_decoder_layers}")
     space[key] = values
   return space
 
@@ -149,17 +124,17 @@ def evaluate(argv: list, settings: dict, rates: tuple) -> dict:
   record = {"settings": settings}
   try:
     config = pyconfig.initialize([*argv, *_assignments(settings)])
-    trainer = train.build(config, sharding.create_mesh(config))
-    compiled = train.compile_train_step(trainer, config)
-  except pyconfig.ConfigError as e:
+    trainer = train_step.build(config, sharding.create_mesh(config))
+    compiled = train_step.compile_train_step(trainer, config)
+  except errors.ConfigError as e:
     return {**record, "status": "invalid", "reason": str(e)}
-  except pyconfig.UserError as e:  # the TPU compiler refuses a step larger than HBM
+  except errors.UserError as e:  # the TPU compiler refuses a step larger than HBM
     return {**record, "status": "does not fit", "reason": str(e).removeprefix("does not fit: ")}
   except Exception as e:  # noqa: BLE001 (a compiler failure is a result to report, not the end of the search)
-    return {**record, "status": "failed", "reason": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+    return {**record, "status": "failed", "reason": f"{type(e).__name__}: {errors.first_line(e)}"}
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
-  jaxpr = train.trace_train_step(trainer, config).jaxpr
+  jaxpr = train_step.trace_train_step(trainer, config).jaxpr
   step_flops = metrics.matmul_flops(jaxpr)
   per_device = step_flops / config.num_devices
   # XLA's bytes count a loop body (scanned layers, vocabulary tiles) once; the matmuls' operand
@@ -238,64 +213,12 @@ def choose(records: list, budget: int, how: str) -> dict:
   sized = [r for r in records if r["status"] == "ok"]
   if not sized:
     reasons = sorted({f"{r['status']}: {r['reason']}" for r in records})
-    raise pyconfig.UserError(f"no candidate compiled ({len(records)} tried): {'; '.join(reasons)[:500]}")
+    raise errors.UserError(f"no candidate compiled ({len(records)} tried): {'; '.join(reasons)[:500]}")
   smallest = min(sized, key=lambda r: r["total_bytes"])
-  raise pyconfig.ConfigError(
+  raise errors.ConfigError(
       f"hbm_budget_gib: the budget of {budget / 2**30:.4g} GiB per device ({how}) is below every candidate; the "
       f"smallest found needs "
       f"{smallest['total_bytes'] / 2**30:.2f} GiB per device ({describe(smallest['settings'])})")
-
-
-def _fingerprint(config, auto_keys, device) -> str:
-  values = {k: v for k, v in config.to_dict().items() if k not in RUN_CONTROL_KEYS and k not in auto_keys}
-  text = json.dumps([values, sorted(auto_keys), device.device_kind], sort_keys=True, default=str)
-  return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _read_decision(path: str, fingerprint: str) -> dict | None:
-  try:
-    with open(path) as f:
-      decision = json.load(f)
-  except (OSError, ValueError):
-    return None
-  return decision if decision.get("fingerprint") == fingerprint else None
-
-
-def resolve_auto(argv: list) -> list:
-  """argv with `auto` values of AUTO_KEYS replaced by the planner's choice (see the module doc)."""
-  auto = [k for k in AUTO_KEYS if f"{k}=auto" in argv[1:]]
-  if not auto:
-    return argv
-  given = {_key(a) for a in argv[1:]}
-  contradicting = [k for k in remat.TENSOR_NAMES if k in given]
-  if "remat_policy" in auto and contradicting:
-    raise pyconfig.ConfigError(f"remat_policy=auto: {', '.join(contradicting)} only apply to remat_policy=custom, "
-                               "which auto never picks; drop them or name the policy")
-  fixed_argv = [a for a in argv if _key(a) not in auto]
-  config = pyconfig.initialize(fixed_argv)
-  device = pyconfig.devices(config.compile_topology, config.compile_topology_num_slices)[0]
-  fingerprint = _fingerprint(config, auto, device)
-  path = os.path.join(config.run_dir, CACHE_FILE)
-  decision = _read_decision(path, fingerprint)
-  if decision:
-    logging.info("auto: %s (reused from %s)", decision["why"], path)
-  else:
-    budget, how = budget_bytes(config, device)
-    start = time.perf_counter()
-    records = search(fixed_argv, search_space(config, set(auto)), budget, roofline_rates(device), workers=1)
-    chosen = choose(records, budget, how)
-    settings = {k: chosen["settings"][k] for k in auto}
-    why = (f"{describe(settings)}: the fastest predicted of {sum(r['fits'] for r in records)} candidates that fit "
-           f"{budget / 2**30:.2f} GiB per device ({how}), {chosen['total_bytes'] / 2**30:.2f} GiB, "
-           f"{chosen['tokens_per_second_per_chip']:,.0f} tokens/s/chip ({len(records)} compiles in "
-           f"{time.perf_counter() - start:.1f} s)")
-    decision = {"fingerprint": fingerprint, "settings": settings, "why": why}
-    os.makedirs(config.run_dir, exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-      json.dump(decision, f, indent=2)
-    os.replace(path + ".tmp", path)  # a reader never sees half a decision
-    logging.info("auto: %s (kept in %s)", why, path)
-  return [*fixed_argv, *_assignments(decision["settings"])]
 
 
 def _name(settings: dict) -> str:
@@ -308,15 +231,15 @@ def report(records: list, chosen: dict, budget: int, how: str, train_line: str) 
   """(Markdown: the Pareto front and the chosen line, the figure of the front with the budget)."""
   sized = {_name(r["settings"]): r for r in records if r["status"] == "ok"}
   fitting = {n: r for n, r in sized.items() if r["fits"]}
-  front = pareto_front({n: (1 / r["tokens_per_second_per_chip"], r["total_bytes"]) for n, r in fitting.items()})
-  rows = [[n, common.gib(r["total_bytes"]), f"{r['tokens_per_step']:,}", f"{r['recompute_ratio']:.3f}",
+  front = reports.pareto_front({n: (1 / r["tokens_per_second_per_chip"], r["total_bytes"]) for n, r in fitting.items()})
+  rows = [[n, reports.gib(r["total_bytes"]), f"{r['tokens_per_step']:,}", f"{r['recompute_ratio']:.3f}",
            f"{r['roofline_seconds']:.4g} ({r['bound']})", f"{r['tokens_per_second_per_chip']:,.0f}",
            "yes" if r is chosen else ""] for n, r in ((n, fitting[n]) for n in front)]
-  table = common.markdown_table(["remat /interval, tiles, batch", "GiB/device", "tokens/step",
+  table = reports.markdown_table(["remat /interval, tiles, batch", "GiB/device", "tokens/step",
                                  "step FLOPs / model FLOPs", "roofline s/step", "tokens/s/chip", "chosen"], rows)
   failed = [f"- {describe(r['settings'])}: {r['status']}: {r['reason']}" for r in records
             if r["status"] in ("failed", "does not fit")]
-  markdown = (f"Pareto front of the {len(fitting)} candidates that fit {common.gib(budget)} GiB per device ({how}), "
+  markdown = (f"Pareto front of the {len(fitting)} candidates that fit {reports.gib(budget)} GiB per device ({how}), "
               f"of {len(records)} compiled:\n\n{table}\n\n" + ("Compiles that failed:\n" + "\n".join(failed) + "\n\n"
                                                                  if failed else "") + f"Chosen:\n\n    {train_line}")
   # MaxText's defaults: full remat on every layer, no tiling, the largest batch that fits.
@@ -326,7 +249,7 @@ def report(records: list, chosen: dict, budget: int, how: str, train_line: str) 
     default = max(defaults, key=lambda r: r["settings"]["per_device_batch_size"])
     markdown += (f"\n\nMaxText's defaults (remat_policy=full, 1 tile, the largest batch that fits among those compiled: "
                  f"{default['settings']['per_device_batch_size']:g}) predict {default['tokens_per_second_per_chip']:,.0f} "
-                 f"tokens/s/chip at {common.gib(default['total_bytes'])} GiB; the choice "
+                 f"tokens/s/chip at {reports.gib(default['total_bytes'])} GiB; the choice "
                  f"{chosen['tokens_per_second_per_chip'] / default['tokens_per_second_per_chip'] - 1:+.1%}.")
   figure, axis = plt.subplots(figsize=(9, 6))
   for name, r in sized.items():
@@ -344,29 +267,27 @@ def report(records: list, chosen: dict, budget: int, how: str, train_line: str) 
 
 
 def main(argv):
-  metrics.quiet_library_logs()
-  with pyconfig.errors_to_exit_codes():
-    args = argv[1:]
-    if not args:
-      raise pyconfig.ConfigError("usage: python -m MaxText.plan <config.yml> [key=value ...]")
-    given = {_key(a): a.partition("=")[2] for a in args[1:]}
-    free = {k for k in SEARCH_KEYS if given.get(k, "auto") == "auto"}
-    fixed_argv = [a for a in args if _key(a) not in free]
-    config = pyconfig.initialize(fixed_argv)
-    device = pyconfig.devices(config.compile_topology, config.compile_topology_num_slices)[0]
-    budget, how = budget_bytes(config, device)
-    rates = roofline_rates(device)
-    space = search_space(config, free)
-    # Worker processes compile for devices they do not drive: simulated CPUs or a topology.
-    workers = config.plan_workers or os.cpu_count() if config.compile_topology or device.platform == "cpu" else 1
-    print(f"planning for {config.num_devices} x {device.device_kind}: budget {budget / 2**30:.2f} GiB per device "
-          f"({how}); roofline {rates[0] / 1e12:.3g} TFLOP/s, {rates[1] / 1e9:.4g} GB/s ({rates[2]}); "
-          f"searching {', '.join(f'{k} {v}' for k, v in space.items() if len(v) > 1)} with {workers} worker(s)",
-          flush=True)
-    start = time.perf_counter()
-    records = search(fixed_argv, space, budget, rates, workers, verbose=True)
-    seconds = time.perf_counter() - start
-    chosen = choose(records, budget, how)
+  args = argv[1:]
+  if not args:
+    raise errors.ConfigError("usage: python -m MaxText.plan <config.yml> [key=value ...]")
+  given = {_key(a): a.partition("=")[2] for a in args[1:]}
+  free = {k for k in SEARCH_KEYS if given.get(k, "auto") == "auto"}
+  fixed_argv = [a for a in args if _key(a) not in free]
+  config = pyconfig.initialize(fixed_argv)
+  device = sharding.run_devices(config.compile_topology, config.compile_topology_num_slices)[0]
+  budget, how = budget_bytes(config, device)
+  rates = roofline_rates(device)
+  space = search_space(config, free)
+  # Worker processes compile for devices they do not drive: simulated CPUs or a topology.
+  workers = config.plan_workers or os.cpu_count() if config.compile_topology or device.platform == "cpu" else 1
+  print(f"planning for {config.num_devices} x {device.device_kind}: budget {budget / 2**30:.2f} GiB per device "
+        f"({how}); roofline {rates[0] / 1e12:.3g} TFLOP/s, {rates[1] / 1e9:.4g} GB/s ({rates[2]}); "
+        f"searching {', '.join(f'{k} {v}' for k, v in space.items() if len(v) > 1)} with {workers} worker(s)",
+        flush=True)
+  start = time.perf_counter()
+  records = search(fixed_argv, space, budget, rates, workers, verbose=True)
+  seconds = time.perf_counter() - start
+  chosen = choose(records, budget, how)
   drop = set(SEARCH_KEYS) | set(SEARCH_KEYS.values()) | {"hbm_budget_gib", "plan_workers", "compile_topology",
                                                            "compile_topology_num_slices", "memory_stats_file"}
   train_line = " ".join(["python -m MaxText.train", args[0], *[a for a in args[1:] if _key(a) not in drop],
@@ -375,7 +296,7 @@ def main(argv):
   compiled = sum(r["status"] != "invalid" for r in records)
   markdown = f"{compiled} compiles in {seconds:.0f} s ({workers} worker(s)).\n\n" + markdown
   print(markdown)
-  common.save(os.path.join(config.run_dir, "plan"), "plan", markdown,
+  reports.save(os.path.join(config.run_dir, "plan"), "plan", markdown,
               {"budget_bytes": budget, "budget": how, "roofline": {"peak_flops": rates[0], "bytes_per_second": rates[1],
                                                                    "source": rates[2]},
                "compiles": compiled, "seconds": seconds, "workers": workers, "chosen": chosen["settings"],
@@ -383,4 +304,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run(main)

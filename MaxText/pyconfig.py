@@ -4,24 +4,22 @@ saved with load_parameters_path's checkpoint, then key=value.
 base.yml is the schema: every key, its default and its type. Overrides are parsed to the
 type of the default, checked, and the derived values are computed once. The result is a
 read-only `Config`; any bad input raises `ConfigError`, whose message is one line naming
-the key and what is allowed. Command-line entry points turn it into exit code 2.
+the key and what is allowed. errors.run turns it into exit code 2.
 """
 
-import contextlib
 import math
 import os
-import sys
 from types import MappingProxyType
 from typing import Any, Sequence
 
-import jax
 import yaml
 from absl import logging
 
-from MaxText import accelerators, remat
-from MaxText.layers.attentions import FLASH_KERNELS
+from MaxText import accelerators, losses, remat, sharding
+from MaxText.errors import ConfigError, first_line
+from MaxText.input_pipeline.input_pipeline import DATASET_TYPES
+from MaxText.layers.attentions import ATTENTIONS, FLASH_KERNELS
 
-MESH_AXES = ("data", "fsdp", "tensor", "sequence")
 DTYPES = ("float32", "bfloat16", "float16")
 # The keys that fix the parameters' shapes and meaning. Saved with a checkpoint (the converters'
 # model.yml, a run's config.yml), they come with load_parameters_path: see saved_model_keys.
@@ -45,25 +43,6 @@ DECODER_BLOCKS = {
     "gemma2": {**_LLAMA, "sandwich_norms": True, "norm_plus_one": True, "scale_embedding": True,
                "mlp_activation": "gelu_tanh"},
 }
-
-
-class UserError(Exception):
-  """A failure caused by the user's input or files: reported as one line, no traceback."""
-
-  exit_code = 1
-  label = "error"
-
-
-class ConfigError(UserError, ValueError):
-  """A bad config: the message names the key and what is allowed."""
-
-  exit_code = 2
-  label = "config error"
-
-
-def first_line(e: Exception) -> str:
-  """The first line of an exception's message (its type's name if it has none), for one-line errors."""
-  return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 class Config:
@@ -151,7 +130,18 @@ def _one_of(v: dict, key: str, choices) -> None:
 
 
 def _validate(v: dict) -> None:
-  """Range checks that need no devices."""
+  """Range checks that need no devices, topic by topic."""
+  _validate_model(v)
+  _validate_optimizer(v)
+  _validate_data(v)
+  _validate_paths(v)
+  _validate_mesh(v)
+  _validate_remat(v)
+  _validate_vocab_tiling(v)
+  _validate_plan(v)
+
+
+def _validate_model(v: dict) -> None:
   for key in ("steps", "log_period", "max_target_length", "vocab_size", "base_emb_dim",
               "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
               "base_num_decoder_layers", "gradient_accumulation_steps"):
@@ -170,7 +160,7 @@ def _validate(v: dict) -> None:
     _one_of(v, key, DTYPES)
   _one_of(v, "convert_dtype", ("", *DTYPES))
   _one_of(v, "decoder_block", tuple(DECODER_BLOCKS))
-  _one_of(v, "attention", ("dot_product", "chunked", "flash"))
+  _one_of(v, "attention", tuple(ATTENTIONS))
   if v["attention"] == "flash":  # the kernels' blocks: min(512, length) on TPU, 128 on GPU
     length = v["max_target_length"]
     _require(length % 128 == 0 and (length <= 512 or length % 512 == 0), "max_target_length",
@@ -189,6 +179,12 @@ def _validate(v: dict) -> None:
   _require(v["rope_scaling_factor"] > 0 and v["rope_original_max_position"] > 0, "rope_scaling_factor",
            "and rope_original_max_position must be > 0", v)
   _require(v["normalization_layer_epsilon"] > 0, "normalization_layer_epsilon", "must be > 0", v)
+  _require(v["max_decode_length"] >= 1, "max_decode_length", "must be >= 1", v)
+  _one_of(v, "decode_sampling_strategy", ("greedy", "weighted"))
+  _require(v["decode_sampling_temperature"] > 0, "decode_sampling_temperature", "must be > 0", v)
+
+
+def _validate_optimizer(v: dict) -> None:
   _require(v["learning_rate"] >= 0, "learning_rate", "must be >= 0", v)
   _require(0 <= v["warmup_steps_fraction"] < 1, "warmup_steps_fraction", "must be in [0, 1)", v)
   _require(v["learning_rate_schedule_steps"] == -1 or v["learning_rate_schedule_steps"] >= v["steps"],
@@ -201,7 +197,9 @@ def _validate(v: dict) -> None:
   _require(v["adam_eps"] > 0, "adam_eps", "must be > 0", v)
   for key in ("adam_weight_decay", "gradient_clipping_threshold", "z_loss_multiplier"):
     _require(v[key] >= 0, key, "must be >= 0", v)
-  from MaxText.input_pipeline import DATASET_TYPES  # noqa: PLC0415 (it imports this module)
+
+
+def _validate_data(v: dict) -> None:
   _one_of(v, "dataset_type", tuple(DATASET_TYPES))
   _one_of(v, "grain_file_type", ("arrayrecord", "parquet"))
   for key in ("num_train_shards", "num_eval_shards", "grain_per_worker_buffer_size"):
@@ -214,10 +212,11 @@ def _validate(v: dict) -> None:
              f"must be >= 257 (256 bytes + end-of-document) for tokenizer_type={v['tokenizer_type']}", v)
   _require(v["eval_interval"] >= 0, "eval_interval", "must be >= 0 (0 disables evaluation)", v)
   _require(v["eval_steps"] >= 1, "eval_steps", "must be >= 1 (eval_interval=0 disables evaluation)", v)
-  for key in ("checkpoint_period", "max_to_keep", "max_decode_length"):
+
+
+def _validate_paths(v: dict) -> None:
+  for key in ("checkpoint_period", "max_to_keep"):
     _require(v[key] >= 1, key, "must be >= 1", v)
-  _one_of(v, "decode_sampling_strategy", ("greedy", "weighted"))
-  _require(v["decode_sampling_temperature"] > 0, "decode_sampling_temperature", "must be > 0", v)
   _require(bool(v["base_output_directory"]) and "\n" not in v["base_output_directory"], "base_output_directory",
            "must be a non-empty path", v)
   for key in ("base_output_directory", "dataset_cache_dir", "metrics_file", "memory_stats_file", "dataset_path",
@@ -228,10 +227,10 @@ def _validate(v: dict) -> None:
   # A run owns base_output_directory/run_name; a path here could reach another run's directory.
   _require(v["run_name"] not in ("", ".", "..") and not any(c in v["run_name"] for c in "/\\\n"), "run_name",
            "must be a plain directory name (no '/', '\\', '.' or '..')", v)
+
+
+def _validate_mesh(v: dict) -> None:
   _validate_axis_rules(v["logical_axis_rules"])
-  _validate_remat(v)
-  _validate_vocab_tiling(v)
-  _validate_plan(v)
   if v["compile_topology"]:
     try:
       accelerators.parse_slice(v["compile_topology"])
@@ -247,10 +246,10 @@ def _validate_axis_rules(rules: list) -> None:
     ok = isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)
     if ok:
       axes = rule[1] if isinstance(rule[1], list) else [] if rule[1] is None else [rule[1]]
-      ok = all(a in MESH_AXES for a in axes)
+      ok = all(a in sharding.MESH_AXES for a in axes)
     if not ok:
       raise ConfigError(f"logical_axis_rules: bad rule {rule!r}; each rule is "
-                        f"[logical_name, [mesh axes from {', '.join(MESH_AXES)}]]")
+                        f"[logical_name, [mesh axes from {', '.join(sharding.MESH_AXES)}]]")
 
 
 def _validate_remat(v: dict) -> None:
@@ -263,7 +262,7 @@ def _validate_remat(v: dict) -> None:
 
 def _validate_vocab_tiling(v: dict) -> None:
   _require(v["num_vocab_tiling"] >= 1, "num_vocab_tiling", "must be >= 1 (1: no tiling)", v)
-  _one_of(v, "vocab_tiling_mode", ("fused", "recompute"))
+  _one_of(v, "vocab_tiling_mode", losses.MODES)
   tokens = v["per_device_batch_size"] * v["max_target_length"]
   _require(v["num_vocab_tiling"] <= tokens, "num_vocab_tiling",
            f"each tile must hold at least one token per device; at most "
@@ -279,107 +278,14 @@ def _validate_plan(v: dict) -> None:
     ok = all(isinstance(x, kind) and not isinstance(x, bool) and x > 0 for x in v[key])
     _require(bool(v[key]) and ok and list(v[key]) == sorted(set(v[key])), key,
              "must be a non-empty ascending list of distinct positive numbers", v)
-  policies = [p for p in remat.POLICY_NAMES if p != "custom"]
-  _require(all(p in policies for p in v["plan_remat_policies"]), "plan_remat_policies",
-           f"must list names from {', '.join(policies)} ([]: all of them)", v)
-
-
-def _resolve(v: dict, prefix: str, total: int, what: str) -> tuple:
-  """The four {prefix}_*_parallelism sizes with a -1 filled, multiplying to `total`."""
-  keys = [f"{prefix}_{axis}_parallelism" for axis in MESH_AXES]
-  sizes = [v[k] for k in keys]
-  for key, size in zip(keys, sizes):
-    _require(size >= 1 or size == -1, key, "must be >= 1, or -1 to fill the rest", v)
-  fills = [k for k, s in zip(keys, sizes) if s == -1]
-  if len(fills) > 1:
-    raise ConfigError(f"{', '.join(fills)}: at most one {prefix}_*_parallelism may be -1")
-  known = math.prod(s for s in sizes if s != -1)
-  if fills:
-    if total % known:
-      raise ConfigError(f"{fills[0]}=-1: the other {prefix}_*_parallelism multiply to {known}, "
-                        f"which does not divide the {total} {what}")
-    sizes = [total // known if s == -1 else s for s in sizes]
-  if math.prod(sizes) != total:
-    raise ConfigError(f"{'*'.join(keys)} = {math.prod(sizes)}: must equal the {total} {what}")
-  return tuple(sizes)
-
-
-def _mesh_shapes(v: dict, num_devices: int, num_granules: int) -> tuple[tuple, tuple]:
-  """(ici shape, dcn shape) over MESH_AXES; granules are TPU slices or processes."""
-  if all(v[f"dcn_{axis}_parallelism"] == 1 for axis in MESH_AXES):
-    return _resolve(v, "ici", num_devices, "devices"), (1,) * len(MESH_AXES)
-  dcn = _resolve(v, "dcn", num_granules, "slices/processes")
-  if num_devices % num_granules:
-    raise ConfigError(f"dcn_*_parallelism: the {num_devices} devices do not split evenly over "
-                      f"{num_granules} slices/processes")
-  return _resolve(v, "ici", num_devices // num_granules, "devices per slice/process"), dcn
-
-
-def _initialize_distributed(v: dict) -> None:
-  """jax.distributed.initialize when this is one of several processes (see base.yml)."""
-  launched = (any(int(os.environ.get(k, "1")) > 1 for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
-              or "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""))
-  wanted = (v["jax_distributed_coordinator"] or os.environ.get("JAX_COORDINATOR_ADDRESS")
-            or v["jax_num_processes"] > 1 or launched)
-  if not wanted or jax.distributed.is_initialized():
-    return
-  try:
-    jax.distributed.initialize(coordinator_address=v["jax_distributed_coordinator"] or None,
-                               num_processes=v["jax_num_processes"] or None,
-                               process_id=v["jax_process_id"] if v["jax_process_id"] >= 0 else None)
-  except (ValueError, RuntimeError) as e:
-    raise UserError(f"jax.distributed.initialize failed (jax_distributed_coordinator="
-                    f"{v['jax_distributed_coordinator']!r}): {first_line(e)}") from None
-
-
-def devices(compile_topology: str, num_slices: int) -> list:
-  """The devices a run is for: compile_topology's TPU slices (for train_compile), or JAX's."""
-  if not compile_topology:
-    return jax.devices()
-  try:
-    return accelerators.slice_devices(compile_topology, num_slices)
-  except RuntimeError as e:
-    raise UserError(str(e)) from None
-
-
-def _granules(devices: list) -> int:
-  """TPU slices, or else processes: the units that dcn_* axes span."""
-  if devices[0].platform == "tpu":
-    return len({getattr(d, "slice_index", 0) for d in devices})
-  return jax.process_count()
-
-
-def _check_divisible(v: dict) -> None:
-  """Every sharded dimension splits evenly over the mesh axes its logical axis rule names
-  (the first rule for each name), so no shape reaches the partitioner that it cannot divide."""
-  shards = {axis: ici * dcn for axis, ici, dcn in zip(MESH_AXES, v["mesh_shape"], v["dcn_mesh_shape"])}
-  sizes = {  # logical axis -> (what sets its size, size)
-      "activation_batch": ("rows per step (per_device_batch_size x devices)", v["micro_batch_size"]),
-      "activation_length": ("max_target_length", v["max_target_length"]),
-      "activation_heads": ("base_num_query_heads", v["base_num_query_heads"]),
-      "activation_kv_heads": ("base_num_kv_heads", v["base_num_kv_heads"]),
-      "activation_mlp": ("base_mlp_dim", v["base_mlp_dim"]), "activation_vocab": ("vocab_size", v["vocab_size"]),
-      "activation_embed": ("base_emb_dim", v["base_emb_dim"]), "embed": ("base_emb_dim", v["base_emb_dim"]),
-      "vocab": ("vocab_size", v["vocab_size"]), "q_heads": ("base_num_query_heads", v["base_num_query_heads"]),
-      "kv_heads": ("base_num_kv_heads", v["base_num_kv_heads"]), "heads": ("base_num_query_heads",
-                                                                         v["base_num_query_heads"]),
-      "mlp": ("base_mlp_dim", v["base_mlp_dim"]), "kv": ("head_dim", v["head_dim"]),
-  }
-  rules = {}
-  for name, axes in v["logical_axis_rules"]:
-    rules.setdefault(name, axes if isinstance(axes, list) else [] if axes is None else [axes])
-  for name, (what, size) in sizes.items():
-    axes = [a for a in rules.get(name, []) if shards[a] > 1]
-    if size % math.prod(shards[a] for a in axes):
-      parallelism = " x ".join(f"{a} ({shards[a]})" for a in axes)
-      raise ConfigError(f"{what}={size}: not divisible by the mesh axes that shard {name}: {parallelism} "
-                        f"(set by ici_*/dcn_*_parallelism and logical_axis_rules)")
+  _require(all(p in remat.SEARCHABLE_POLICIES for p in v["plan_remat_policies"]), "plan_remat_policies",
+           f"must list names from {', '.join(remat.SEARCHABLE_POLICIES)} ([]: all of them)", v)
 
 
 def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   """Adds the values every module would otherwise recompute."""
   v["num_devices"] = num_devices
-  v["mesh_shape"], v["dcn_mesh_shape"] = _mesh_shapes(v, num_devices, num_granules)
+  v["mesh_shape"], v["dcn_mesh_shape"] = sharding.mesh_shapes(v, num_devices, num_granules)
   micro = v["per_device_batch_size"] * num_devices
   if micro != int(micro):
     raise ConfigError(f"per_device_batch_size={v['per_device_batch_size']}: times the {num_devices} "
@@ -388,7 +294,7 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   v["global_batch_size_to_train_on"] = int(micro) * v["gradient_accumulation_steps"]
   v["head_dim"] = v["head_dim"] or v["base_emb_dim"] // v["base_num_query_heads"]
   v.update(DECODER_BLOCKS[v["decoder_block"]])
-  _check_divisible(v)
+  sharding.check_divisible(v)
   if v["learning_rate_schedule_steps"] == -1:
     v["learning_rate_schedule_steps"] = v["steps"]
   v["run_dir"] = os.path.join(v["base_output_directory"], v["run_name"])
@@ -413,12 +319,18 @@ def _freeze(value):
   return value
 
 
+def _thaw(value):
+  if isinstance(value, tuple):
+    return [_thaw(x) for x in value]
+  return value
+
+
 def initialize(argv: Sequence[str], num_devices: int | None = None,
                memory_kinds: Sequence[str] | None = None, num_granules: int | None = None) -> Config:
   """argv = [config.yml, key=value, ...].
 
   `num_devices`, `memory_kinds` (of one device) and `num_granules` (slices or processes)
-  default to those of `devices(...)`: compile_topology's, or else what JAX sees, after
+  default to those of `sharding.run_devices(...)`: compile_topology's, or else what JAX sees, after
   jax.distributed is initialised if this is a multi-process run.
   """
   if not argv:
@@ -446,8 +358,23 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
   _merge(values, overrides, "the command line")
   _validate(values)
   if num_devices is None and not values["compile_topology"]:
-    _initialize_distributed(values)
-  run_devices = devices(values["compile_topology"], values["compile_topology_num_slices"])
+    sharding.initialize_distributed(values)
+  return _for_devices(values, num_devices, memory_kinds, num_granules)
+
+
+def replace(config: Config, settings: dict) -> Config:
+  """config with `settings` (base.yml keys: the planner's choice) changed, then checked and
+  derived again exactly as initialize would, for the devices config was resolved for."""
+  values = {k: _thaw(x) for k, x in config.to_dict().items()}
+  _merge(values, settings, "the settings")
+  _validate(values)
+  return _for_devices(values, config.num_devices, None, None)
+
+
+def _for_devices(values: dict, num_devices: int | None, memory_kinds: Sequence[str] | None,
+                 num_granules: int | None) -> Config:
+  """The checks and derived values that need the run's devices (see initialize)."""
+  run_devices = sharding.run_devices(values["compile_topology"], values["compile_topology_num_slices"])
   num_devices = num_devices or len(run_devices)
   memory_kinds = memory_kinds or [m.kind for m in run_devices[0].addressable_memories()]
   values["platform"] = run_devices[0].platform
@@ -465,15 +392,6 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
                         f"(it has {', '.join(memory_kinds)})")
     if values["platform"] == "cpu":
       logging.warning("remat_policy=%s: on CPU, host and device memory are one; offloading changes nothing", policy)
-  _derive(values, num_devices, num_granules or _granules(run_devices))
+  _derive(values, num_devices, num_granules or sharding.granules(run_devices))
   return Config({k: _freeze(x) for k, x in values.items()})
 
-
-@contextlib.contextmanager
-def errors_to_exit_codes():
-  """For entry points: a UserError prints one line to stderr and exits (2 for config errors)."""
-  try:
-    yield
-  except UserError as e:
-    print(f"{e.label}: {e}", file=sys.stderr)
-    sys.exit(e.exit_code)

@@ -27,7 +27,9 @@ POLICIES = {
     "minimal_offloaded": ((), _PROJECTIONS),
     "full": ((), ()),
 }
-POLICY_NAMES = ("none",) + tuple(POLICIES) + ("custom",)
+# What the planner and remat_policy=auto choose from; `custom` needs per-tensor choices of its own.
+SEARCHABLE_POLICIES = ("none",) + tuple(POLICIES)
+POLICY_NAMES = SEARCHABLE_POLICIES + ("custom",)
 
 
 def saved_names(policy: str, actions: Mapping[str, str]) -> tuple[tuple[str, ...], tuple[str, ...]]:

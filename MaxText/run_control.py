@@ -12,7 +12,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 from tokenizers import Tokenizer
 
-from MaxText.pyconfig import ConfigError, UserError
+from MaxText.errors import ConfigError, UserError
 
 # The signals that stop a run cleanly, by name; the exit code is then 128 + the signal number.
 SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
@@ -30,6 +30,21 @@ class Preempted(UserError):
 
 class Diverged(UserError):
   """Training produced non-finite values; nothing was saved from them."""
+
+
+class NonfiniteStreak:
+  """Steps in a row whose loss or gradient norm was not finite (each left the state as it was);
+  Diverged once there are max_nonfinite_steps of them."""
+
+  def __init__(self, limit: int):
+    self.limit, self.count = limit, 0
+
+  def update(self, step: int, nonfinite: float, latest_checkpoint) -> None:
+    """After step `step`'s metrics; latest_checkpoint() names the step a rerun resumes from."""
+    self.count = self.count + 1 if nonfinite else 0
+    if self.count >= self.limit:
+      raise Diverged(f"step {step}: loss or gradient norm not finite for {self.count} steps in a row "
+                     f"(max_nonfinite_steps={self.limit}); stopped, latest checkpoint: {latest_checkpoint()}")
 
 
 def _alive(pid: int) -> bool:

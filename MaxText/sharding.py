@@ -1,17 +1,114 @@
-"""The device mesh and logical-axis sharding (flax logical axis rules over jax.sharding)."""
+"""The devices and their mesh: which devices a run is for, the (data, fsdp, tensor, sequence)
+mesh sizes from ici_*/dcn_*_parallelism, the check that every sharded dimension divides, and
+logical-axis sharding (flax logical axis rules over jax.sharding)."""
 
 import contextlib
 import math
+import os
 
 import flax.linen as nn
 import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from MaxText import pyconfig
-from MaxText.pyconfig import MESH_AXES
+from MaxText import accelerators
+from MaxText.errors import ConfigError, UserError, first_line
 
+MESH_AXES = ("data", "fsdp", "tensor", "sequence")
 BATCH = ("activation_batch", "activation_length")
+
+
+def _resolve(v: dict, prefix: str, total: int, what: str) -> tuple:
+  """The four {prefix}_*_parallelism sizes with a -1 filled, multiplying to `total`."""
+  keys = [f"{prefix}_{axis}_parallelism" for axis in MESH_AXES]
+  sizes = [v[k] for k in keys]
+  for key, size in zip(keys, sizes):
+    if not (size >= 1 or size == -1):
+      raise ConfigError(f"{key}={size!r}: must be >= 1, or -1 to fill the rest")
+  fills = [k for k, s in zip(keys, sizes) if s == -1]
+  if len(fills) > 1:
+    raise ConfigError(f"{', '.join(fills)}: at most one {prefix}_*_parallelism may be -1")
+  known = math.prod(s for s in sizes if s != -1)
+  if fills:
+    if total % known:
+      raise ConfigError(f"{fills[0]}=-1: the other {prefix}_*_parallelism multiply to {known}, "
+                        f"which does not divide the {total} {what}")
+    sizes = [total // known if s == -1 else s for s in sizes]
+  if math.prod(sizes) != total:
+    raise ConfigError(f"{'*'.join(keys)} = {math.prod(sizes)}: must equal the {total} {what}")
+  return tuple(sizes)
+
+
+def mesh_shapes(v: dict, num_devices: int, num_granules: int) -> tuple[tuple, tuple]:
+  """(ici shape, dcn shape) over MESH_AXES; granules are TPU slices or processes."""
+  if all(v[f"dcn_{axis}_parallelism"] == 1 for axis in MESH_AXES):
+    return _resolve(v, "ici", num_devices, "devices"), (1,) * len(MESH_AXES)
+  dcn = _resolve(v, "dcn", num_granules, "slices/processes")
+  if num_devices % num_granules:
+    raise ConfigError(f"dcn_*_parallelism: the {num_devices} devices do not split evenly over "
+                      f"{num_granules} slices/processes")
+  return _resolve(v, "ici", num_devices // num_granules, "devices per slice/process"), dcn
+
+
+def initialize_distributed(v: dict) -> None:
+  """jax.distributed.initialize when this is one of several processes (see base.yml)."""
+  launched = (any(int(os.environ.get(k, "1")) > 1 for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
+              or "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""))
+  wanted = (v["jax_distributed_coordinator"] or os.environ.get("JAX_COORDINATOR_ADDRESS")
+            or v["jax_num_processes"] > 1 or launched)
+  if not wanted or jax.distributed.is_initialized():
+    return
+  try:
+    jax.distributed.initialize(coordinator_address=v["jax_distributed_coordinator"] or None,
+                               num_processes=v["jax_num_processes"] or None,
+                               process_id=v["jax_process_id"] if v["jax_process_id"] >= 0 else None)
+  except (ValueError, RuntimeError) as e:
+    raise UserError(f"jax.distributed.initialize failed (jax_distributed_coordinator="
+                    f"{v['jax_distributed_coordinator']!r}): {first_line(e)}") from None
+
+
+def run_devices(compile_topology: str, num_slices: int) -> list:
+  """The devices a run is for: compile_topology's TPU slices (for train_compile), or JAX's."""
+  if not compile_topology:
+    return jax.devices()
+  try:
+    return accelerators.slice_devices(compile_topology, num_slices)
+  except RuntimeError as e:
+    raise UserError(str(e)) from None
+
+
+def granules(devices: list) -> int:
+  """TPU slices, or else processes: the units that dcn_* axes span."""
+  if devices[0].platform == "tpu":
+    return len({getattr(d, "slice_index", 0) for d in devices})
+  return jax.process_count()
+
+
+def check_divisible(v: dict) -> None:
+  """Every sharded dimension splits evenly over the mesh axes its logical axis rule names
+  (the first rule for each name), so no shape reaches the partitioner that it cannot divide."""
+  shards = {axis: ici * dcn for axis, ici, dcn in zip(MESH_AXES, v["mesh_shape"], v["dcn_mesh_shape"])}
+  sizes = {  # logical axis -> (what sets its size, size)
+      "activation_batch": ("rows per step (per_device_batch_size x devices)", v["micro_batch_size"]),
+      "activation_length": ("max_target_length", v["max_target_length"]),
+      "activation_heads": ("base_num_query_heads", v["base_num_query_heads"]),
+      "activation_kv_heads": ("base_num_kv_heads", v["base_num_kv_heads"]),
+      "activation_mlp": ("base_mlp_dim", v["base_mlp_dim"]), "activation_vocab": ("vocab_size", v["vocab_size"]),
+      "activation_embed": ("base_emb_dim", v["base_emb_dim"]), "embed": ("base_emb_dim", v["base_emb_dim"]),
+      "vocab": ("vocab_size", v["vocab_size"]), "q_heads": ("base_num_query_heads", v["base_num_query_heads"]),
+      "kv_heads": ("base_num_kv_heads", v["base_num_kv_heads"]), "heads": ("base_num_query_heads",
+                                                                         v["base_num_query_heads"]),
+      "mlp": ("base_mlp_dim", v["base_mlp_dim"]), "kv": ("head_dim", v["head_dim"]),
+  }
+  rules = {}
+  for name, axes in v["logical_axis_rules"]:
+    rules.setdefault(name, axes if isinstance(axes, list) else [] if axes is None else [axes])
+  for name, (what, size) in sizes.items():
+    axes = [a for a in rules.get(name, []) if shards[a] > 1]
+    if size % math.prod(shards[a] for a in axes):
+      parallelism = " x ".join(f"{a} ({shards[a]})" for a in axes)
+      raise ConfigError(f"{what}={size}: not divisible by the mesh axes that shard {name}: {parallelism} "
+                        f"(set by ici_*/dcn_*_parallelism and logical_axis_rules)")
 
 
 def create_mesh(config) -> jax.sharding.Mesh:
@@ -20,7 +117,7 @@ def create_mesh(config) -> jax.sharding.Mesh:
   With compile_topology, the devices are that TPU slice's, to compile for."""
   # Auto axes: XLA's SPMD partitioner propagates shardings from the constraints we place.
   axis_types = (AxisType.Auto,) * len(MESH_AXES)
-  devices = pyconfig.devices(config.compile_topology, config.compile_topology_num_slices)
+  devices = run_devices(config.compile_topology, config.compile_topology_num_slices)
   if math.prod(config.dcn_mesh_shape) == 1:
     return jax.make_mesh(config.mesh_shape, MESH_AXES, axis_types=axis_types, devices=devices)
   devices = mesh_utils.create_hybrid_device_mesh(config.mesh_shape, config.dcn_mesh_shape, devices,

@@ -13,25 +13,21 @@ or N simulated CPU devices: JAX_NUM_CPU_DEVICES=N python -m MaxText.train_compil
 import json
 import sys
 
-from absl import app
-
-from MaxText import metrics, plan, pyconfig, run_control, sharding, train
+from MaxText import auto, errors, metrics, run_control, sharding, train_step
 
 
 def main(argv):
-  metrics.quiet_library_logs()
-  with pyconfig.errors_to_exit_codes():
-    config = pyconfig.initialize(plan.resolve_auto(argv[1:]))
+  config = auto.initialize(argv[1:])
+  if config.memory_stats_file:
+    run_control.check_writable("memory_stats_file", config.memory_stats_file, is_file=True)
+  trainer = train_step.build(config, sharding.create_mesh(config))
+  try:
+    compiled = train_step.compile_train_step(trainer, config)
+  except errors.UserError as e:
     if config.memory_stats_file:
-      run_control.check_writable("memory_stats_file", config.memory_stats_file, is_file=True)
-    trainer = train.build(config, sharding.create_mesh(config))
-    try:
-      compiled = train.compile_train_step(trainer, config)
-    except pyconfig.UserError as e:
-      if config.memory_stats_file:
-        with open(config.memory_stats_file, "w") as f:
-          json.dump({"fits": False, "error": str(e)}, f, indent=2)
-      raise
+      with open(config.memory_stats_file, "w") as f:
+        json.dump({"fits": False, "error": str(e)}, f, indent=2)
+    raise
   device = trainer.mesh.devices.flat[0]
   where = (f"{config.compile_topology} x {config.compile_topology_num_slices} slice(s)" if config.compile_topology
            else device.platform)
@@ -46,7 +42,7 @@ def main(argv):
   print("largest arrays with a vocabulary dimension, per device:")
   print("\n".join(f"  {shape:28s} {size / 2**20:12,.1f} MiB" for shape, size in vocab_arrays))
   model_flops = metrics.training_flops_per_step(config)
-  step_flops = metrics.matmul_flops(train.trace_train_step(trainer, config).jaxpr)
+  step_flops = metrics.matmul_flops(train_step.trace_train_step(trainer, config).jaxpr)
   peak = metrics.peak_tflops(device.device_kind)
   print(f"FLOPs per step, all devices: model {model_flops:.4g}; matmuls as traced {step_flops:.4g} "
         f"({step_flops / model_flops - 1:+.1%}: recomputation, and the causal mask's half of the attention products)")
@@ -65,4 +61,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run(main)

@@ -64,26 +64,27 @@ def model_inputs(config, seed=0, batch=None):
           np.broadcast_to(segments, (batch, length)).copy())
 
 
-def assert_trees_close(actual, desired, rtol):
+def assert_trees_close(actual, desired, rtol, what=""):
   """Leaf by leaf: |a - d| <= rtol * max|d| + rtol * |d|, i.e. relative to each leaf's scale,
-  so near-zero entries of a large gradient are not held to a tighter bound than its bulk."""
+  so near-zero entries of a large gradient are not held to a tighter bound than its bulk.
+  `what` (the variant under test) starts every failure message."""
   import jax
   import numpy as np
 
   def check(path, a, d):
     a, d = np.asarray(a, np.float64), np.asarray(d, np.float64)
     np.testing.assert_allclose(a, d, rtol=rtol, atol=rtol * np.max(np.abs(d)),
-                               err_msg=jax.tree_util.keystr(path))
+                               err_msg=f"{what} {jax.tree_util.keystr(path)}".strip())
 
-  assert jax.tree.structure(actual) == jax.tree.structure(desired)
+  assert jax.tree.structure(actual) == jax.tree.structure(desired), what
   jax.tree_util.tree_map_with_path(check, actual, desired)
 
 
 def trainer_and_state(config):
   """(Trainer, initialised sharded TrainState) on this process's devices."""
   import jax
-  from MaxText import sharding, train
-  trainer = train.build(config, sharding.create_mesh(config))
+  from MaxText import sharding, train_step
+  trainer = train_step.build(config, sharding.create_mesh(config))
   with sharding.activate(trainer.mesh, config):
     state = trainer.init(jax.random.key(config.init_weights_seed))
   return trainer, state
@@ -155,10 +156,10 @@ def loss_gradients(config):
   fixed_batch, computed on config's mesh and gathered."""
   import jax
   import numpy as np
-  from MaxText import sharding, train
+  from MaxText import losses, sharding, train_step
   trainer, state = trainer_and_state(config)
-  loss = lambda params, batch: train.loss_sums(trainer.model, config, params, batch)[0]
+  loss = lambda params, batch: losses.batch_sums(trainer.model, config, params, batch)[0]
   with sharding.activate(trainer.mesh, config):
-    grads = jax.jit(jax.grad(loss))(state.params, train.device_batch(trainer, fixed_batch(config)))
+    grads = jax.jit(jax.grad(loss))(state.params, train_step.device_batch(trainer, fixed_batch(config)))
   leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(grads))
   return {jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from conftest import MESHES, SHARDED, hlo_arrays, logits_tokens, loss_gradients, metrics_losses, tiny_config
-from MaxText import sharding, train
+from MaxText import sharding, train, train_step
 
 def run(out, name, *overrides):
   metrics_file = os.path.join(out, f"{name.replace(' ', '_')}.jsonl")
@@ -36,7 +36,7 @@ def main(out):
       key = f"{mesh} tiles={tiles}"
       results["losses"][key] = run(out, key, *overrides, f"num_vocab_tiling={tiles}")
       config = tiny_config(*SHARDED, "per_device_batch_size=1", *overrides, f"num_vocab_tiling={tiles}")
-      hlo = train.compile_train_step(train.build(config, sharding.create_mesh(config)), config).as_text()
+      hlo = train_step.compile_train_step(train_step.build(config, sharding.create_mesh(config)), config).as_text()
       results["logits_tokens"][key] = logits_tokens(hlo, {1000, 500}, {48, 24, 12, 6})
       arrays = hlo_arrays(hlo)
       results["kernel_grad_elements"][key] = largest(arrays, lambda s, op, name: "btd,btv->dv" in name)

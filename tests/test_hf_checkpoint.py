@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from MaxText import decode, pyconfig
+from MaxText import decode, errors, pyconfig
 from MaxText.checkpoint_conversion import mapping, to_huggingface, to_maxtext
 from MaxText.layers.models import Transformer
 from conftest import BASE_YML, ROOT, TINY, run_cli, tiny_config
@@ -116,7 +116,7 @@ def test_greedy_decoding_of_an_imported_model_gives_the_hugging_face_tokens(tmp_
 
 @pytest.mark.parametrize("family", ["qwen3", "llama3.1", "gemma2"])
 def test_import_export_round_trip_and_continued_pretraining(tmp_path, family):
-  """The command lines of README's "Bring your own weights": Hugging Face -> checkpoint ->
+  """The command lines of docs/huggingface.md: Hugging Face -> checkpoint ->
   Hugging Face gives the same tensors bit for bit with no model key given (config.json's are
   saved with the checkpoint and read back), and a tiled training run continues from the
   checkpoint on the model directory's tokenizer."""
@@ -254,7 +254,7 @@ def test_a_bad_hugging_face_directory_names_what_is_wrong_and_writes_nothing(tmp
   shutil.copytree(ASSETS / "llama", hf)
   damage(hf)
   output = tmp_path / "out"
-  with pytest.raises(pyconfig.ConfigError, match=re.escape(f"hf_model_path='{hf}': ") + ".*" + re.escape(message)):
+  with pytest.raises(errors.ConfigError, match=re.escape(f"hf_model_path='{hf}': ") + ".*" + re.escape(message)):
     to_maxtext.convert(to_maxtext.resolve_config(
         [BASE_YML, f"hf_model_path={hf}", f"base_output_directory={output}", "run_name=a"]))
   assert not output.exists()
@@ -279,15 +279,15 @@ def test_outputs_are_never_overwritten_and_a_checkpoint_of_other_keys_is_named(t
   under model keys the checkpoint was not saved with: one line each, nothing written."""
   args = [BASE_YML, f"hf_model_path={ASSETS / 'llama'}", f"base_output_directory={tmp_path}", "run_name=a"]
   converted = to_maxtext.convert(to_maxtext.resolve_config(args))
-  with pytest.raises(pyconfig.ConfigError, match=re.escape(f"run_name='a': {converted} exists")):
+  with pytest.raises(errors.ConfigError, match=re.escape(f"run_name='a': {converted} exists")):
     to_maxtext.convert(to_maxtext.resolve_config(args))
   exported = tmp_path / "exported"
   exported.mkdir()
   export = [BASE_YML, mapping.NO_DATA, f"load_parameters_path={converted}", f"hf_output_path={exported}"]
-  with pytest.raises(pyconfig.ConfigError, match=re.escape(f"hf_output_path='{exported}': exists")):
+  with pytest.raises(errors.ConfigError, match=re.escape(f"hf_output_path='{exported}': exists")):
     to_huggingface.convert(pyconfig.initialize(export))
   exported.rmdir()
-  with pytest.raises(pyconfig.ConfigError, match=re.escape("parameter token_embedder/embedding has shape (96, 32), "
+  with pytest.raises(errors.ConfigError, match=re.escape("parameter token_embedder/embedding has shape (96, 32), "
                                                            "the model keys give (128, 32)")):
     to_huggingface.convert(pyconfig.initialize([*export, "vocab_size=128"]))
   assert not exported.exists() and sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["0"]

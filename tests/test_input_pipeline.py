@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from MaxText import corpus, input_pipeline, tokenizer
-from MaxText.pyconfig import ConfigError
+from MaxText.input_pipeline import corpus, input_pipeline, tokenizer
+from MaxText.errors import ConfigError
 from conftest import TINY_TEXT, tiny_config
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import BASE_YML, TINY, metrics_losses, run_cli
-from MaxText import metrics, plan, pyconfig, train
+from MaxText import auto, errors, metrics, plan, pyconfig, sharding, train
 
 # Head-heavy: 2048-token vocabulary, 32 positions, so vocabulary tiling changes the memory.
 HEAD_HEAVY = (*TINY, "vocab_size=2048", "max_target_length=32")
@@ -26,7 +26,7 @@ def searched():
   batch 4 untiled, so the ladders stop inside the search space."""
   search = (*SEARCH, "plan_per_device_batch_sizes=[2,4,8,16]")
   config = pyconfig.initialize(_argv(*search))
-  device = pyconfig.devices("", 1)[0]
+  device = sharding.run_devices("", 1)[0]
   rates = plan.roofline_rates(device)
   reference = plan.evaluate(_argv(), {"remat_policy": "full", "per_device_batch_size": 4, "num_vocab_tiling": 1}, rates)
   budget = reference["total_bytes"]
@@ -93,20 +93,23 @@ def test_plan_exits_2_naming_the_smallest_when_the_budget_is_below_every_candida
 
 def test_auto_resolves_once_per_fingerprint_and_reuses_it(tmp_path, monkeypatch):
   argv = _argv(f"base_output_directory={tmp_path}", *SEARCH, "num_vocab_tiling=auto", "per_device_batch_size=auto")
-  resolved = plan.resolve_auto(argv)
-  assert "num_vocab_tiling=auto" not in resolved
-  decision = json.loads((tmp_path / "default" / plan.CACHE_FILE).read_text())
+  config = auto.initialize(argv)
+  decision = json.loads((tmp_path / "default" / auto.CACHE_FILE).read_text())
   assert set(decision["settings"]) == {"num_vocab_tiling", "per_device_batch_size"}
+  # The config resolved in place is the one the chosen settings give on the command line.
+  explicit = [a for a in argv if not a.endswith("=auto")] + plan._assignments(decision["settings"])
+  assert config.to_dict() == pyconfig.initialize(explicit).to_dict()
 
   def no_search(*args, **kwargs):
     raise AssertionError("searched again")
 
   monkeypatch.setattr(plan, "search", no_search)
   # A resumed run with more steps reuses the decision...
-  assert plan.resolve_auto([*argv, "steps=9"]) == [*resolved[:-2], "steps=9", *resolved[-2:]]
+  resumed = auto.initialize([*argv, "steps=9"])
+  assert resumed.steps == 9 and resumed.to_dict() == {**config.to_dict(), "steps": 9, "learning_rate_schedule_steps": 9}
   # ...a different model does not.
   with pytest.raises(AssertionError, match="searched again"):
-    plan.resolve_auto([*argv, "base_emb_dim=64"])
+    auto.initialize([*argv, "base_emb_dim=64"])
 
 
 def test_auto_contradicting_custom_actions_is_one_line_exit_2(tmp_path):
@@ -121,12 +124,12 @@ def test_auto_contradicting_custom_actions_is_one_line_exit_2(tmp_path):
 def test_auto_trains_exactly_as_the_setting_it_chose_given_explicitly(tmp_path, caplog):
   common = (*SEARCH, "plan_num_vocab_tiling=[1]", "steps=3", f"base_output_directory={tmp_path}")
   caplog.set_level("INFO")
-  auto = _argv(*common, "num_vocab_tiling=auto", "remat_policy=auto", "per_device_batch_size=auto", "run_name=auto",
-               f"metrics_file={tmp_path}/auto.jsonl")
-  train.train(pyconfig.initialize(plan.resolve_auto(auto)))
+  auto_argv = _argv(*common, "num_vocab_tiling=auto", "remat_policy=auto", "per_device_batch_size=auto",
+                    "run_name=auto", f"metrics_file={tmp_path}/auto.jsonl")
+  train.train(auto.initialize(auto_argv))
   assert len([r for r in caplog.records if r.getMessage().startswith("auto: ")]) == 1
-  settings = json.loads((tmp_path / "auto" / plan.CACHE_FILE).read_text())["settings"]
-  assert set(settings) == set(plan.AUTO_KEYS)
+  settings = json.loads((tmp_path / "auto" / auto.CACHE_FILE).read_text())["settings"]
+  assert set(settings) == set(auto.AUTO_KEYS)
   train.train(pyconfig.initialize(_argv(*common, *plan._assignments(settings), "run_name=explicit",
                                         f"metrics_file={tmp_path}/explicit.jsonl")))
   assert metrics_losses(tmp_path / "auto.jsonl") == metrics_losses(tmp_path / "explicit.jsonl")
@@ -139,7 +142,7 @@ def test_auto_trains_exactly_as_the_setting_it_chose_given_explicitly(tmp_path, 
     ("hbm_budget_gib=-1", "must be >= 0"),
 ])
 def test_bad_plan_keys_are_config_errors(override, message):
-  with pytest.raises(pyconfig.ConfigError, match=re.escape(message)):
+  with pytest.raises(errors.ConfigError, match=re.escape(message)):
     pyconfig.initialize(_argv(override))
 
 

@@ -11,8 +11,9 @@ from absl import flags
 from array_record.python import array_record_module
 from tokenizers import Tokenizer
 
-from MaxText import checkpointing, corpus, input_pipeline, prepare_data, token_shards, tokenizer, train
-from MaxText.pyconfig import ConfigError
+from MaxText import checkpointing, train
+from MaxText.input_pipeline import corpus, input_pipeline, prepare_data, token_shards, tokenizer
+from MaxText.errors import ConfigError
 from conftest import ROOT, run_cli, tiny_config
 
 TRAIN_SHARDS = 3

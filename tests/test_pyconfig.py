@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from MaxText import pyconfig
+from MaxText import errors, pyconfig
 from conftest import BASE_YML, ROOT, run_cli, tiny_config
 
 
@@ -101,7 +101,7 @@ def test_config_is_read_only():
     ("sliding_window_size=-1", "sliding_window_size"),
 ])
 def test_bad_values_name_the_key(override, key):
-  with pytest.raises(pyconfig.ConfigError, match=key):
+  with pytest.raises(errors.ConfigError, match=key):
     tiny_config(override, num_devices=1)
 
 
@@ -116,20 +116,20 @@ def test_bad_values_name_the_key(override, key):
       "vocab_size=300"), "vocab_size=300: .* tensor \\(8\\)"),
 ])
 def test_a_mesh_that_does_not_divide_a_dimension_is_a_config_error(overrides, message):
-  with pytest.raises(pyconfig.ConfigError, match=message):
+  with pytest.raises(errors.ConfigError, match=message):
     tiny_config(*overrides, num_devices=8)
 
 
 def test_offload_policy_needs_host_memory():
   assert tiny_config("remat_policy=minimal_offloaded", memory_kinds=["device", "pinned_host"])
-  with pytest.raises(pyconfig.ConfigError, match="remat_policy"):
+  with pytest.raises(errors.ConfigError, match="remat_policy"):
     tiny_config("remat_policy=qkv_proj_offloaded", memory_kinds=["device"])
-  with pytest.raises(pyconfig.ConfigError, match="remat_policy"):
+  with pytest.raises(errors.ConfigError, match="remat_policy"):
     tiny_config("remat_policy=custom", "mlpwo=offload", memory_kinds=["device"])
 
 
 def test_missing_config_file():
-  with pytest.raises(pyconfig.ConfigError, match="no_such.yml"):
+  with pytest.raises(errors.ConfigError, match="no_such.yml"):
     pyconfig.initialize(["configs/no_such.yml"], num_devices=1)
 
 

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from MaxText import accelerators, metrics, sharding, train
+from MaxText import accelerators, metrics, sharding, train_step
 from conftest import TINY, run_cli, tiny_config
 
 # A head-dominated model: float32 logits [4 x 512, 32768] per chip are 256 MiB, the layers little.
@@ -39,9 +39,9 @@ def tpu_memory():
   stats = {}
   for name, overrides in variants.items():
     config = tiny_config(*HEAD_HEAVY, *overrides)
-    trainer = train.build(config, sharding.create_mesh(config))
+    trainer = train_step.build(config, sharding.create_mesh(config))
     assert {d.platform for d in trainer.mesh.devices.flat} == {"tpu"} and config.num_devices == 4
-    stats[name] = metrics.memory_stats(train.compile_train_step(trainer, config))
+    stats[name] = metrics.memory_stats(train_step.compile_train_step(trainer, config))
   return stats
 
 
@@ -72,7 +72,7 @@ def test_flash_attention_compiles_for_tpu_without_the_score_matrix(mesh):
   temp = {}
   for attention in ("dot_product", "flash"):
     config = tiny_config(*long_rows, f"attention={attention}")
-    compiled = train.compile_train_step(train.build(config, sharding.create_mesh(config)), config)
+    compiled = train_step.compile_train_step(train_step.build(config, sharding.create_mesh(config)), config)
     temp[attention] = metrics.memory_stats(compiled)["temp_bytes"]
   assert temp["flash"] < temp["dot_product"] - 4 * 2048**2 * 4 // math.prod(config.mesh_shape[2:])
 
@@ -83,7 +83,7 @@ def test_dcn_axes_span_the_slices_of_a_multi_slice_compile():
   assert config.mesh_shape == (1, 4, 1, 1) and config.dcn_mesh_shape == (2, 1, 1, 1)
   # The data axis crosses slices; every other axis stays inside one.
   assert [{d.slice_index for d in mesh.devices[i].flat} for i in range(2)] == [{0}, {1}]
-  stats = metrics.memory_stats(train.compile_train_step(train.build(config, mesh), config))
+  stats = metrics.memory_stats(train_step.compile_train_step(train_step.build(config, mesh), config))
   assert stats["total_bytes"] > 0
 
 

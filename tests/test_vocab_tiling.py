@@ -8,8 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from MaxText import sharding, train
-from MaxText.vocab_tiling import per_token_logprobs, tiled_loss_and_accuracy, vocab_tiled_cross_entropy
+from MaxText import sharding, train_step
+from MaxText.losses import tiled_token_sums
 from conftest import assert_trees_close, fixed_batch, tiny_config, trainer_and_state
 
 B, T, D, V = 3, 13, 16, 96  # B*T = 39 tokens: no tile count below divides it evenly
@@ -54,13 +54,13 @@ def test_loss_and_gradients_match_full_logits(mode, z_loss_multiplier, cap):
   _, want_z = reference_loss(hidden, kernel, targets, weights, z_loss_multiplier, cap)
   for num_tiles in TILES:
     tiled = jax.jit(jax.value_and_grad(
-        lambda h, w: 3 * vocab_tiled_cross_entropy(h, w, targets, weights, num_tiles, z_loss_multiplier, mode,
-                                                   cap)[0], argnums=(0, 1)))
+        lambda h, w: 3 * tiled_token_sums(h, w, targets, weights, num_tiles, z_loss_multiplier, mode,
+                                          cap)[0], argnums=(0, 1)))
     loss, grads = tiled(hidden, kernel)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=f"{num_tiles} tiles")
-    assert_trees_close(grads, want_grads, rtol=1e-5)
-    z = vocab_tiled_cross_entropy(hidden, kernel, targets, weights, num_tiles, z_loss_multiplier, mode, cap)[1]
-    np.testing.assert_allclose(z, want_z, rtol=1e-5, atol=1e-7)
+    assert_trees_close(grads, want_grads, rtol=1e-5, what=f"{num_tiles} tiles")
+    z = tiled_token_sums(hidden, kernel, targets, weights, num_tiles, z_loss_multiplier, mode, cap)[1]
+    np.testing.assert_allclose(z, want_z, rtol=1e-5, atol=1e-7, err_msg=f"{num_tiles} tiles")
 
 
 @pytest.mark.parametrize("mode", ["fused", "recompute"])
@@ -68,7 +68,7 @@ def test_tied_embeddings_get_the_gradient_through_the_transpose(mode):
   hidden, _, targets, weights = inputs()
   embedding = jax.random.normal(jax.random.key(5), (V, D)) / np.sqrt(D)
   want = jax.grad(lambda h, e: reference_loss(h, e.T, targets, weights, 0.0)[0], argnums=(0, 1))(hidden, embedding)
-  got = jax.grad(lambda h, e: vocab_tiled_cross_entropy(h, e.T, targets, weights, 4, mode=mode)[0],
+  got = jax.grad(lambda h, e: tiled_token_sums(h, e.T, targets, weights, 4, mode=mode)[0],
                  argnums=(0, 1))(hidden, embedding)
   assert_trees_close(got, want, rtol=1e-5)
 
@@ -79,7 +79,7 @@ def test_bfloat16_hidden_states(mode):
   kernel = kernel.astype(jnp.bfloat16)
   want_loss, want_grads = jax.value_and_grad(
       lambda h, w: reference_loss(h, w, targets, weights, 0.0)[0], argnums=(0, 1))(hidden, kernel)
-  loss, grads = jax.value_and_grad(lambda h, w: vocab_tiled_cross_entropy(h, w, targets, weights, 4, mode=mode)[0],
+  loss, grads = jax.value_and_grad(lambda h, w: tiled_token_sums(h, w, targets, weights, 4, mode=mode)[0],
                                    argnums=(0, 1))(hidden, kernel)
   assert loss.dtype == jnp.float32 and grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.bfloat16
   np.testing.assert_allclose(loss, want_loss, rtol=2e-2)
@@ -93,27 +93,15 @@ def test_accuracy_is_counted_inside_the_tiles():
   targets = targets.at[0, :5].set(jnp.argmax(logits[0, :5], axis=-1))  # some right answers
   want = jnp.sum(weights * (jnp.argmax(logits, -1) == targets))
   for num_tiles in (1, 5):
-    assert tiled_loss_and_accuracy(hidden, kernel, targets, weights, num_tiles)[2] == want >= 5
-
-
-def test_per_token_logprobs_match_log_softmax_and_differentiate():
-  hidden, kernel, targets, _ = inputs()
-  full = lambda h, w: jnp.take_along_axis(jax.nn.log_softmax(h @ w), targets[..., None], -1)[..., 0]
-  cotangent = jax.random.normal(jax.random.key(9), (B, T))
-  for num_tiles in (1, 3, 8):
-    tiled = lambda h, w: per_token_logprobs(h, w, targets, num_tiles)
-    np.testing.assert_allclose(tiled(hidden, kernel), full(hidden, kernel), rtol=1e-5, atol=1e-6)
-    want = jax.vjp(full, hidden, kernel)[1](cotangent)
-    got = jax.vjp(tiled, hidden, kernel)[1](cotangent)
-    assert_trees_close(got, want, rtol=1e-5)
+    assert tiled_token_sums(hidden, kernel, targets, weights, num_tiles)[2] == want >= 5, f"{num_tiles} tiles"
 
 
 def test_bad_arguments_are_rejected():
   hidden, kernel, targets, weights = inputs()
   with pytest.raises(ValueError, match="mode"):
-    vocab_tiled_cross_entropy(hidden, kernel, targets, weights, 2, mode="lazy")
+    tiled_token_sums(hidden, kernel, targets, weights, 2, mode="lazy")
   with pytest.raises(ValueError, match="num_tiles"):
-    vocab_tiled_cross_entropy(hidden, kernel, targets, weights, 0)
+    tiled_token_sums(hidden, kernel, targets, weights, 0)
 
 
 def buffer_sizes(hlo_text):
@@ -130,7 +118,7 @@ def test_compiled_train_step_never_holds_full_logits(mode):
   hlo = {}
   for name, config in (("untiled", untiled), ("tiled", tiled)):
     trainer, _ = trainer_and_state(config)
-    hlo[name] = train.compile_train_step(trainer, config).as_text()
+    hlo[name] = train_step.compile_train_step(trainer, config).as_text()
   assert full_logits in buffer_sizes(hlo["untiled"])  # the check can see full logits...
   assert full_logits not in buffer_sizes(hlo["tiled"])  # ...and tiling removes them
 
@@ -145,12 +133,12 @@ def test_training_with_tiling_matches_untiled_training(overrides):
     trainer, state = trainer_and_state(config)
     losses, accuracies = [], []
     with sharding.activate(trainer.mesh, config):
-      batch = train.device_batch(trainer, fixed_batch(config))
+      batch = train_step.device_batch(trainer, fixed_batch(config))
       for _ in range(5):
         state, m = trainer.train_step(state, batch)
         losses.append(float(m["learning/loss"]))
         accuracies.append(float(m["learning/accuracy"]))
-      evaluated = trainer.eval_step(state.params, train.device_batch(trainer, fixed_batch(config, seed=9)))
+      evaluated = trainer.eval_step(state.params, train_step.device_batch(trainer, fixed_batch(config, seed=9)))
     results[tiles] = losses, accuracies, jax.device_get(evaluated)
   np.testing.assert_allclose(results[4][0], results[1][0], rtol=1e-5)
   np.testing.assert_allclose(results[4][1], results[1][1], rtol=1e-5)

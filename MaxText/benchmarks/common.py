@@ -18,9 +18,9 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from MaxText import input_pipeline, metrics, pyconfig, sharding, train
+from MaxText import metrics, pyconfig, reports, sharding, train_step
+from MaxText.input_pipeline import input_pipeline
 
 BASE_YML = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "base.yml")
 
@@ -41,8 +41,8 @@ def config(*overrides, num_devices=None):
 
 def compiled_memory(cfg) -> dict:
   """Memory stats of cfg's train step, compiled for this process's devices; runs nothing."""
-  trainer = train.build(cfg, sharding.create_mesh(cfg))
-  return metrics.memory_stats(train.compile_train_step(trainer, cfg))
+  trainer = train_step.build(cfg, sharding.create_mesh(cfg))
+  return metrics.memory_stats(train_step.compile_train_step(trainer, cfg))
 
 
 def compiled_memory_on(num_devices: int | None, *overrides) -> dict:
@@ -65,8 +65,8 @@ def measure(variants: dict, warmup: int, steps: int) -> dict:
   """{name: {"temp_bytes", "total_bytes", "step_seconds" (median), "times"}} for configs."""
   runs, initialised = {}, {}
   for name, cfg in variants.items():
-    trainer = train.build(cfg, sharding.create_mesh(cfg))
-    compiled = train.compile_train_step(trainer, cfg)
+    trainer = train_step.build(cfg, sharding.create_mesh(cfg))
+    compiled = train_step.compile_train_step(trainer, cfg)
     # Compiling an initialiser costs as much as a step; variants with the same parameter
     # shapes (all but those with another remat_layer_interval) share one, each on a copy.
     layout = str(jax.tree.map(lambda x: (x.shape, str(x.dtype)), trainer.abstract_state))
@@ -75,7 +75,7 @@ def measure(variants: dict, warmup: int, steps: int) -> dict:
         initialised[layout] = trainer.init(jax.random.key(cfg.init_weights_seed))
     state = jax.tree.unflatten(jax.tree.structure(trainer.abstract_state),
                                [jnp.copy(x) for x in jax.tree.leaves(initialised[layout])])
-    batch = train.device_batch(trainer, next(input_pipeline.create_train_iterator(cfg, input_pipeline.load(cfg))))
+    batch = train_step.device_batch(trainer, next(input_pipeline.create_train_iterator(cfg, input_pipeline.load(cfg))))
     runs[name] = {"compiled": compiled, "state": state, "batch": batch, "times": [],
                   **metrics.memory_stats(compiled)}
     print(f"compiled {name}: temp {runs[name]['temp_bytes'] / 2**20:,.1f} MiB", flush=True)
@@ -91,33 +91,9 @@ def measure(variants: dict, warmup: int, steps: int) -> dict:
           for name, r in runs.items()}
 
 
-def markdown_table(header: list, rows: list) -> str:
-  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-  return "\n".join(lines)
-
-
-def save(output_dir: str, name: str, markdown: str, data: dict, figure) -> None:
-  os.makedirs(output_dir, exist_ok=True)
-  with open(os.path.join(output_dir, f"{name}.md"), "w") as f:
-    f.write(markdown + "\n")
-  with open(os.path.join(output_dir, f"{name}.json"), "w") as f:
-    json.dump(data, f, indent=2, default=lambda x: x.item() if isinstance(x, np.generic) else str(x))
-  figure.savefig(os.path.join(output_dir, f"{name}.png"), dpi=120, bbox_inches="tight")
-  print(f"wrote {output_dir}/{name}.md, .json and .png")
-
-
 def gib_or_refusal(r: dict, key: str) -> str:
   """r[key] in GiB, or, where the TPU compiler refused the step, the temporaries it needed."""
   if "error" not in r:
-    return gib(r[key])
+    return reports.gib(r[key])
   needed = re.search(r"temporaries \(([\d.]+G)\) exceeds available HBM \(([\d.]+G)\)", r["error"])
   return f"does not fit (compiler: temp {needed[1]} > {needed[2]})" if needed else "does not fit"
-
-
-def mib(num_bytes: int) -> str:
-  return f"{num_bytes / 2**20:,.1f}"
-
-
-def gib(num_bytes: int) -> str:
-  return f"{num_bytes / 2**30:,.2f}"

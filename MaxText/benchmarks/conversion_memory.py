@@ -25,7 +25,7 @@ from safetensors.numpy import save_file
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from MaxText import pyconfig  # noqa: E402
+from MaxText import pyconfig, reports  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 from MaxText.checkpoint_conversion import mapping  # noqa: E402
 
@@ -117,12 +117,12 @@ def main():
     files = {"to_huggingface (5 GB shards)": len(os.listdir(f"{work}/out5")) - 1,
              "to_huggingface (1 GB shards)": len(os.listdir(f"{work}/out1")) - 2}
   baseline = results["imports only (baseline)"][0]
-  rows = [[name, common.gib(rss), common.gib(rss - baseline), f"{(rss - baseline) / model_bytes:.2f}",
+  rows = [[name, reports.gib(rss), reports.gib(rss - baseline), f"{(rss - baseline) / model_bytes:.2f}",
            f"{seconds:.0f}"] for name, (rss, seconds) in results.items()]
-  markdown = (f"Llama 3.2 1B shape, bfloat16: model {common.gib(model_bytes)} GiB, checkpoint "
-              f"{common.gib(checkpoint_bytes)} GiB on disk, largest parameter {common.gib(largest)} GiB; "
+  markdown = (f"Llama 3.2 1B shape, bfloat16: model {reports.gib(model_bytes)} GiB, checkpoint "
+              f"{reports.gib(checkpoint_bytes)} GiB on disk, largest parameter {reports.gib(largest)} GiB; "
               f"exported files: {files}.\n\n" +
-              common.markdown_table(["step", "peak RSS GiB", "above baseline GiB", "above baseline / model",
+              reports.markdown_table(["step", "peak RSS GiB", "above baseline GiB", "above baseline / model",
                                      "wall s"], rows))
   print(markdown)
   figure, axis = plt.subplots(figsize=(7, 2.8))
@@ -130,7 +130,7 @@ def main():
   axis.axvline(model_bytes / 2**30, color="tab:red", linestyle="--", label="model bytes")
   axis.set_xlabel("peak RSS, GiB")
   axis.legend()
-  common.save(args.output_dir, "conversion_memory", markdown,
+  reports.save(args.output_dir, "conversion_memory", markdown,
               {"model_bytes": model_bytes, "checkpoint_bytes": checkpoint_bytes, "largest_parameter_bytes": largest,
                "files": files, "peak_rss_bytes": {k: v[0] for k, v in results.items()},
                "wall_seconds": {k: v[1] for k, v in results.items()}}, figure)

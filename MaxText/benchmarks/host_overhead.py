@@ -20,7 +20,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from MaxText import input_pipeline, sharding, train  # noqa: E402
+from MaxText import reports, sharding, train, train_step  # noqa: E402
+from MaxText.input_pipeline import input_pipeline  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 SMALL = ("base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=256",
@@ -39,11 +40,11 @@ def loop_step_seconds(steps: int, warmup: int, tmp: str, run: int) -> float:
 
 def device_step_seconds(steps: int, tmp: str) -> float:
   config = common.config(*SMALL, f"base_output_directory={tmp}")
-  trainer = train.build(config, sharding.create_mesh(config))
-  compiled = train.compile_train_step(trainer, config)
+  trainer = train_step.build(config, sharding.create_mesh(config))
+  compiled = train_step.compile_train_step(trainer, config)
   with sharding.activate(trainer.mesh, config):
     state = trainer.init(jax.random.key(0))
-  batch = train.device_batch(trainer, next(input_pipeline.create_train_iterator(config, input_pipeline.load(config))))
+  batch = train_step.device_batch(trainer, next(input_pipeline.create_train_iterator(config, input_pipeline.load(config))))
   state, _ = compiled(state, batch)
   jax.block_until_ready(state)
   start = time.perf_counter()
@@ -62,7 +63,7 @@ def main():
       device.append(device_step_seconds(args.steps, tmp))
   loop_s, device_s = statistics.median(loop), statistics.median(device)
   share = 1 - device_s / loop_s
-  markdown = common.markdown_table(
+  markdown = reports.markdown_table(
       ["loop s/step (median)", "device s/step (back to back)", "host share"],
       [[f"{loop_s * 1e3:.2f} ms", f"{device_s * 1e3:.2f} ms", f"{share:.1%}"]])
   print(markdown)
@@ -70,7 +71,7 @@ def main():
   axis.barh(["device", "loop"], [device_s * 1e3, loop_s * 1e3], color=["tab:gray", "tab:blue"])
   axis.set_xlabel("ms per step")
   axis.set_title(f"host share of a small model's step: {share:.1%}")
-  common.save(args.output_dir, "host_overhead", markdown,
+  reports.save(args.output_dir, "host_overhead", markdown,
               {"loop_step_seconds": loop, "device_step_seconds": device, "host_share": share}, figure)
 
 

@@ -21,7 +21,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from absl import flags  # noqa: E402
 
-from MaxText import input_pipeline, prepare_data  # noqa: E402
+from MaxText.input_pipeline import input_pipeline, prepare_data  # noqa: E402
+from MaxText import reports  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 WORKERS = (0, 1, 2)
@@ -61,7 +62,7 @@ def main():
   table = [[w, f"{rows / s:,.0f}", f"{rows * length / s:,.0f}", f"{s * 1e3:.2f} ms", f"{step / s:,.1f}x"]
            for w, s in seconds.items()]
   markdown = (f"default model: {rows} rows x {length} tokens per step, train step {step * 1e3:.1f} ms (median)\n\n" +
-              common.markdown_table(["grain_worker_count", "rows/s", "tokens/s", "s/batch", "headroom (step / batch)"],
+              reports.markdown_table(["grain_worker_count", "rows/s", "tokens/s", "s/batch", "headroom (step / batch)"],
                                     table))
   print(markdown)
   figure, axis = plt.subplots(figsize=(6, 2.5))
@@ -70,7 +71,7 @@ def main():
   axis.set_xlabel("grain_worker_count")
   axis.set_ylabel("tokens/s")
   axis.legend()
-  common.save(args.output_dir, "input_pipeline", markdown,
+  reports.save(args.output_dir, "input_pipeline", markdown,
               {"batch_seconds": seconds, "step_seconds": step, "rows_per_batch": rows, "tokens_per_row": length},
               figure)
 

@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from scipy import stats  # noqa: E402
 
-from MaxText import plan, pyconfig  # noqa: E402
+from MaxText import plan, pyconfig, reports, sharding  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 RUN = ("dataset_type=synthetic", "enable_checkpointing=false", "eval_interval=0", "enable_tensorboard=false")
@@ -31,7 +31,7 @@ TOP = 5
 def check(model: tuple, budget_batch: int, warmup: int, steps: int) -> dict:
   argv = [common.BASE_YML, *RUN, *model]
   config = pyconfig.initialize([*argv, *SEARCH])
-  rates = plan.roofline_rates(pyconfig.devices("", 1)[0])
+  rates = plan.roofline_rates(sharding.run_devices("", 1)[0])
   budget = plan.evaluate(argv, {"remat_policy": "full", "per_device_batch_size": budget_batch, "num_vocab_tiling": 1},
                          rates)["total_bytes"]
   records = plan.search(argv, plan.search_space(config, plan.SEARCH_KEYS), budget, rates, workers=1)
@@ -57,11 +57,11 @@ def main():
   sections = []
   figure, axes = plt.subplots(1, len(results), figsize=(12, 5))
   for axis, (name, result) in zip(axes, results.items()):
-    table = common.markdown_table(
+    table = reports.markdown_table(
         ["candidate", "GiB (plan = measured)", "bound", "predicted tokens/s", "measured tokens/s"],
-        [[r["candidate"], f"{common.gib(r['total_bytes'])} = {common.gib(r['measured_total_bytes'])}", r["bound"],
+        [[r["candidate"], f"{reports.gib(r['total_bytes'])} = {reports.gib(r['measured_total_bytes'])}", r["bound"],
           f"{r['predicted']:,.0f}", f"{r['measured']:,.0f}"] for r in result["rows"]])
-    sections.append(f"## {name}: budget {common.gib(result['budget_bytes'])} GiB, {result['compiles']} compiles, "
+    sections.append(f"## {name}: budget {reports.gib(result['budget_bytes'])} GiB, {result['compiles']} compiles, "
                     f"top {TOP} predicted; Spearman {result['spearman']:.2f}\n\n{table}")
     axis.scatter([r["predicted"] for r in result["rows"]], [r["measured"] for r in result["rows"]])
     for r in result["rows"]:
@@ -71,7 +71,7 @@ def main():
     axis.set_ylabel("measured tokens/s (median step)")
   markdown = f"{args.steps} timed steps after {args.warmup} warm-up, XLA:CPU\n\n" + "\n\n".join(sections)
   print(markdown)
-  common.save(args.output_dir, "planner", markdown, results, figure)
+  reports.save(args.output_dir, "planner", markdown, results, figure)
 
 
 if __name__ == "__main__":

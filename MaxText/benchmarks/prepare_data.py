@@ -21,7 +21,8 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from MaxText import corpus, tokenizer  # noqa: E402
+from MaxText.input_pipeline import corpus, tokenizer  # noqa: E402
+from MaxText import reports  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 _FILE_BYTES = 64 << 20
@@ -71,7 +72,7 @@ def main():
   table = [[f"{g:g} GB", f"{r['seconds']:,.0f} s", f"{r['mb_per_s']:.2f}", f"{r['tokens_per_s']:,}",
             f"{r['peak_rss_mib']:,}", f"{r['peak_worker_rss_mib']:,}", f"{r['shard_bytes'] / 1e9:.2f} GB"]
            for g, r in runs.items()]
-  markdown = common.markdown_table(["corpus", "time", "MB/s", "tokens/s", "peak RSS main (MiB)",
+  markdown = reports.markdown_table(["corpus", "time", "MB/s", "tokens/s", "peak RSS main (MiB)",
                                     "peak RSS worker (MiB)", "shards on disk"], table)
   print(markdown)
   figure, axis = plt.subplots(figsize=(6, 2.5))
@@ -81,7 +82,7 @@ def main():
            label="largest worker")
   axis.set_ylabel("peak RSS (MiB)")
   axis.legend()
-  common.save(args.output_dir, "prepare_data", markdown, runs, figure)
+  reports.save(args.output_dir, "prepare_data", markdown, runs, figure)
 
 
 if __name__ == "__main__":

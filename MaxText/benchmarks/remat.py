@@ -13,13 +13,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from MaxText import remat  # noqa: E402
+from MaxText import remat, reports  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 MODEL = ("dataset_type=synthetic", "per_device_batch_size=4", "enable_checkpointing=false", "eval_interval=0")
 LLAMA3_8B = ("model_name=llama3-8b", "dataset_type=synthetic", "per_device_batch_size=1", "max_target_length=8192",
              "ici_fsdp_parallelism=8", "num_vocab_tiling=8")
-POLICIES = [p for p in remat.POLICY_NAMES if p != "custom"]
+POLICIES = list(remat.SEARCHABLE_POLICIES)
 INTERVALS = (1, 2, 4)
 
 
@@ -29,13 +29,6 @@ def variants():
     for interval in INTERVALS:
       names[f"{policy} /{interval}"] = (f"remat_policy={policy}", f"remat_layer_interval={interval}")
   return names
-
-
-def pareto_front(points: dict) -> list:
-  """Names of the points no other point beats in both time and memory, fastest first."""
-  front = [n for n, (t, m) in points.items()
-           if not any(t2 <= t and m2 <= m and (t2, m2) != (t, m) for t2, m2 in points.values())]
-  return sorted(front, key=lambda n: points[n][0])
 
 
 def plot(results, front):
@@ -61,19 +54,19 @@ def main():
   for r in results.values():
     r["memory_ratio"] = r["temp_bytes"] / base["temp_bytes"]
     r["time_ratio"] = r["step_seconds"] / base["step_seconds"]
-  front = pareto_front({n: (r["time_ratio"], r["memory_ratio"]) for n, r in results.items()})
-  rows = [[n, common.mib(r["temp_bytes"]), f"{r['memory_ratio']:.3f}", f"{r['step_seconds']:.3f}",
+  front = reports.pareto_front({n: (r["time_ratio"], r["memory_ratio"]) for n, r in results.items()})
+  rows = [[n, reports.mib(r["temp_bytes"]), f"{r['memory_ratio']:.3f}", f"{r['step_seconds']:.3f}",
            f"{r['time_ratio']:.3f}", "yes" if n in front else ""] for n, r in results.items()]
-  table = common.markdown_table(["policy /interval", "temp MiB", "temp / none", "median step s", "time / none",
+  table = reports.markdown_table(["policy /interval", "temp MiB", "temp / none", "median step s", "time / none",
                                  "Pareto"], rows)
   llama = {p: common.compiled_memory_on(8, *LLAMA3_8B, f"remat_policy={p}") for p in POLICIES}
-  llama_table = common.markdown_table(
+  llama_table = reports.markdown_table(
       ["llama3-8b policy", "temp GiB/device", "total GiB/device"],
-      [[p, common.gib(r["temp_bytes"]), common.gib(r["total_bytes"])] for p, r in llama.items()])
+      [[p, reports.gib(r["temp_bytes"]), reports.gib(r["total_bytes"])] for p, r in llama.items()])
   markdown = (f"## Default model, {args.steps} timed steps after {args.warmup} warm-up\n\n{table}\n\n"
               f"## llama3-8b, 8192 tokens/device, fsdp=8, num_vocab_tiling=8 (compile only)\n\n{llama_table}")
   print(markdown)
-  common.save(args.output_dir, "remat", markdown, {"default_model": results, "pareto_front": front, "llama3_8b": llama},
+  reports.save(args.output_dir, "remat", markdown, {"default_model": results, "pareto_front": front, "llama3_8b": llama},
               plot(results, front))
 
 

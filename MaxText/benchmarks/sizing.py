@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from MaxText import accelerators  # noqa: E402
+from MaxText import accelerators, reports  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 TPU_SLICES = (("llama3-8b", "v5p-64"), ("llama3-8b", "v6e-256"), ("qwen3-0.6b", "v5e-16"))
@@ -36,8 +36,8 @@ def _cell(r: dict) -> list:
   if "error" in r:
     return ["", "", "", "", common.gib_or_refusal(r, "total_bytes")]
   verdict = "fits" if r["fits"] else "does not fit"
-  return [common.gib(r["argument_bytes"]), common.gib(r["temp_bytes"]), common.gib(r["host_bytes"]),
-          common.gib(r["total_bytes"]), f"{verdict} ({r['device_memory_bytes'] / 2**30:.0f} GiB)"]
+  return [reports.gib(r["argument_bytes"]), reports.gib(r["temp_bytes"]), reports.gib(r["host_bytes"]),
+          reports.gib(r["total_bytes"]), f"{verdict} ({r['device_memory_bytes'] / 2**30:.0f} GiB)"]
 
 
 def attention_table(results: dict) -> str:
@@ -51,7 +51,7 @@ def attention_table(results: dict) -> str:
     rows.append([attention, *_cell(r)])
     print(f"{name}: {rows[-1][-1]} {rows[-1][-2]}", flush=True)
   return ("## llama3-8b on v5p-64, 8192 tokens per chip, 8 tiles, remat full: attention implementations "
-          "(TPU compiler)\n\n" + common.markdown_table(
+          "(TPU compiler)\n\n" + reports.markdown_table(
               ["attention", "params+opt GiB", "temp GiB", "host GiB", "total GiB/chip", "verdict"], rows))
 
 
@@ -69,7 +69,7 @@ def tpu_tables(output_dir: str) -> None:
       bars.append((f"{tiles} / {policy}", r.get("total_bytes", 0) / 2**30, r["fits"]))
       print(f"{name}: {rows[-1][-1]} {rows[-1][-2]}", flush=True)
     sections.append(f"## {model} on {topology}, FSDP over every chip (TPU compiler, compile only)\n\n"
-                    + common.markdown_table(["num_vocab_tiling", "remat_policy", "params+opt GiB", "temp GiB",
+                    + reports.markdown_table(["num_vocab_tiling", "remat_policy", "params+opt GiB", "temp GiB",
                                              "host GiB", "total GiB/chip", "verdict"], rows))
     axis.barh(range(len(bars)), [b[1] for b in bars], color=["tab:blue" if b[2] else "tab:red" for b in bars])
     axis.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
@@ -81,7 +81,7 @@ def tpu_tables(output_dir: str) -> None:
   sections.append(attention_table(results))
   markdown = "\n\n".join(sections)
   print(markdown)
-  common.save(output_dir, "sizing_tpu", markdown, results, figure)
+  reports.save(output_dir, "sizing_tpu", markdown, results, figure)
 
 
 def loss_side_table():
@@ -92,8 +92,8 @@ def loss_side_table():
         8, "model_name=llama3-8b", "dataset_type=synthetic", "per_device_batch_size=1", "ici_fsdp_parallelism=8",
         f"num_vocab_tiling={tiles}")
     arrays = ", ".join(f"{shape} {size / 2**20:,.0f} MiB" for shape, size in r["largest_vocab_arrays"])
-    rows.append([tiles, common.gib(r["temp_bytes"]), arrays])
-  return common.markdown_table(["num_vocab_tiling", "temp GiB", "largest arrays with a vocabulary dimension"],
+    rows.append([tiles, reports.gib(r["temp_bytes"]), arrays])
+  return reports.markdown_table(["num_vocab_tiling", "temp GiB", "largest arrays with a vocabulary dimension"],
                                rows), results
 
 
@@ -105,10 +105,10 @@ def cpu_tables(output_dir: str) -> None:
         devices, "model_name=llama3-8b", "dataset_type=synthetic", "per_device_batch_size=1",
         f"ici_fsdp_parallelism={devices}", f"num_vocab_tiling={tiles}", f"remat_policy={policy}")
     r = results[name]
-    print(f"{name}: total {common.gib(r['total_bytes'])} GiB", flush=True)
-    rows.append([f"fsdp={devices}", tiles, policy, common.gib(r["argument_bytes"]), common.gib(r["temp_bytes"]),
-                 common.gib(r["total_bytes"])])
-  table = common.markdown_table(["mesh", "num_vocab_tiling", "remat_policy", "params+opt GiB", "temp GiB",
+    print(f"{name}: total {reports.gib(r['total_bytes'])} GiB", flush=True)
+    rows.append([f"fsdp={devices}", tiles, policy, reports.gib(r["argument_bytes"]), reports.gib(r["temp_bytes"]),
+                 reports.gib(r["total_bytes"])])
+  table = reports.markdown_table(["mesh", "num_vocab_tiling", "remat_policy", "params+opt GiB", "temp GiB",
                                  "total GiB/device"], rows)
   loss_table, loss_results = loss_side_table()
   markdown = (f"## llama3-8b, 8192 tokens per device, bfloat16 activations (XLA:CPU estimate, compile only)\n\n"
@@ -120,7 +120,7 @@ def cpu_tables(output_dir: str) -> None:
   axis.invert_yaxis()
   axis.set_xlabel("compiled memory per device, GiB (XLA:CPU)")
   axis.set_title("llama3-8b train step, 8192 tokens/device")
-  common.save(output_dir, "sizing", markdown, {**results, "loss_side_fsdp8": loss_results}, figure)
+  reports.save(output_dir, "sizing", markdown, {**results, "loss_side_fsdp8": loss_results}, figure)
 
 
 def main():

@@ -16,6 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from MaxText import reports  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 HEAD_DOMINATED = ("dataset_type=synthetic", "base_emb_dim=256", "vocab_size=32768", "base_num_decoder_layers=2",
@@ -39,9 +40,9 @@ def head_dominated_table(warmup: int, steps: int):
   for name, r in results.items():
     r["memory_ratio"] = r["temp_bytes"] / base["temp_bytes"]
     r["time_ratio"] = r["step_seconds"] / base["step_seconds"]
-    rows.append([name, common.mib(r["temp_bytes"]), f"{r['memory_ratio']:.3f}",
+    rows.append([name, reports.mib(r["temp_bytes"]), f"{r['memory_ratio']:.3f}",
                  f"{r['step_seconds']:.3f}", f"{r['time_ratio']:.3f}"])
-  table = common.markdown_table(["loss head", "temp MiB", "temp / full", "median step s", "time / full"], rows)
+  table = reports.markdown_table(["loss head", "temp MiB", "temp / full", "median step s", "time / full"], rows)
   return table, results
 
 
@@ -52,8 +53,8 @@ def body_table(full_temp_bytes: int):
       "MLP 4 x D, fused x8": ("base_mlp_dim=1024", "num_vocab_tiling=8"),
   }
   results = {name: common.compiled_memory(common.config(*HEAD_DOMINATED, *o)) for name, o in variants.items()}
-  rows = [[name, common.mib(r["temp_bytes"]), f"{r['temp_bytes'] / full_temp_bytes:.3f}"] for name, r in results.items()]
-  return common.markdown_table(["variant (compile only)", "temp MiB", "temp / table 1 full"], rows), results
+  rows = [[name, reports.mib(r["temp_bytes"]), f"{r['temp_bytes'] / full_temp_bytes:.3f}"] for name, r in results.items()]
+  return reports.markdown_table(["variant (compile only)", "temp MiB", "temp / table 1 full"], rows), results
 
 
 def llama3_8b_table():
@@ -61,8 +62,8 @@ def llama3_8b_table():
               "fused x8": ("num_vocab_tiling=8",),
               "recompute x8": ("num_vocab_tiling=8", "vocab_tiling_mode=recompute")}
   results = {name: common.compiled_memory_on(8, *LLAMA3_8B, *o) for name, o in variants.items()}
-  rows = [[name, common.gib(r["temp_bytes"]), common.gib(r["total_bytes"])] for name, r in results.items()]
-  return common.markdown_table(["llama3-8b, 8192 tokens/device, fsdp=8", "temp GiB/device", "total GiB/device"],
+  rows = [[name, reports.gib(r["temp_bytes"]), reports.gib(r["total_bytes"])] for name, r in results.items()]
+  return reports.markdown_table(["llama3-8b, 8192 tokens/device, fsdp=8", "temp GiB/device", "total GiB/device"],
                                rows), results
 
 
@@ -91,7 +92,7 @@ def main():
   markdown = (f"## Head-dominated model, {args.steps} timed steps after {args.warmup} warm-up\n\n{head_table}\n\n"
               f"## What the rest of the step costs\n\n{rest_table}\n\n## llama3-8b (compile only)\n\n{llama_table}")
   print(markdown)
-  common.save(args.output_dir, "vocab_tiling", markdown,
+  reports.save(args.output_dir, "vocab_tiling", markdown,
               {"head_dominated": head_results, "rest_of_step": rest_results, "llama3_8b": llama_results},
               plot(head_results))
 

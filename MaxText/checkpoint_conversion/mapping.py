@@ -13,7 +13,7 @@ import os
 import numpy as np
 from safetensors import safe_open
 
-from MaxText import pyconfig
+from MaxText import errors
 
 # decoder_block -> (Hugging Face architecture, model_type, name of its activation key, activation)
 FAMILIES = {"llama2": ("LlamaForCausalLM", "llama", "hidden_act", "silu"),
@@ -64,12 +64,12 @@ def model_keys(hf: dict, hf_path: str) -> dict:
   lacks, or a config.json without a size, is a config error."""
   architecture = (hf.get("architectures") or ["(none)"])[0]
   if architecture not in ARCHITECTURES:
-    raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: architecture {architecture} is not supported "
-                               f"(supported: {', '.join(ARCHITECTURES)})")
+    raise errors.ConfigError(f"hf_model_path={hf_path!r}: architecture {architecture} is not supported "
+                             f"(supported: {', '.join(ARCHITECTURES)})")
   try:
     return _model_keys(hf, ARCHITECTURES[architecture])
   except KeyError as e:
-    raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: config.json has no {e.args[0]}") from None
+    raise errors.ConfigError(f"hf_model_path={hf_path!r}: config.json has no {e.args[0]}") from None
 
 
 def _model_keys(hf: dict, block: str) -> dict:
@@ -105,8 +105,8 @@ def check_shape(config, hf: dict, hf_path: str) -> None:
   found = model_keys(hf, hf_path)
   for key, want in _expected(config).items():
     if found[key] != want:
-      raise pyconfig.ConfigError(f"{key}={want!r}: {hf_path}/config.json has {found[key]!r} (set {key}, or leave "
-                                 "model_name out to take every model key from config.json)")
+      raise errors.ConfigError(f"{key}={want!r}: {hf_path}/config.json has {found[key]!r} (set {key}, or leave "
+                               "model_name out to take every model key from config.json)")
 
 
 def layout(config) -> list:
@@ -203,13 +203,13 @@ def hf_config(config, dtype: str) -> dict:
 def read_config(hf_path: str) -> dict:
   path = os.path.join(hf_path, "config.json")
   if not os.path.isfile(path):
-    raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: no config.json (expected a Hugging Face model "
-                               "directory: config.json and *.safetensors)")
+    raise errors.ConfigError(f"hf_model_path={hf_path!r}: no config.json (expected a Hugging Face model "
+                             "directory: config.json and *.safetensors)")
   try:
     with open(path) as f:
       return json.load(f)
   except json.JSONDecodeError as e:
-    raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: config.json is not valid JSON ({e})") from None
+    raise errors.ConfigError(f"hf_model_path={hf_path!r}: config.json is not valid JSON ({e})") from None
 
 
 def tensor_index(hf_path: str) -> dict:
@@ -221,21 +221,21 @@ def tensor_index(hf_path: str) -> dict:
       files = sorted({os.path.join(hf_path, file) for file in json.load(f)["weight_map"].values()})
     missing = [os.path.basename(file) for file in files if not os.path.isfile(file)]
     if missing:
-      raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: incomplete, model.safetensors.index.json lists "
-                                 f"{missing[0]}, which is not there ({len(missing)} of {len(files)} files missing)")
+      raise errors.ConfigError(f"hf_model_path={hf_path!r}: incomplete, model.safetensors.index.json lists "
+                               f"{missing[0]}, which is not there ({len(missing)} of {len(files)} files missing)")
   else:
     files = sorted(glob.glob(os.path.join(hf_path, "*.safetensors")))
   if not files:
-    raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: no *.safetensors files (expected a Hugging Face "
-                               "model directory: config.json and *.safetensors)")
+    raise errors.ConfigError(f"hf_model_path={hf_path!r}: no *.safetensors files (expected a Hugging Face "
+                             "model directory: config.json and *.safetensors)")
   tensors = {}
   for file in files:
     try:
       with safe_open(file, framework="numpy") as handle:
         tensors.update({name: (file, tuple(handle.get_slice(name).get_shape())) for name in handle.keys()})
     except Exception as e:  # safetensors raises its own error types for truncated or foreign files
-      raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: {os.path.basename(file)} is not a readable "
-                                 f"safetensors file ({pyconfig.first_line(e)})") from None
+      raise errors.ConfigError(f"hf_model_path={hf_path!r}: {os.path.basename(file)} is not a readable "
+                               f"safetensors file ({errors.first_line(e)})") from None
   return tensors
 
 
@@ -253,12 +253,12 @@ def check_tensors(config, tensors: dict, hf_path: str) -> None:
     wanted.update(dict.fromkeys(hf_names(config, entry), hf_shape(entry)))
   for name, shape in wanted.items():
     if name not in tensors:
-      raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: tensor {name} is missing")
+      raise errors.ConfigError(f"hf_model_path={hf_path!r}: tensor {name} is missing")
     found = tensors[name][1]
     if found != tuple(shape):
-      raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: tensor {name} has shape {found}, expected {shape}")
+      raise errors.ConfigError(f"hf_model_path={hf_path!r}: tensor {name} has shape {found}, expected {shape}")
   tied_head = {"lm_head.weight"} if config.logits_via_embedding else set()
   extra = [n for n in tensors if n not in wanted and n not in tied_head and not n.endswith(IGNORED_SUFFIXES)]
   if extra:
-    raise pyconfig.ConfigError(f"hf_model_path={hf_path!r}: tensor {extra[0]} is not part of a "
-                               f"{FAMILIES[config.decoder_block][0]} of this shape ({len(extra)} such tensors)")
+    raise errors.ConfigError(f"hf_model_path={hf_path!r}: tensor {extra[0]} is not part of a "
+                             f"{FAMILIES[config.decoder_block][0]} of this shape ({len(extra)} such tensors)")

@@ -20,11 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import app
 from etils import epath
 from safetensors.numpy import save_file
 
-from MaxText import checkpointing, metrics, pyconfig
+from MaxText import checkpointing, errors, pyconfig
 from MaxText.checkpoint_conversion import mapping
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained shards at "5GB"
@@ -37,20 +36,20 @@ def _stored(config) -> dict:
   try:
     tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(item)).tree["params"]
   except Exception as e:  # orbax raises many types for a directory that is not a checkpoint
-    raise pyconfig.ConfigError(f"load_parameters_path={path!r}: not a checkpoint with parameters "
-                               f"({pyconfig.first_line(e)})") from None
+    raise errors.ConfigError(f"load_parameters_path={path!r}: not a checkpoint with parameters "
+                             f"({errors.first_line(e)})") from None
   stored = {}
   for entry in mapping.layout(config):
     node = tree
     for key in entry[0]:
       node = node.get(key) if isinstance(node, dict) else None
     if node is None:
-      raise pyconfig.ConfigError(f"load_parameters_path={path!r}: has no parameter {'/'.join(entry[0])} (its model "
-                                 "keys are not this config's: give them, or model_name)")
+      raise errors.ConfigError(f"load_parameters_path={path!r}: has no parameter {'/'.join(entry[0])} (its model "
+                               "keys are not this config's: give them, or model_name)")
     want = ((config.base_num_decoder_layers,) if entry[2] else ()) + entry[3]
     if tuple(node.shape) != want:
-      raise pyconfig.ConfigError(f"load_parameters_path={path!r}: parameter {'/'.join(entry[0])} has shape "
-                                 f"{tuple(node.shape)}, the model keys give {want} (give the checkpoint's keys)")
+      raise errors.ConfigError(f"load_parameters_path={path!r}: parameter {'/'.join(entry[0])} has shape "
+                               f"{tuple(node.shape)}, the model keys give {want} (give the checkpoint's keys)")
     stored[entry[0]] = (want, jnp.dtype(config.convert_dtype or node.dtype))
   return stored
 
@@ -108,12 +107,12 @@ def _write(config, stored: dict, shards: dict, directory: str) -> None:
 def convert(config, max_shard_bytes: int = MAX_SHARD_BYTES) -> list:
   """Writes the Hugging Face directory; returns its files. Every check runs before anything is written."""
   if not config.load_parameters_path:
-    raise pyconfig.ConfigError("load_parameters_path='': give the checkpoint step directory to export")
+    raise errors.ConfigError("load_parameters_path='': give the checkpoint step directory to export")
   output = config.hf_output_path
   if not output:
-    raise pyconfig.ConfigError("hf_output_path='': give a new directory for the Hugging Face model")
+    raise errors.ConfigError("hf_output_path='': give a new directory for the Hugging Face model")
   if os.path.exists(output):
-    raise pyconfig.ConfigError(f"hf_output_path={output!r}: exists; give a new directory")
+    raise errors.ConfigError(f"hf_output_path={output!r}: exists; give a new directory")
   stored = _stored(config)
   shards = _shards(config, stored, max_shard_bytes)
   files = (["model.safetensors"] if len(shards) == 1 else
@@ -131,13 +130,11 @@ def convert(config, max_shard_bytes: int = MAX_SHARD_BYTES) -> list:
 
 
 def main(argv):
-  metrics.quiet_library_logs()
-  with pyconfig.errors_to_exit_codes():
-    config = pyconfig.initialize(mapping.tool_argv(argv[1:]))
-    files = convert(config)
+  config = pyconfig.initialize(mapping.tool_argv(argv[1:]))
+  files = convert(config)
   print(f"wrote {config.load_parameters_path} to {config.hf_output_path} ({len(files)} safetensors file(s), "
         f"Hugging Face {mapping.FAMILIES[config.decoder_block][0]})", file=sys.stderr)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run(main)

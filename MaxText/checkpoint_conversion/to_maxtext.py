@@ -17,10 +17,9 @@ import sys
 
 import jax.numpy as jnp
 import yaml
-from absl import app
 from orbax.checkpoint.experimental import v1 as ocp
 
-from MaxText import metrics, pyconfig
+from MaxText import errors, pyconfig
 from MaxText.checkpoint_conversion import mapping
 
 
@@ -29,7 +28,7 @@ def resolve_config(argv):
   argv = mapping.tool_argv(argv)
   config = pyconfig.initialize(argv)
   if not config.hf_model_path:
-    raise pyconfig.ConfigError("hf_model_path='': give the Hugging Face model directory to import")
+    raise errors.ConfigError("hf_model_path='': give the Hugging Face model directory to import")
   hf = mapping.read_config(config.hf_model_path)
   if config.model_name == "default":
     keys = mapping.model_keys(hf, config.hf_model_path)
@@ -57,7 +56,7 @@ def convert(config) -> str:
   """Writes the checkpoint; returns its path. Every check runs before anything is written."""
   output = os.path.abspath(os.path.join(config.run_dir, "checkpoints", "0"))
   if os.path.exists(output):
-    raise pyconfig.ConfigError(f"run_name={config.run_name!r}: {output} exists; pick a new run_name")
+    raise errors.ConfigError(f"run_name={config.run_name!r}: {output} exists; pick a new run_name")
   dtype = jnp.dtype(config.convert_dtype) if config.convert_dtype else None
   tensors = mapping.tensor_index(config.hf_model_path)
   mapping.check_tensors(config, tensors, config.hf_model_path)
@@ -75,13 +74,11 @@ def convert(config) -> str:
 
 
 def main(argv):
-  metrics.quiet_library_logs()
-  with pyconfig.errors_to_exit_codes():
-    config = resolve_config(argv[1:])
-    output = convert(config)
+  config = resolve_config(argv[1:])
+  output = convert(config)
   print(f"wrote {config.hf_model_path} ({mapping.FAMILIES[config.decoder_block][0]}) to {output}; start a run "
         f"from it with load_parameters_path={output}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run(main)

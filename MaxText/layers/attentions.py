@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText import vocab_tiling
+from MaxText import losses
 from MaxText.layers.embeddings import apply_rope, rope_timescales
 from MaxText.layers.linears import dense
 from MaxText.layers.normalizations import rms_norm
@@ -38,7 +38,7 @@ def attend(q, k, v, mask, scale, soft_cap):
   kv_heads = k.shape[2]
   q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-  scores = jnp.where(mask[:, :, None], vocab_tiling.soft_cap(scores, soft_cap), jnp.finfo(jnp.float32).min)
+  scores = jnp.where(mask[:, :, None], losses.soft_cap(scores, soft_cap), jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(batch, length, heads, head_dim)
 
@@ -137,6 +137,24 @@ def flash_attention(q, k, v, segment_ids, platform, scale=None, soft_cap=0.0, wi
                        out_specs=rows, check_vma=False)(q, k, v, segment_ids)
 
 
+def _layer_window(window, sliding, length):
+  """layer_index is traced inside a scan, so the window is a value: the row length when global."""
+  return jnp.where(sliding, window, length) if window else None
+
+
+# attention= -> (q, k, v, segment_ids, config, scale, soft_cap, window, sliding) -> context [B, T, N, H].
+# A new kernel is one entry here; pyconfig takes its choices from these keys.
+ATTENTIONS = {
+    "dot_product": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding: dot_product_attention(
+        q, k, v, segment_ids, scale, soft_cap, _layer_window(window, sliding, q.shape[1])),
+    "chunked": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding: chunked_attention(
+        q, k, v, segment_ids, cfg.max_target_length // cfg.attention_chunk_size, scale, soft_cap,
+        _layer_window(window, sliding, q.shape[1])),
+    "flash": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding: flash_attention(
+        q, k, v, segment_ids, cfg.platform, scale, soft_cap, window, sliding),
+}
+
+
 class Attention(nn.Module):
   """Self-attention; base_num_kv_heads divides base_num_query_heads (GQA, MQA at 1)."""
 
@@ -161,17 +179,8 @@ class Attention(nn.Module):
     v = nn.with_logical_constraint(v, BATCH_FULL_LENGTH_KV_HEADS)
     scale, soft_cap = (cfg.query_pre_attn_scalar or head_dim)**-0.5, cfg.attn_logits_soft_cap
     # Gemma 2 alternates: even layers see a window of the last tokens, odd ones the whole row.
-    # layer_index is traced inside a scan, so the window is a value: the row length when global.
     window, sliding = cfg.sliding_window_size or None, layer_index % 2 == 0
-    if cfg.attention == "flash":
-      context = flash_attention(q, k, v, segment_ids, cfg.platform, scale, soft_cap, window, sliding)
-    else:
-      window = jnp.where(sliding, window, x.shape[1]) if window else None
-      if cfg.attention == "chunked":
-        context = chunked_attention(q, k, v, segment_ids, cfg.max_target_length // cfg.attention_chunk_size,
-                                    scale, soft_cap, window)
-      else:
-        context = dot_product_attention(q, k, v, segment_ids, scale, soft_cap, window)
+    context = ATTENTIONS[cfg.attention](q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding)
     context = checkpoint_name(nn.with_logical_constraint(context, BATCH_LENGTH_HEADS), "attention_out")
     out = dense(cfg.base_emb_dim, ("heads", "kv", "embed"), cfg, "out", num_in_axes=2)(context)
     return checkpoint_name(out, "out_proj")

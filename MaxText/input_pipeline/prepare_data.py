@@ -23,11 +23,12 @@ import sys
 import time
 
 import numpy as np
-from absl import app, logging
+from absl import logging
 from tqdm import tqdm
 
-from MaxText import corpus, metrics, pyconfig, token_shards
-from MaxText import tokenizer as tokenizers
+from MaxText import errors, pyconfig
+from MaxText.input_pipeline import corpus, token_shards
+from MaxText.input_pipeline import tokenizer as tokenizers
 
 SUFFIXES = (*corpus.TEXT_SUFFIXES, ".parquet")
 _CHUNK_BYTES = 1 << 20
@@ -36,10 +37,10 @@ _LOGGED_BAD = 5  # bad records logged one by one; the rest only counted
 
 def check_output_path(config) -> None:
   if not config.output_path:
-    raise pyconfig.ConfigError("output_path='': give the directory to write the shards to")
+    raise errors.ConfigError("output_path='': give the directory to write the shards to")
   if os.path.exists(os.path.join(config.output_path, token_shards.MANIFEST)):
-    raise pyconfig.ConfigError(f"output_path={config.output_path!r}: already holds a prepared corpus "
-                               f"({token_shards.MANIFEST}); choose another directory")
+    raise errors.ConfigError(f"output_path={config.output_path!r}: already holds a prepared corpus "
+                             f"({token_shards.MANIFEST}); choose another directory")
 
 
 class BadRecords:
@@ -50,7 +51,7 @@ class BadRecords:
 
   def add(self, record: corpus.BadRecord) -> None:
     if self.strict:
-      raise pyconfig.ConfigError(f"{record.message} (strict_data=true)")
+      raise errors.ConfigError(f"{record.message} (strict_data=true)")
     self.counts[record.kind] += 1
     if sum(self.counts.values()) <= _LOGGED_BAD:
       logging.warning("skipped: %s", record.message)
@@ -153,10 +154,10 @@ def prepare_local(config, tokenizer, paths, partial: str, bad: BadRecords) -> in
 
 def _beam():
   try:
-    from MaxText import beam_pipeline  # noqa: PLC0415 (Beam is installed apart; only runner= needs it)
+    from MaxText.input_pipeline import beam_pipeline  # noqa: PLC0415 (Beam is installed apart; only runner= needs it)
   except ImportError as e:
-    raise pyconfig.ConfigError(f"runner: an Apache Beam runner needs apache_beam ({e}); setup.sh installs it "
-                               "apart, into .venv/beam: run with PYTHONPATH=.venv/beam") from None
+    raise errors.ConfigError(f"runner: an Apache Beam runner needs apache_beam ({e}); setup.sh installs it "
+                             "apart, into .venv/beam: run with PYTHONPATH=.venv/beam") from None
   return beam_pipeline
 
 
@@ -199,10 +200,8 @@ def prepare(config) -> dict:
 
 
 def main(argv):
-  metrics.quiet_library_logs()
-  with pyconfig.errors_to_exit_codes():
-    prepare(pyconfig.initialize(argv[1:]))
+  prepare(pyconfig.initialize(argv[1:]))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run(main)

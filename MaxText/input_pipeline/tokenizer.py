@@ -13,7 +13,7 @@ import os
 from absl import logging
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from MaxText.pyconfig import ConfigError, first_line
+from MaxText.errors import ConfigError, first_line
 
 EOD = "<|endoftext|>"
 # End-of-document tokens of common tokenizers, tried in order for a tokenizer_path.

@@ -15,7 +15,8 @@ import apache_beam as beam
 from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from MaxText import corpus, pyconfig, token_shards
+from MaxText import errors
+from MaxText.input_pipeline import corpus, token_shards
 
 _NAMESPACE = "prepare_data"
 
@@ -29,7 +30,7 @@ def _read(indexed_path, text_column: str, strict: bool):
       record = corpus.BadRecord("empty document", f"dataset_path: {path} has an empty document")
     if isinstance(record, corpus.BadRecord):
       if strict:
-        raise pyconfig.ConfigError(f"{record.message} (strict_data=true)")
+        raise errors.ConfigError(f"{record.message} (strict_data=true)")
       beam.metrics.Metrics.counter(_NAMESPACE, record.kind).inc()
       continue
     yield (file_index, position), record
@@ -101,13 +102,13 @@ def run(config, tokenizer, paths, partial: str, bad) -> int:
     result.wait_until_finish()
   except Exception as e:  # a runner wraps what a worker raised: find ours
     cause = e
-    while cause is not None and not isinstance(cause, pyconfig.UserError):
+    while cause is not None and not isinstance(cause, errors.UserError):
       cause = cause.__cause__ or cause.__context__
     if cause is not None:
       raise cause from None
     strict = [line for line in str(e).splitlines() if "(strict_data=true)" in line]
     if strict:
-      raise pyconfig.ConfigError(strict[-1].split("ConfigError: ")[-1]) from None
+      raise errors.ConfigError(strict[-1].split("ConfigError: ")[-1]) from None
     raise
   for counter in result.metrics().query(MetricsFilter().with_namespace(_NAMESPACE))["counters"]:
     bad.counts[counter.key.metric.name] += counter.committed

@@ -14,7 +14,7 @@ import os
 import re
 from typing import Iterator, NamedTuple
 
-from MaxText.pyconfig import ConfigError, first_line
+from MaxText.errors import ConfigError, first_line
 
 _EVAL_EVERY = 10
 TEXT_SUFFIXES = (".txt", ".jsonl", ".md")

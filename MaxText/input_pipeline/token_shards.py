@@ -23,8 +23,8 @@ import numpy as np
 from array_record.python import array_record_module
 from tokenizers import Tokenizer
 
-from MaxText import tokenizer as tokenizers
-from MaxText.pyconfig import ConfigError, first_line
+from MaxText.input_pipeline import tokenizer as tokenizers
+from MaxText.errors import ConfigError, first_line
 
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"

@@ -1,6 +1,8 @@
-"""Vocabulary tiling: cross entropy over [tokens, vocab] logits that never exist whole.
+"""The output head and the training loss: logits = soft_cap(hidden @ kernel), and the weighted
+sums of cross entropy + z-loss, z-loss and correct predictions over a batch's tokens, either from
+the whole logits or vocabulary-tiled (num_vocab_tiling > 1).
 
-The tokens are split into `num_tiles` tiles and a `lax.scan` walks them, so at most one
+Vocabulary tiling: cross entropy over [tokens, vocab] logits that never exist whole. The tokens are split into `num_tiles` tiles and a `lax.scan` walks them, so at most one
 tile's logits [B, T/num_tiles, V] are alive at a time. Gradients come from a `custom_vjp`:
 
 - mode="fused" (default): while the forward has a tile's logits it also forms that tile's
@@ -30,6 +32,7 @@ TILE_TOKENS = (None, "activation_batch", "activation_length")
 TILE_HIDDEN = TILE_TOKENS + ("activation_embed",)
 TILE_LOGITS = ("activation_batch", "activation_length", "activation_vocab")
 KERNEL = ("embed", "vocab")
+MODES = ("fused", "recompute")  # vocab_tiling_mode: see the module doc
 
 
 def _to_tiles(x, num_tiles):
@@ -39,12 +42,6 @@ def _to_tiles(x, num_tiles):
   x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
   x = x.reshape(batch, (length + pad) // num_tiles, num_tiles, *x.shape[2:])
   return jnp.moveaxis(x, 2, 0)
-
-
-def _from_tiles(x, length):
-  """Inverse of _to_tiles: [num_tiles, B, T', ...] -> [B, length, ...]."""
-  x = jnp.moveaxis(x, 0, 2)
-  return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :length]
 
 
 def _tile_logits(hidden, kernel):
@@ -57,7 +54,7 @@ def soft_cap(logits, cap: float):
   return cap * jnp.tanh(logits / cap) if cap else logits
 
 
-def loss_sums(logits, targets, weights, z_loss_multiplier):
+def token_sums(logits, targets, weights, z_loss_multiplier):
   """The loss head, defined once for the untiled loss and every tile: weighted sums over the
   tokens of [cross entropy + z-loss, z-loss, correct predictions]. The tiles' gradients come
   from autodiff through this function, so a new head needs no hand-written derivative."""
@@ -126,24 +123,29 @@ def _head_grads(hidden, kernel, d_logits):
   return d_hidden, _kernel_grad(hidden, d_logits)
 
 
+def logits(hidden, kernel, cap: float):
+  """The model's output: float32 logits soft_cap(hidden [B, T, D] @ kernel [D, V], cap)."""
+  return soft_cap(_untiled_logits(hidden, kernel), cap)
+
+
 @jax.custom_vjp
-def head_logits(hidden, kernel):
+def _untiled_logits(hidden, kernel):
   """Untiled float32 logits hidden [B, T, D] @ kernel [D, V]. Differentiated like the
   tiles, so the kernel's gradient is reduced shard by shard (see _kernel_grad)."""
   return _tile_logits(hidden, kernel)
 
 
-def _head_logits_forward(hidden, kernel):
+def _untiled_logits_forward(hidden, kernel):
   return _tile_logits(hidden, kernel), (hidden, kernel)
 
 
-def _head_logits_backward(residuals, d_logits):
+def _untiled_logits_backward(residuals, d_logits):
   hidden, kernel = residuals
   d_hidden, d_kernel = _head_grads(hidden, kernel, d_logits)
   return d_hidden.astype(hidden.dtype), d_kernel.astype(kernel.dtype)
 
 
-head_logits.defvjp(_head_logits_forward, _head_logits_backward)
+_untiled_logits.defvjp(_untiled_logits_forward, _untiled_logits_backward)
 
 
 def _zeros_like_kernel(kernel):
@@ -154,7 +156,7 @@ def _tile_sums(h, kernel, t, w, z_loss_multiplier, cap, with_grads):
   """One tile's [loss, z_loss, correct] and, when with_grads, the loss's gradients for the
   tile's hidden states and the kernel (float32), d_logits from jax.vjp of the head."""
   logits = _tile_logits(h, kernel)
-  head = lambda raw: loss_sums(soft_cap(raw, cap), t, w, z_loss_multiplier)  # noqa: E731
+  head = lambda raw: token_sums(soft_cap(raw, cap), t, w, z_loss_multiplier)  # noqa: E731
   if not with_grads:
     return head(logits), None
   sums, vjp = jax.vjp(head, logits)
@@ -207,15 +209,16 @@ def _tiled_backward(z_loss_multiplier, cap, mode, residuals, cotangent):
 
 _tiled_sums.defvjp(_tiled_forward, _tiled_backward)
 
-MODES = ("fused", "recompute")
+def tiled_token_sums(hidden, kernel, targets, weights, num_tiles, z_loss_multiplier=0.0, mode="fused",
+                     logits_soft_cap=0.0):
+  """token_sums of logits = soft_cap(hidden @ kernel) without materialising the logits:
+  (loss_sum, z_loss_sum, correct_sum), float32 scalars.
 
-
-def tiled_loss_and_accuracy(hidden, kernel, targets, weights, num_tiles, z_loss_multiplier=0.0,
-                            mode="fused", logits_soft_cap=0.0):
-  """(loss_sum, z_loss_sum, correct_sum), float32 scalars; see vocab_tiled_cross_entropy.
-
-  correct_sum = sum of weights where argmax(logits) == target, found inside the tiles.
-  Only loss_sum is differentiable.
+  hidden [B, T, D] (any float dtype), kernel [D, V], targets [B, T] int, weights [B, T]
+  (0 for padding). Logits are computed in float32, one tile at a time:
+    loss_sum = sum w * (logsumexp(z) - z[target]) + z_loss_multiplier * sum w * logsumexp(z)^2
+  with z_loss_sum the second term alone and correct_sum the weights where argmax(z) == target,
+  for logging. Only loss_sum is differentiable (in hidden and kernel, gradients in their dtypes).
   """
   if mode not in MODES:
     raise ValueError(f"mode={mode!r}: must be one of {', '.join(MODES)}")
@@ -228,35 +231,18 @@ def tiled_loss_and_accuracy(hidden, kernel, targets, weights, num_tiles, z_loss_
   return sums[0], jax.lax.stop_gradient(sums[1]), jax.lax.stop_gradient(sums[2])
 
 
-def vocab_tiled_cross_entropy(hidden, kernel, targets, weights, num_tiles, z_loss_multiplier=0.0,
-                              mode="fused", logits_soft_cap=0.0):
-  """Weighted cross entropy of logits = soft_cap(hidden @ kernel) without materialising the logits.
-
-  hidden [B, T, D] (any float dtype), kernel [D, V], targets [B, T] int, weights [B, T]
-  (0 for padding). Logits are computed in float32. Returns float32 scalars
-  (loss_sum, z_loss_sum):
-    loss_sum = sum w * (logsumexp(z) - z[target]) + z_loss_multiplier * sum w * logsumexp(z)^2
-  with z_loss_sum the second term alone, for logging (it carries no gradient of its own).
-  Differentiable in hidden and kernel; gradients come back in their dtypes.
-  """
-  loss, z_loss, _ = tiled_loss_and_accuracy(hidden, kernel, targets, weights, num_tiles,
-                                            z_loss_multiplier, mode, logits_soft_cap)
-  return loss, z_loss
-
-
-def per_token_logprobs(hidden, kernel, targets, num_tiles, logits_soft_cap=0.0):
-  """log p(target) [B, T] in float32, tiled the same way; differentiable (for RL and scoring).
-
-  Autodiff through a scan of checkpointed tiles: the backward recomputes one tile's
-  logits at a time, so memory stays at one tile.
-  """
-
-  @jax.checkpoint
-  def tile_logprobs(h, t):
-    logits = soft_cap(_tile_logits(h, kernel), logits_soft_cap)
-    target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
-    return target_logit - jax.nn.logsumexp(logits, axis=-1)
-
-  tiles = (_to_tiles(hidden, num_tiles), _to_tiles(targets, num_tiles))
-  _, logprobs = jax.lax.scan(lambda carry, tile: (carry, tile_logprobs(*tile)), None, tiles)
-  return _from_tiles(logprobs, hidden.shape[1])
+def batch_sums(model, config, params, batch):
+  """Sums over the batch's scored tokens: (loss incl. z-loss, {weights, z_loss, correct}),
+  from the whole logits or, with num_vocab_tiling > 1, tile by tile."""
+  weights = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+  inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+  targets = batch["targets"]
+  if config.num_vocab_tiling > 1:
+    hidden, kernel = model.apply({"params": params}, *inputs, return_hidden=True)
+    loss, z_loss, correct = tiled_token_sums(
+        hidden, kernel, targets, weights, config.num_vocab_tiling, config.z_loss_multiplier,
+        config.vocab_tiling_mode, config.final_logits_soft_cap)
+  else:
+    logits = model.apply({"params": params}, *inputs)
+    loss, z_loss, correct = token_sums(logits, targets, weights, config.z_loss_multiplier)
+  return loss, {"weights": jnp.sum(weights), "z_loss": z_loss, "correct": correct}

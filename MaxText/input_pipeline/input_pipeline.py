@@ -27,8 +27,8 @@ import numpy as np
 from absl import logging
 from tokenizers import Tokenizer
 
-from MaxText import corpus, token_shards, tokenizer as tokenizers
-from MaxText.pyconfig import ConfigError, first_line
+from MaxText.input_pipeline import corpus, token_shards, tokenizer as tokenizers
+from MaxText.errors import ConfigError, first_line
 
 
 def synthetic_rows(config) -> grain.MapDataset:

@@ -1,0 +1,84 @@
+"""`auto`: num_vocab_tiling=auto, remat_policy=auto and per_device_batch_size=auto, resolved at
+the start of train and train_compile by the planner's search (MaxText.plan; only those keys
+searched, in-process, on the run's devices). The choice is logged in one line and kept in
+run_dir/auto_plan.json under a fingerprint of the config: a rerun (a resume) with the same model,
+mesh, devices and budget reuses it. The choices are memory settings: parameters and losses are
+those of the setting given explicitly.
+"""
+
+import hashlib
+import json
+import os
+import time
+
+from absl import logging
+
+from MaxText import plan, pyconfig, remat, sharding
+from MaxText.errors import ConfigError
+
+AUTO_KEYS = ("num_vocab_tiling", "remat_policy", "per_device_batch_size")
+# Keys that change neither the compiled step's memory nor its speed: changing them (more steps,
+# another output directory) keeps a run's `auto` decision. compile_topology is here so that a
+# decision train_compile made for a slice is the one train reuses on it (the device kind and
+# count are in the fingerprint).
+RUN_CONTROL_KEYS = frozenset((
+    "run_name", "base_output_directory", "run_dir", "steps", "learning_rate_schedule_steps", "log_period",
+    "metrics_file", "enable_tensorboard", "memory_stats_file", "compile_topology", "compile_topology_num_slices",
+    "enable_checkpointing", "checkpoint_period", "max_to_keep", "async_checkpointing", "load_parameters_path",
+    "eval_interval", "eval_steps", "dataset_cache_dir", "plan_workers", "prompt", "max_decode_length",
+    "decode_sampling_strategy", "decode_sampling_temperature", "jax_distributed_coordinator", "jax_num_processes",
+    "jax_process_id"))
+CACHE_FILE = "auto_plan.json"
+
+
+def _fingerprint(config, auto_keys, device) -> str:
+  values = {k: v for k, v in config.to_dict().items() if k not in RUN_CONTROL_KEYS and k not in auto_keys}
+  text = json.dumps([values, sorted(auto_keys), device.device_kind], sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _read_decision(path: str, fingerprint: str) -> dict | None:
+  try:
+    with open(path) as f:
+      decision = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return decision if decision.get("fingerprint") == fingerprint else None
+
+
+def initialize(argv: list) -> pyconfig.Config:
+  """pyconfig.initialize(argv), with `auto` values of AUTO_KEYS replaced by the planner's choice."""
+  auto = [k for k in AUTO_KEYS if f"{k}=auto" in argv[1:]]
+  given = {a.partition("=")[0] for a in argv[1:]}
+  contradicting = [k for k in remat.TENSOR_NAMES if k in given]
+  if "remat_policy" in auto and contradicting:
+    raise ConfigError(f"remat_policy=auto: {', '.join(contradicting)} only apply to remat_policy=custom, "
+                      "which auto never picks; drop them or name the policy")
+  fixed_argv = [a for a in argv if a.partition("=")[0] not in auto]
+  config = pyconfig.initialize(fixed_argv)
+  if not auto:
+    return config
+  device = sharding.run_devices(config.compile_topology, config.compile_topology_num_slices)[0]
+  fingerprint = _fingerprint(config, auto, device)
+  path = os.path.join(config.run_dir, CACHE_FILE)
+  decision = _read_decision(path, fingerprint)
+  if decision:
+    logging.info("auto: %s (reused from %s)", decision["why"], path)
+  else:
+    budget, how = plan.budget_bytes(config, device)
+    start = time.perf_counter()
+    records = plan.search(fixed_argv, plan.search_space(config, set(auto)), budget, plan.roofline_rates(device),
+                          workers=1)
+    chosen = plan.choose(records, budget, how)
+    settings = {k: chosen["settings"][k] for k in auto}
+    why = (f"{plan.describe(settings)}: the fastest predicted of {sum(r['fits'] for r in records)} candidates that "
+           f"fit {budget / 2**30:.2f} GiB per device ({how}), {chosen['total_bytes'] / 2**30:.2f} GiB, "
+           f"{chosen['tokens_per_second_per_chip']:,.0f} tokens/s/chip ({len(records)} compiles in "
+           f"{time.perf_counter() - start:.1f} s)")
+    decision = {"fingerprint": fingerprint, "settings": settings, "why": why}
+    os.makedirs(config.run_dir, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+      json.dump(decision, f, indent=2)
+    os.replace(path + ".tmp", path)  # a reader never sees half a decision
+    logging.info("auto: %s (kept in %s)", why, path)
+  return pyconfig.replace(config, decision["settings"])
