@@ -48,8 +48,8 @@ def _read_decision(path: str, fingerprint: str) -> dict | None:
 
 def initialize(argv: list) -> pyconfig.Config:
   """pyconfig.initialize(argv), with `auto` values of AUTO_KEYS replaced by the planner's choice."""
-  auto = [k for k in AUTO_KEYS if f"{k}=auto" in argv[1:]]
-  given = {a.partition("=")[0] for a in argv[1:]}
+  given = dict(a.partition("=")[::2] for a in argv[1:])  # a key given twice: the last value holds
+  auto = [k for k in AUTO_KEYS if given.get(k) == "auto"]
   contradicting = [k for k in remat.TENSOR_NAMES if k in given]
   if "remat_policy" in auto and contradicting:
     raise ConfigError(f"remat_policy=auto: {', '.join(contradicting)} only apply to remat_policy=custom, "

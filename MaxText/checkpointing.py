@@ -79,12 +79,30 @@ def create_manager(config) -> ocp.CheckpointManager | None:
   return ocp.CheckpointManager(checkpoint_dir(config), options=options, item_names=("state", "data", "checksums"))
 
 
+def _save_failed(manager, step: int, e: Exception) -> CheckpointError:
+  latest = manager.latest_step()
+  return CheckpointError(f"checkpoint {step} could not be saved in {manager.directory} ({first_line(e)}); "
+                         f"steps after {latest} are not saved (latest checkpoint: {latest}); rerun to resume from it")
+
+
 def save(manager, step: int, state, data_iterator) -> None:
   """Saves `state`, its checksums and the iterator's position as checkpoint `step`
-  (asynchronously if configured)."""
-  manager.save(step, force=True, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iterator),
-      checksums=ocp.args.JsonSave(checksums(state))))
+  (asynchronously if configured). A save that fails, now or in the background (an earlier
+  step's, raised here), stops the run: CheckpointError naming the steps not saved."""
+  try:
+    manager.save(step, force=True, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iterator),
+        checksums=ocp.args.JsonSave(checksums(state))))
+  except Exception as e:  # orbax and tensorstore raise many types for a write that fails
+    raise _save_failed(manager, step, e) from None
+
+
+def wait_for_saves(manager) -> None:
+  """Waits for the saves under way; CheckpointError if one failed."""
+  try:
+    manager.wait_until_finished()
+  except Exception as e:  # as in save
+    raise _save_failed(manager, manager.latest_step(), e) from None
 
 
 def _with_shardings(abstract, shardings):

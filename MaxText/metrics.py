@@ -83,9 +83,10 @@ def peak_tflops(device_kind: str) -> float | None:
 
 def memory_limit_bytes(device) -> int | None:
   """Memory of one device: what the runtime reports for a device this process drives, the
-  chip's HBM for one it only compiles for (compile_topology), None for CPUs (host memory)."""
+  chip's HBM for one it only compiles for (compile_topology), for a CPU device its share of the
+  host's memory (the local CPU devices share it), None for a chip of unknown memory."""
   if device.platform == "cpu":
-    return None
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
   if device in jax.local_devices():
     stats = device.memory_stats()
     if stats and "bytes_limit" in stats:
@@ -139,6 +140,13 @@ def largest_vocab_arrays(compiled, vocab_size: int, num_devices: int, count: int
     if dtype in _HLO_BYTES and vocab & set(shape):
       sizes[f"{dtype}[{dims}]"] = math.prod(shape) * _HLO_BYTES[dtype]
   return sorted(sizes.items(), key=lambda item: -item[1])[:count]
+
+
+def write_json(path: str, record: dict) -> None:
+  """memory_stats_file: `record` as JSON, its folder made if need be."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(record, f, indent=2)
 
 
 def format_memory_stats(stats: dict) -> str:
@@ -197,6 +205,8 @@ class MetricLogger:
   def __init__(self, config):
     self.config = config
     writer = jax.process_index() == 0
+    if writer and config.metrics_file:
+      os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
     self.file = open(config.metrics_file, "a") if writer and config.metrics_file else None
     self.tensorboard = (SummaryWriter(os.path.join(config.run_dir, "tensorboard"))
                         if writer and config.enable_tensorboard else None)

@@ -96,10 +96,10 @@ def budget_bytes(config, device) -> tuple[int, str]:
   if config.hbm_budget_gib:
     return int(config.hbm_budget_gib * 2**30), f"hbm_budget_gib={config.hbm_budget_gib:g}"
   limit = metrics.memory_limit_bytes(device)
-  what = f"{device.device_kind} memory"
   if limit is None:
-    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // config.num_devices
-    what = f"host memory / {config.num_devices} devices"
+    raise errors.ConfigError(f"hbm_budget_gib=0: the memory of a {device.device_kind} is not known here; give "
+                      "hbm_budget_gib")
+  what = f"host memory / {config.num_devices} devices" if device.platform == "cpu" else f"{device.device_kind} memory"
   return int(limit * (1 - MARGIN)), f"{what} minus {MARGIN:.0%}"
 
 

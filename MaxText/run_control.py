@@ -46,6 +46,14 @@ class NonfiniteStreak:
       raise Diverged(f"step {step}: loss or gradient norm not finite for {self.count} steps in a row "
                      f"(max_nonfinite_steps={self.limit}); stopped, latest checkpoint: {latest_checkpoint()}")
 
+  def finish(self, last_step: int, latest_checkpoint) -> None:
+    """After the last step: a run that ends inside a streak did not train its last steps, and
+    saved nothing of them (the state is the one from before the streak)."""
+    if self.count:
+      raise Diverged(f"steps {last_step - self.count + 1}-{last_step} of {last_step}: loss or gradient norm not "
+                     f"finite, not applied; the run ended inside that streak, so nothing after checkpoint "
+                     f"{latest_checkpoint()} was saved")
+
 
 def _alive(pid: int) -> bool:
   try:
@@ -55,6 +63,20 @@ def _alive(pid: int) -> bool:
   except PermissionError:  # someone else's live process
     return True
   return True
+
+
+def check_run_paths(config) -> None:
+  """Every place a run writes, checked before it writes anything: the run directory and, where
+  they already exist, its checkpoints and TensorBoard directories; the metrics file and the
+  token cache."""
+  check_writable("base_output_directory", config.run_dir)
+  if config.enable_checkpointing:
+    check_writable("base_output_directory", os.path.join(config.run_dir, "checkpoints"))
+  if config.enable_tensorboard:
+    check_writable("base_output_directory", os.path.join(config.run_dir, "tensorboard"))
+  check_writable("dataset_cache_dir", config.dataset_cache_dir)
+  if config.metrics_file:
+    check_writable("metrics_file", config.metrics_file, is_file=True)
 
 
 def check_writable(key: str, path: str, is_file: bool = False) -> None:
@@ -124,7 +146,15 @@ def record_run_files(config, tokenizer) -> None:
   token ids would mean other text to the trained model. Process 0 only; call under run_lock."""
   if jax.process_index() != 0:
     return
-  _write_atomic(os.path.join(config.run_dir, "config.yml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
+  path = os.path.join(config.run_dir, "config.yml")
+  if os.path.exists(path):  # a resume: its data order follows the batch size
+    with open(path) as f:
+      before = (yaml.safe_load(f) or {}).get("global_batch_size_to_train_on")
+    if before not in (None, config.global_batch_size_to_train_on):
+      logging.warning("run %s was trained with global batches of %s rows and resumes with %d: the batches from "
+                      "here on are not those of an uninterrupted run", config.run_dir, before,
+                      config.global_batch_size_to_train_on)
+  _write_atomic(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
   if tokenizer is None:
     return
   path = os.path.join(config.run_dir, "tokenizer.json")
@@ -139,7 +169,8 @@ def record_run_files(config, tokenizer) -> None:
 @contextlib.contextmanager
 def stop_signals():
   """Yields a list that SIGTERM and SIGINT append their number to, instead of killing the
-  process, so the train loop can finish its step and save first. Handlers are restored after.
+  process, so the train loop can finish its step and save first; a second signal kills it as
+  the default handlers would. Handlers are restored after.
 
   With several processes, SIGTERM is left to JAX's preemption notifier (jax.distributed
   installs it), which tells every process through the coordination service, so no process
@@ -148,6 +179,9 @@ def stop_signals():
   several = jax.process_count() > 1
 
   def handle(signum, _):
+    if received:  # a second signal: the operator will not wait for the step; end at once
+      signal.signal(signum, signal.SIG_DFL)
+      signal.raise_signal(signum)
     received.append(signum)
     if several:
       signal.raise_signal(signal.SIGTERM)

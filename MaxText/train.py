@@ -65,40 +65,46 @@ def save_if_finite(manager, step: int, state, train_iterator, params_finite) -> 
 
 
 def train(config) -> None:
-  run_control.check_writable("base_output_directory", config.run_dir)
-  run_control.check_writable("dataset_cache_dir", config.dataset_cache_dir)
-  if config.metrics_file:
-    run_control.check_writable("metrics_file", config.metrics_file, is_file=True)
+  run_control.check_run_paths(config)
+  if config.load_parameters_path:
+    checkpointing.parameters_item(config.load_parameters_path)
   # Reading and tokenizing first: a bad dataset or tokenizer stops the run before it writes.
   data = input_pipeline.load(config)
   mesh = sharding.create_mesh(config)
   trainer = train_step.build(config, mesh)
-  with run_control.run_lock(config.run_dir), run_control.stop_signals() as signals:
+  compiled = _compile_to_fit(trainer, config)
+  with run_control.run_lock(config.run_dir):
     run_control.record_run_files(config, data.tokenizer)
     manager = checkpointing.create_manager(config)
     try:
       with sharding.activate(mesh, config):
         state, train_iterator = initial_state(trainer, config, manager, data)
-      _train_steps(trainer, config, state, data, train_iterator, manager, signals)
+      # Only the loop stops cleanly on a signal: before it there is nothing to save.
+      with run_control.stop_signals() as signals:
+        _train_steps(trainer, config, compiled, state, data, train_iterator, manager, signals)
     finally:
       if manager:  # whatever stopped the run, saves already under way are good: let them commit
-        manager.wait_until_finished()
+        checkpointing.wait_for_saves(manager)
         manager.close()
 
 
 def _compile_to_fit(trainer: Trainer, config):
-  """The compiled train step; a step that cannot fit fails now, not at its first allocation."""
+  """The compiled train step, before anything is allocated: a step that cannot fit fails now,
+  with one line, not in its first allocation."""
   compiled = train_step.compile_train_step(trainer, config)
   stats = metrics.memory_stats(compiled)
   logging.info("train step memory per device:\n%s", metrics.format_memory_stats(stats))
-  problem = metrics.fit_message(stats, trainer.mesh.devices.flat[0])
+  device = trainer.mesh.devices.flat[0]
+  problem = metrics.fit_message(stats, device)
+  if config.memory_stats_file:
+    metrics.write_json(config.memory_stats_file, {**stats, "fits": problem is None,
+                                                  "device_memory_bytes": metrics.memory_limit_bytes(device)})
   if problem:
     raise errors.UserError(problem)
   return compiled
 
 
-def _train_steps(trainer, config, state, data, train_iterator, manager, signals) -> None:
-  compiled = _compile_to_fit(trainer, config)
+def _train_steps(trainer, config, compiled, state, data, train_iterator, manager, signals) -> None:
   params_finite = jax.jit(lambda params: jnp.all(jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(params)])))
   logger = metrics.MetricLogger(config)
   clock = metrics.StepClock(config, jax.devices()[0].device_kind)
@@ -148,6 +154,7 @@ def _train_steps(trainer, config, state, data, train_iterator, manager, signals)
           raise run_control.Preempted(signum, f"{run_control.SIGNALS[signum]} at step {step}: {saved}; rerun to resume")
       if step < config.steps:  # the iterator moves past batch N+1 only after checkpoint N saved it at N
         batch = device_batch(trainer, next(train_iterator))
+    streak.finish(config.steps, latest_checkpoint)
   finally:
     logger.close()
 

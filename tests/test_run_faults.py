@@ -1,0 +1,123 @@
+"""Faults of a training run's start, loop and end: nothing allocated for a step that cannot fit,
+signals before the loop and a second signal end the process, a failed save stops the run,
+a run ending inside a non-finite streak says so, and the smaller promises around them."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from MaxText import auto, run_control, train
+from MaxText.checkpointing import CheckpointError
+from conftest import BASE_YML, ROOT, TINY, run_cli, tiny_config
+
+CHECKPOINTED = ("enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false")
+
+
+def one_error_line(result):
+  lines = [line for line in result.stderr.splitlines() if "error" in line]
+  assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  return lines[0]
+
+
+def test_a_step_too_big_for_memory_fails_before_anything_is_allocated_or_written(tmp_path):
+  # 65536 wide: about 80 GiB of parameters, more than this host's memory; nothing is allocated,
+  # so the one line comes at once instead of a hang in the initialisation.
+  result = run_cli("train", *TINY, "base_emb_dim=65536", f"base_output_directory={tmp_path}", "run_name=big",
+                   timeout=300)
+  assert result.returncode == 1 and "does not fit" in one_error_line(result)
+  assert not (tmp_path / "big").exists()
+
+
+def test_a_signal_before_the_loop_ends_the_process_at_once(tmp_path):
+  """SIGTERM while the state is restored or initialised: nothing to save yet, so the default
+  action, not a step trained and saved after it."""
+  script = (f"import os, signal, sys\nfrom MaxText import train\ninitial = train.initial_state\n"
+            f"def signalled(*args):\n  os.kill(os.getpid(), signal.SIGTERM)\n  return initial(*args)\n"
+            f"train.initial_state = signalled\nsys.argv = ['train', {BASE_YML!r}, *{TINY!r}, *{CHECKPOINTED!r}, "
+            f"'base_output_directory={tmp_path}', 'run_name=r']\nfrom MaxText import errors\nerrors.run(train.main)\n")
+  result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert result.returncode == -signal.SIGTERM, result.stderr[-3000:]
+  assert not (tmp_path / "r" / "checkpoints").exists() or not os.listdir(tmp_path / "r" / "checkpoints")
+
+
+def test_a_second_signal_ends_the_process_at_once():
+  script = ("import os, signal\nfrom MaxText import run_control\nwith run_control.stop_signals() as received:\n"
+            "  os.kill(os.getpid(), signal.SIGTERM)\n  print('recorded', received, flush=True)\n"
+            "  os.kill(os.getpid(), signal.SIGTERM)\n  print('survived the second')\n")
+  result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert result.returncode == -signal.SIGTERM
+  assert f"recorded [{int(signal.SIGTERM)}]" in result.stdout and "survived" not in result.stdout
+
+
+def test_an_unwritable_checkpoints_directory_is_one_line_before_step_1(tmp_path):
+  (tmp_path / "r").mkdir()
+  (tmp_path / "r" / "checkpoints").write_text("not a directory")
+  result = run_cli("train", *TINY, *CHECKPOINTED, f"base_output_directory={tmp_path}", "run_name=r")
+  assert result.returncode == 2 and "checkpoints" in one_error_line(result)
+  assert sorted(os.listdir(tmp_path / "r")) == ["checkpoints"]
+
+
+def test_a_save_that_fails_stops_the_run_naming_the_steps_not_saved(tmp_path, monkeypatch):
+  save = ocp.CheckpointManager.save
+
+  def disk_full_at_step_4(manager, step, *args, **kwargs):
+    if step == 4:
+      raise OSError(28, "No space left on device")
+    return save(manager, step, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.CheckpointManager, "save", disk_full_at_step_4)
+  with pytest.raises(CheckpointError) as raised:
+    train.train(tiny_config(*CHECKPOINTED, "steps=6", f"base_output_directory={tmp_path}"))
+  assert "checkpoint 4 could not be saved" in str(raised.value) and "steps after 2 are not saved" in str(raised.value)
+  assert sorted(os.listdir(tmp_path / "default" / "checkpoints")) == ["2"]
+
+
+def test_a_run_that_ends_inside_a_nonfinite_streak_says_so_and_saves_nothing_of_it(tmp_path, monkeypatch):
+  device_batch, calls = train.device_batch, []
+
+  def poisoned_last_two(trainer, batch):
+    calls.append(1)
+    if len(calls) >= 4:  # steps 4 and 5: token ids past the vocabulary make the loss NaN
+      batch = {**batch, "inputs": np.full_like(batch["inputs"], 10**6)}
+    return device_batch(trainer, batch)
+
+  monkeypatch.setattr(train, "device_batch", poisoned_last_two)
+  metrics_file = tmp_path / "new" / "folder" / "m.jsonl"  # its folder is made
+  with pytest.raises(run_control.Diverged, match="steps 4-5 of 5: .* nothing after checkpoint 2 was saved"):
+    train.train(tiny_config(*CHECKPOINTED, "steps=5", "max_nonfinite_steps=3", f"base_output_directory={tmp_path}",
+                            f"metrics_file={metrics_file}"))
+  assert sorted(os.listdir(tmp_path / "default" / "checkpoints")) == ["2"]
+  assert [json.loads(line)["learning/nonfinite"] for line in metrics_file.read_text().splitlines()] == [0, 0, 0, 1, 1]
+
+
+def test_train_writes_memory_stats_file_as_train_compile_does(tmp_path):
+  stats_file = tmp_path / "stats" / "memory.json"
+  train.train(tiny_config("steps=1", f"base_output_directory={tmp_path}", f"memory_stats_file={stats_file}"))
+  stats = json.loads(stats_file.read_text())
+  assert stats["fits"] is True and stats["total_bytes"] > 0 and stats["device_memory_bytes"] > stats["total_bytes"]
+
+
+def test_a_bad_load_parameters_path_writes_nothing(tmp_path):
+  result = run_cli("train", *TINY, f"base_output_directory={tmp_path}", "run_name=r",
+                   f"load_parameters_path={tmp_path / 'no' / 'such' / 'checkpoint'}")
+  assert result.returncode == 2 and "load_parameters_path" in one_error_line(result)
+  assert not (tmp_path / "r").exists()
+
+
+def test_a_key_given_twice_keeps_its_last_value_auto_too():
+  assert auto.initialize([BASE_YML, *TINY, "num_vocab_tiling=auto", "num_vocab_tiling=4"]).num_vocab_tiling == 4
+
+
+def test_a_resume_with_another_batch_size_says_so(tmp_path, caplog):
+  (tmp_path / "default").mkdir()  # made by run_lock in a run
+  run_control.record_run_files(tiny_config(f"base_output_directory={tmp_path}"), None)
+  with caplog.at_level(logging.WARNING):
+    run_control.record_run_files(tiny_config(f"base_output_directory={tmp_path}", "per_device_batch_size=2"), None)
+  assert "trained with global batches of 4 rows and resumes with 2" in caplog.text
