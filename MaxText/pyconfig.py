@@ -87,6 +87,11 @@ class Config:
     return dict(self._values)
 
 
+# The shipped schema: every key and its type. Any config file's values are checked against it.
+SCHEMA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
+_INT_LIMIT = 2**31 - 1  # JAX's default integers are 32-bit: a larger step, size or seed overflows on device
+
+
 def _load_yaml(path: str) -> dict:
   if not os.path.isfile(path):
     raise ConfigError(f"config file {path!r} does not exist")
@@ -129,9 +134,32 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
   )
   if not ok:
     raise ConfigError(f"{key}={value!r}: must be {_type_name(default)}")
+  if kind is int and abs(value) > _INT_LIMIT:
+    raise ConfigError(f"{key}={value}: must be at most {_INT_LIMIT} in magnitude")
   if kind is float and not math.isfinite(value):
     raise ConfigError(f"{key}={value}: must be a finite number")
   return float(value) if kind is float else value
+
+
+def _load_config(path: str, depth: int = 0) -> dict:
+  """The keys of config file `path`, each checked against the schema's type: over those of the
+  file its `base_config` names (relative to it), as in MaxText, or else all of them itself."""
+  values = _load_yaml(path)
+  base = values.pop("base_config", None)
+  if base is None:
+    schema = values if os.path.abspath(path) == SCHEMA else _load_yaml(SCHEMA)
+    missing = [key for key in schema if key not in values]
+    if missing:
+      raise ConfigError(f"config file {path!r} lacks {len(missing)} of the keys of {SCHEMA} (first: {missing[0]!r}); "
+                        "give configs/base.yml first, or start the file with `base_config: base.yml` (its path "
+                        "relative to the file) to take the keys it does not set from there")
+    resolved = dict(schema)
+  else:
+    if not isinstance(base, str) or depth >= 8:
+      raise ConfigError(f"config file {path!r}: base_config={base!r} must name a config file (at most 8 deep)")
+    resolved = _load_config(os.path.join(os.path.dirname(os.path.abspath(path)), base), depth + 1)
+  _merge(resolved, values, path)
+  return resolved
 
 
 def _merge(values: dict, overrides: dict, source: str) -> None:
@@ -247,10 +275,10 @@ def _validate_axis_rules(rules: list) -> None:
     ok = isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)
     if ok:
       axes = rule[1] if isinstance(rule[1], list) else [] if rule[1] is None else [rule[1]]
-      ok = all(a in MESH_AXES for a in axes)
+      ok = all(a in MESH_AXES for a in axes) and len(set(axes)) == len(axes)
     if not ok:
       raise ConfigError(f"logical_axis_rules: bad rule {rule!r}; each rule is "
-                        f"[logical_name, [mesh axes from {', '.join(MESH_AXES)}]]")
+                        f"[logical_name, [distinct mesh axes from {', '.join(MESH_AXES)}]]")
 
 
 def _validate_remat(v: dict) -> None:
@@ -307,6 +335,9 @@ def _resolve(v: dict, prefix: str, total: int, what: str) -> tuple:
 def _mesh_shapes(v: dict, num_devices: int, num_granules: int) -> tuple[tuple, tuple]:
   """(ici shape, dcn shape) over MESH_AXES; granules are TPU slices or processes."""
   if all(v[f"dcn_{axis}_parallelism"] == 1 for axis in MESH_AXES):
+    if v["platform"] == "tpu" and num_granules > 1:  # ici axes stay within a slice
+      raise ConfigError(f"dcn_*_parallelism: all 1, but the devices are {num_granules} TPU slices, which only dcn_* "
+                        f"axes join; set them to multiply to {num_granules} (e.g. dcn_data_parallelism={num_granules})")
     return _resolve(v, "ici", num_devices, "devices"), (1,) * len(MESH_AXES)
   dcn = _resolve(v, "dcn", num_granules, "slices/processes")
   if num_devices % num_granules:
@@ -424,7 +455,7 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
   if not argv:
     raise ConfigError("usage: <config.yml> [key=value ...]")
   config_path, *args = argv
-  values = _load_yaml(config_path)
+  values = _load_config(config_path)
   overrides = {}
   for arg in args:
     key, sep, raw = arg.partition("=")
