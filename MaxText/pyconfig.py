@@ -476,6 +476,9 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
     _merge(values, *saved)
   _merge(values, overrides, "the command line")
   _validate(values)
+  if values["load_parameters_path"]:  # every reader of it: train, decode, to_huggingface
+    from MaxText import checkpointing  # noqa: PLC0415 (it imports this module)
+    checkpointing.check_verified(values["load_parameters_path"], values["trust_unverified_checkpoints"])
   if num_devices is None and not values["compile_topology"]:
     _initialize_distributed(values)
   run_devices = devices(values["compile_topology"], values["compile_topology_num_slices"])

@@ -11,11 +11,18 @@ or N simulated CPU devices: JAX_NUM_CPU_DEVICES=N python -m MaxText.train_compil
 """
 
 import json
+import os
 import sys
 
 from absl import app
 
 from MaxText import metrics, plan, pyconfig, run_control, sharding, train
+
+
+def _write_stats(path: str, stats: dict) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # check_writable allowed a new folder
+  with open(path, "w") as f:
+    json.dump(stats, f, indent=2)
 
 
 def main(argv):
@@ -29,8 +36,7 @@ def main(argv):
       compiled = train.compile_train_step(trainer, config)
     except pyconfig.UserError as e:
       if config.memory_stats_file:
-        with open(config.memory_stats_file, "w") as f:
-          json.dump({"fits": False, "error": str(e)}, f, indent=2)
+        _write_stats(config.memory_stats_file, {"fits": False, "error": str(e)})
       raise
   device = trainer.mesh.devices.flat[0]
   where = (f"{config.compile_topology} x {config.compile_topology_num_slices} slice(s)" if config.compile_topology
@@ -56,9 +62,9 @@ def main(argv):
           f"MFU at most {model_flops / step_flops:.1%}")
   problem = metrics.fit_message(stats, device)
   if config.memory_stats_file:
-    with open(config.memory_stats_file, "w") as f:
-      json.dump({**stats, "fits": problem is None, "device_memory_bytes": limit, "model_flops_per_step": model_flops,
-                 "traced_flops_per_step": step_flops, "largest_vocab_arrays": vocab_arrays}, f, indent=2)
+    _write_stats(config.memory_stats_file, {**stats, "fits": problem is None, "device_memory_bytes": limit,
+                                            "model_flops_per_step": model_flops, "traced_flops_per_step": step_flops,
+                                            "largest_vocab_arrays": vocab_arrays})
   if problem:
     print(f"error: {problem}", file=sys.stderr)
     sys.exit(1)

@@ -105,7 +105,7 @@ def test_cli_run_writes_metrics_file_and_tensorboard(tmp_path):
 
 
 def test_train_compile_reports_the_train_step_memory(tmp_path):
-  stats_file = tmp_path / "mem.json"
+  stats_file = tmp_path / "new" / "mem.json"  # a folder that does not exist yet is made
   result = run_cli("train_compile", *TINY, f"memory_stats_file={stats_file}")
   assert result.returncode == 0, result.stderr[-3000:]
   stats = json.loads(stats_file.read_text())
