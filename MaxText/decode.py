@@ -24,8 +24,9 @@ def _parameters_path(config) -> str:
 
 
 def _tokenizer(config):
-  """The tokenizer the parameters were trained with: the one train keeps in their run's
-  directory (load_parameters_path's run: checkpoints/STEP/../..), else the flags'."""
+  """(tokenizer, where it came from): the one the parameters were trained with, which train
+  keeps in their run's directory (load_parameters_path's run: checkpoints/STEP/../..), else
+  the flags'."""
   run_dir = os.path.join(config.load_parameters_path, "..", "..") if config.load_parameters_path else config.run_dir
   path = os.path.normpath(os.path.join(run_dir, "tokenizer.json"))
   if os.path.isfile(path):

@@ -112,8 +112,8 @@ def run_lock(run_dir: str, key: str = "run_name", doing: str = "trained"):
 def staging_dir(parent: str, writer: str) -> str:
   """A new directory `parent/.{writer}-{pid}.partial` for this process to write an output in
   before moving it into place: a name no user would pick, naming the tool and process that
-  own it. Those that `writer`s no longer running left (killed mid-write) are removed first;
-  nothing else is."""
+  own it. Those of `writer` processes no longer running (killed mid-write) are removed
+  first; nothing else is."""
   pattern = re.compile(re.escape(f".{writer}-") + r"(\d+)\.partial")
   for name in os.listdir(parent):
     match = pattern.fullmatch(name)
