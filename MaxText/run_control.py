@@ -12,6 +12,7 @@ import jax
 import yaml
 from absl import logging
 from jax.experimental import multihost_utils
+
 from MaxText import tokenizer as tokenizers
 from MaxText.pyconfig import ConfigError, UserError
 
