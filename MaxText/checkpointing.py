@@ -159,16 +159,15 @@ def check_shapes(item: str, abstract_params, fix: str) -> None:
 def _drop_abandoned_read_callbacks() -> None:
   """Installed before the first restore. When a restore fails, tensorstore still completes the
   reads orbax abandoned, and each calls back into the event loop orbax made for the restore
-  and has closed since: a RuntimeError('Event loop is closed') that Python prints as a
-  traceback (sys.unraisablehook), dozens of them, while orbax raises and after. Those, and
-  only those, are dropped."""
-  previous = sys.unraisablehook
+  and has closed since: a RuntimeError('Event loop is closed') that tensorstore hands to
+  sys.unraisablehook or, on another path, sys.excepthook, each printing a traceback, dozens
+  of them, while orbax raises and after. Those, and only those, are dropped."""
+  def closed_loop(error) -> bool:
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
 
-  def hook(unraisable):
-    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
-      previous(unraisable)
-
-  sys.unraisablehook = hook
+  unraisable, excepthook = sys.unraisablehook, sys.excepthook
+  sys.unraisablehook = lambda u: None if closed_loop(u.exc_value) else unraisable(u)
+  sys.excepthook = lambda kind, error, tb: None if closed_loop(error) else excepthook(kind, error, tb)
 
 
 def _restore_verified(manager, step: int, abstract_state, state_sharding, data_iterator):
