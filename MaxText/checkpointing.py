@@ -13,8 +13,10 @@ fails to restore or to match is moved, whole, to <run_dir>/damaged_checkpoints/<
 older one restores and matches, and the run resumes from that one; nothing is deleted.
 """
 
+import functools
 import os
 import shutil
+import sys
 
 import flax.linen as nn
 import grain
@@ -22,9 +24,13 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 from jax.experimental import multihost_utils
 
 from MaxText.errors import ConfigError, UserError, first_line
+
+
+COMMITTED = "_CHECKPOINT_METADATA"  # orbax's file in every step directory it committed (an empty stray one lacks it)
 
 
 class CheckpointError(UserError):
@@ -58,15 +64,45 @@ def _mismatch(recorded: dict, restored: dict) -> str | None:
   return f"{len(bad)} of {len(restored)} arrays differ from their checksums at save (first: {bad[0]})" if bad else None
 
 
+def write_checksums(step_dir: str, sums: dict) -> None:
+  """Records `sums` (from checksums()) as checkpoint `step_dir`'s checksums item, as save does."""
+  checkpointer = ocp.Checkpointer(ocp.JsonCheckpointHandler())
+  try:
+    checkpointer.save(os.path.join(step_dir, "checksums"), args=ocp.args.JsonSave(sums))
+  finally:
+    checkpointer.close()
+
+
+def _step_dir(path: str) -> str:
+  """The step directory of checkpoint `path` (a step directory or its parameters item)."""
+  return os.path.dirname(os.path.abspath(parameters_item(path)))
+
+
+def check_verified(path: str, trust: bool) -> None:
+  """ConfigError unless checkpoint `path` (a step directory or its parameters item) has the
+  checksums every checkpoint this project writes carries, or trust_unverified_checkpoints is set:
+  without them a damaged array would be read without a word."""
+  step_dir = _step_dir(path)
+  if not trust and not os.path.isdir(os.path.join(step_dir, "checksums")):
+    raise ConfigError(f"checkpoint {step_dir} has no checksums, so damage to it cannot be detected; set "
+                      "trust_unverified_checkpoints=true to use it anyway")
+
+
 def checkpoint_dir(config) -> str:
   return os.path.abspath(os.path.join(config.run_dir, "checkpoints"))
 
 
 def latest_checkpoint(config) -> str | None:
-  """The newest complete step directory of this run (orbax's temporary ones never count)."""
+  """The newest complete step directory of this run (orbax's temporary ones and step-named
+  directories orbax did not commit never count)."""
   directory = checkpoint_dir(config)
   steps = [int(d) for d in os.listdir(directory) if d.isdigit()] if os.path.isdir(directory) else []
-  return os.path.join(directory, str(max(steps))) if steps else None
+  for step in sorted(steps, reverse=True):
+    path = os.path.join(directory, str(step))
+    if os.path.isfile(os.path.join(path, COMMITTED)):
+      return path
+    logging.warning("%s is not a complete checkpoint (no %s): skipped", path, COMMITTED)
+  return None
 
 
 def create_manager(config) -> ocp.CheckpointManager | None:
@@ -76,7 +112,15 @@ def create_manager(config) -> ocp.CheckpointManager | None:
   options = ocp.CheckpointManagerOptions(
       max_to_keep=config.max_to_keep,
       enable_async_checkpointing=config.async_checkpointing, cleanup_tmp_directories=True)
-  return ocp.CheckpointManager(checkpoint_dir(config), options=options, item_names=("state", "data", "checksums"))
+  manager = ocp.CheckpointManager(checkpoint_dir(config), options=options, item_names=("state", "data", "checksums"))
+  for step in manager.all_steps():  # committed ones: a half-written step is set aside as damaged when restored
+    if os.path.isfile(os.path.join(manager.directory, str(step), COMMITTED)):
+      try:
+        check_verified(os.path.join(manager.directory, str(step)), config.trust_unverified_checkpoints)
+      except ConfigError:
+        manager.close()
+        raise
+  return manager
 
 
 def _save_failed(manager, step: int, e: Exception) -> CheckpointError:
@@ -109,8 +153,45 @@ def _with_shardings(abstract, shardings):
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
+def check_shapes(item: str, abstract_params, fix: str) -> None:
+  """ConfigError naming the first parameter that parameters item `item` stores in another shape
+  than `abstract_params` has: the checkpoint is of another model, not damaged, and orbax would
+  fail deep inside the restore (leaving its reads running). `fix` says what to do."""
+  handler = ocp.PyTreeCheckpointHandler()
+  try:
+    stored = handler.metadata(epath.Path(item)).tree["params"]
+  except Exception:  # noqa: BLE001 (no readable metadata: the restore reports the damage)
+    return
+  finally:
+    handler.close()
+  shapes = {jax.tree_util.keystr(path): tuple(m.shape) for path, m in jax.tree_util.tree_flatten_with_path(
+      stored, is_leaf=lambda x: hasattr(x, "shape"))[0]}
+  for path, wanted in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
+    key = jax.tree_util.keystr(path)
+    if shapes.get(key, tuple(wanted.shape)) != tuple(wanted.shape):
+      raise ConfigError(f"checkpoint {os.path.dirname(os.path.abspath(item))}: parameter {key} has shape "
+                        f"{shapes[key]}, this config's model {tuple(wanted.shape)}; {fix}")
+
+
+@functools.cache
+def _drop_abandoned_read_callbacks() -> None:
+  """Installed before the first restore. When a restore fails, tensorstore still completes the
+  reads orbax abandoned, and each calls back into the event loop orbax made for the restore
+  and has closed since: a RuntimeError('Event loop is closed') that tensorstore hands to
+  sys.unraisablehook or, on another path, sys.excepthook, each printing a traceback, dozens
+  of them, while orbax raises and after. Those, and only those, are dropped."""
+  def closed_loop(error) -> bool:
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+  unraisable, excepthook = sys.unraisablehook, sys.excepthook
+  sys.unraisablehook = lambda u: None if closed_loop(u.exc_value) else unraisable(u)
+  sys.excepthook = lambda kind, error, tb: None if closed_loop(error) else excepthook(kind, error, tb)
+
+
 def _restore_verified(manager, step: int, abstract_state, state_sharding, data_iterator):
   """(state, None) if checkpoint `step` restores and matches its checksums, else (None, why)."""
+  check_shapes(str(manager.directory / str(step) / "state"), abstract_state.params,
+               "resume with the model keys it was trained with, or use a new run_name")
   items = {"state": ocp.args.StandardRestore(_with_shardings(abstract_state, state_sharding))}
   if data_iterator is not None:
     _check_process_count(manager.directory / str(step) / "data")
@@ -118,12 +199,13 @@ def _restore_verified(manager, step: int, abstract_state, state_sharding, data_i
   verified = (manager.directory / str(step) / "checksums").is_dir()
   if verified:
     items["checksums"] = ocp.args.JsonRestore()
+  _drop_abandoned_read_callbacks()  # before: they may come while orbax is still raising
   try:
     restored = manager.restore(step, args=ocp.args.Composite(**items))
   except Exception as e:  # orbax and tensorstore raise many types for a damaged directory.
     return None, f"cannot be restored: {first_line(e)}"
-  if not verified:
-    logging.warning("checkpoint %s has no checksums (saved by an older version): restored unverified",
+  if not verified:  # create_manager refused it unless trust_unverified_checkpoints=true
+    logging.warning("checkpoint %s has no checksums: restored unverified (trust_unverified_checkpoints=true)",
                     manager.directory / str(step))
     return restored.state, None
   problem = _mismatch(restored.checksums, checksums(restored.state))
@@ -191,14 +273,16 @@ def parameters_item(path: str) -> str:
 def load_parameters(path: str, abstract_params, params_sharding):
   """Parameters only, from a checkpoint step directory (or its `state` item) of any run."""
   item = parameters_item(path)
+  check_shapes(item, abstract_params, f"load_parameters_path={path!r} needs the model keys it was saved with")
   target = {"params": _with_shardings(abstract_params, params_sharding)}
+  _drop_abandoned_read_callbacks()
   try:
     restored = ocp.PyTreeCheckpointer().restore(item, args=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True))
   except Exception as e:  # as above
     raise CheckpointError(f"load_parameters_path={path!r}: cannot restore parameters: {first_line(e)}") from None
-  recorded = os.path.join(os.path.dirname(os.path.abspath(item)), "checksums")
+  recorded = os.path.join(_step_dir(path), "checksums")
   if os.path.isdir(recorded):
     recorded = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(recorded)
     problem = _mismatch({key.removeprefix(".params"): value for key, value in recorded.items()},
@@ -211,6 +295,7 @@ def load_parameters(path: str, abstract_params, params_sharding):
 def load_model_parameters(config, path: str):
   """The parameters of config's model from checkpoint `path` (as load_parameters reads it),
   whole on the first device: for sampling and export, not for training."""
+  check_verified(path, config.trust_unverified_checkpoints)
   from MaxText.layers.models import Transformer  # noqa: PLC0415 (the model is not needed to save/restore)
   window = jax.numpy.zeros((1, config.max_target_length), jax.numpy.int32)
   abstract = nn.meta.unbox(jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0), window, window, window)))

@@ -10,10 +10,10 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tokenizers import Tokenizer
 
 from MaxText import checkpointing, errors, pyconfig
 from MaxText.input_pipeline import input_pipeline
+from MaxText.input_pipeline import tokenizer as tokenizers
 from MaxText.layers.models import Transformer
 
 
@@ -24,17 +24,38 @@ def _parameters_path(config) -> str:
   return path
 
 
-def generate(config) -> str:
-  run_tokenizer = os.path.join(config.run_dir, "tokenizer.json")
-  # The tokenizer the run trained with, which train keeps in its directory; else the flags'.
-  tokenizer = (Tokenizer.from_file(run_tokenizer) if os.path.exists(run_tokenizer) and not config.load_parameters_path
-               else input_pipeline.load(config).tokenizer)
+def _tokenizer(config):
+  """(tokenizer, where it came from): the one the parameters were trained with, which train
+  keeps in their run's directory (load_parameters_path's run: checkpoints/STEP/../..), else
+  the flags'."""
+  run_dir = os.path.join(config.load_parameters_path, "..", "..") if config.load_parameters_path else config.run_dir
+  path = os.path.normpath(os.path.join(run_dir, "tokenizer.json"))
+  if os.path.isfile(path):
+    return tokenizers.read(path, f"{path}, the tokenizer of the run that trained the parameters"), path
+  tokenizer = input_pipeline.load(config).tokenizer
   if tokenizer is None:
     raise errors.ConfigError(f"dataset_type={config.dataset_type!r}: has no tokenizer to decode with "
                              "(use the dataset_type the model was trained with)")
+  return tokenizer, "the tokenizer of the data flags"
+
+
+def _check_not_destroyed(params, path: str) -> None:
+  """A checkpoint whose arrays are all zero or not finite restores without an error and would
+  decode to one repeated token: refused, naming it."""
+  leaves = jax.tree.leaves(params)
+  if not all(bool(jnp.isfinite(p).all()) for p in leaves) or not any(bool(p.any()) for p in leaves):
+    raise checkpointing.CheckpointError(f"{path}: its parameters are all zero or not finite; the checkpoint is "
+                                        "damaged")
+
+
+def generate(config) -> str:
+  tokenizer, source = _tokenizer(config)
+  tokenizers.check_vocab_size(tokenizer, config.vocab_size, source)
   model = Transformer(config)
   length = config.max_target_length
-  params = checkpointing.load_model_parameters(config, _parameters_path(config))
+  path = _parameters_path(config)
+  params = checkpointing.load_model_parameters(config, path)
+  _check_not_destroyed(params, path)
 
   @jax.jit
   def next_token(tokens, last, key):

@@ -217,8 +217,7 @@ def choose(records: list, budget: int, how: str) -> dict:
   smallest = min(sized, key=lambda r: r["total_bytes"])
   raise errors.ConfigError(
       f"hbm_budget_gib: the budget of {budget / 2**30:.4g} GiB per device ({how}) is below every candidate; the "
-      f"smallest found needs "
-      f"{smallest['total_bytes'] / 2**30:.2f} GiB per device ({describe(smallest['settings'])})")
+      f"smallest found needs {smallest['total_bytes'] / 2**30:.4g} GiB per device ({describe(smallest['settings'])})")
 
 
 def _name(settings: dict) -> str:

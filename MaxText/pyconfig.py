@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import yaml
 from absl import logging
 
-from MaxText import accelerators, losses, remat, sharding
+from MaxText import accelerators, checkpointing, losses, remat, sharding
 from MaxText.errors import ConfigError, first_line
 from MaxText.input_pipeline.input_pipeline import DATASET_TYPES
 from MaxText.layers.attentions import ATTENTIONS, FLASH_KERNELS
@@ -66,6 +66,11 @@ class Config:
     return dict(self._values)
 
 
+# The shipped schema: every key and its type. Any config file's values are checked against it.
+SCHEMA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
+_INT_LIMIT = 2**31 - 1  # JAX's default integers are 32-bit: a larger step, size or seed overflows on device
+
+
 def _load_yaml(path: str) -> dict:
   if not os.path.isfile(path):
     raise ConfigError(f"config file {path!r} does not exist")
@@ -108,9 +113,32 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
   )
   if not ok:
     raise ConfigError(f"{key}={value!r}: must be {_type_name(default)}")
+  if kind is int and abs(value) > _INT_LIMIT:
+    raise ConfigError(f"{key}={value}: must be at most {_INT_LIMIT} in magnitude")
   if kind is float and not math.isfinite(value):
     raise ConfigError(f"{key}={value}: must be a finite number")
   return float(value) if kind is float else value
+
+
+def _load_config(path: str, depth: int = 0) -> dict:
+  """The keys of config file `path`, each checked against the schema's type: over those of the
+  file its `base_config` names (relative to it), as in MaxText, or else all of them itself."""
+  values = _load_yaml(path)
+  base = values.pop("base_config", None)
+  if base is None:
+    schema = values if os.path.abspath(path) == SCHEMA else _load_yaml(SCHEMA)
+    missing = [key for key in schema if key not in values]
+    if missing:
+      raise ConfigError(f"config file {path!r} lacks {len(missing)} of the keys of {SCHEMA} (first: {missing[0]!r}); "
+                        "give configs/base.yml first, or start the file with `base_config: base.yml` (its path "
+                        "relative to the file) to take the keys it does not set from there")
+    resolved = dict(schema)
+  else:
+    if not isinstance(base, str) or depth >= 8:
+      raise ConfigError(f"config file {path!r}: base_config={base!r} must name a config file (at most 8 deep)")
+    resolved = _load_config(os.path.join(os.path.dirname(os.path.abspath(path)), base), depth + 1)
+  _merge(resolved, values, path)
+  return resolved
 
 
 def _merge(values: dict, overrides: dict, source: str) -> None:
@@ -246,10 +274,10 @@ def _validate_axis_rules(rules: list) -> None:
     ok = isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)
     if ok:
       axes = rule[1] if isinstance(rule[1], list) else [] if rule[1] is None else [rule[1]]
-      ok = all(a in sharding.MESH_AXES for a in axes)
+      ok = all(a in sharding.MESH_AXES for a in axes) and len(set(axes)) == len(axes)
     if not ok:
       raise ConfigError(f"logical_axis_rules: bad rule {rule!r}; each rule is "
-                        f"[logical_name, [mesh axes from {', '.join(sharding.MESH_AXES)}]]")
+                        f"[logical_name, [distinct mesh axes from {', '.join(sharding.MESH_AXES)}]]")
 
 
 def _validate_remat(v: dict) -> None:
@@ -336,7 +364,7 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
   if not argv:
     raise ConfigError("usage: <config.yml> [key=value ...]")
   config_path, *args = argv
-  values = _load_yaml(config_path)
+  values = _load_config(config_path)
   overrides = {}
   for arg in args:
     key, sep, raw = arg.partition("=")
@@ -357,6 +385,8 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
     _merge(values, *saved)
   _merge(values, overrides, "the command line")
   _validate(values)
+  if values["load_parameters_path"]:  # every reader of it: train, decode, to_huggingface
+    checkpointing.check_verified(values["load_parameters_path"], values["trust_unverified_checkpoints"])
   if num_devices is None and not values["compile_topology"]:
     sharding.initialize_distributed(values)
   return _for_devices(values, num_devices, memory_kinds, num_granules)

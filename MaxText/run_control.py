@@ -4,15 +4,17 @@ preemption signals, and a stop (saving nothing) when training diverges.
 
 import contextlib
 import os
+import re
+import shutil
 import signal
 
 import jax
 import yaml
 from absl import logging
 from jax.experimental import multihost_utils
-from tokenizers import Tokenizer
 
 from MaxText.errors import ConfigError, UserError
+from MaxText.input_pipeline import tokenizer as tokenizers
 
 # The signals that stop a run cleanly, by name; the exit code is then 128 + the signal number.
 SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
@@ -55,14 +57,22 @@ class NonfiniteStreak:
                      f"{latest_checkpoint()} was saved")
 
 
-def _alive(pid: int) -> bool:
+def _running(pid: int) -> bool:
+  """Whether process `pid` is alive on this host and is this program (a pid reused by an unrelated
+  process, after a kill or a reboot, does not count)."""
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
     return False
   except PermissionError:  # someone else's live process
+    pass
+  try:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+      return b"MaxText" in f.read()
+  except FileNotFoundError:  # gone meanwhile
+    return False
+  except OSError:  # no /proc (not Linux): alive is all that can be told
     return True
-  return True
 
 
 def check_run_paths(config) -> None:
@@ -96,11 +106,13 @@ def check_writable(key: str, path: str, is_file: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def run_lock(run_dir: str):
-  """Holds <run_dir>/.lock (this process's pid) while the run trains; process 0 only.
+def run_lock(run_dir: str, key: str = "run_name", doing: str = "trained"):
+  """Holds <run_dir>/.lock (this process's pid) while the run trains (or, `doing`, while
+  prepare_data writes the directory named by config key `key`); process 0 only.
 
   A second live process on the same run would interleave saves with this one's, so it is
-  refused. A lock left by a killed process (its pid no longer alive on this host) is taken over.
+  refused. A lock left by a killed process (its pid no longer running this program on this
+  host) is taken over.
   """
   if jax.process_index() != 0:
     yield
@@ -112,14 +124,17 @@ def run_lock(run_dir: str):
       fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
       break
     except FileExistsError:
+      if not os.path.isfile(path):  # never removed: the project did not make it
+        raise ConfigError(f"{key}: {path} is in the way of this run's lock file (it is not a file); "
+                          "remove it") from None
       try:
         with open(path) as f:
           owner = int(f.read().strip() or 0)
       except (OSError, ValueError):
         owner = 0
-      if owner and owner != os.getpid() and _alive(owner):
-        raise ConfigError(f"run_name: {run_dir} is being trained by process {owner} ({path}); "
-                          "use another run_name or stop that process") from None
+      if owner and owner != os.getpid() and _running(owner):
+        raise ConfigError(f"{key}: {run_dir} is being {doing} by process {owner} ({path}); "
+                          f"use another {key} or stop that process") from None
       logging.warning("taking over the stale lock %s of process %d, which is no longer running", path, owner)
       with contextlib.suppress(FileNotFoundError):
         os.remove(path)
@@ -130,6 +145,39 @@ def run_lock(run_dir: str):
   finally:
     with contextlib.suppress(FileNotFoundError):
       os.remove(path)
+
+
+def staging_dir(parent: str, writer: str) -> str:
+  """A new directory `parent/.{writer}-{pid}.partial` for this process to write an output in
+  before moving it into place: a name no user would pick, naming the tool and process that
+  own it. Those of `writer` processes no longer running (killed mid-write) are removed
+  first; nothing else is."""
+  pattern = re.compile(re.escape(f".{writer}-") + r"(\d+)\.partial")
+  for name in os.listdir(parent):
+    match = pattern.fullmatch(name)
+    if match and int(match[1]) != os.getpid() and not _running(int(match[1])):
+      logging.warning("removing %s, left by process %s of %s, which is no longer running",
+                      os.path.join(parent, name), match[1], writer)
+      shutil.rmtree(os.path.join(parent, name))
+  path = os.path.join(parent, f".{writer}-{os.getpid()}.partial")
+  os.makedirs(path)
+  return path
+
+
+@contextlib.contextmanager
+def signals_raise():
+  """SIGTERM and SIGINT raise Preempted in the main thread, so a tool's cleanup (its
+  `except BaseException`) runs before it exits 143 or 130 with one line; by default SIGTERM
+  would end the process at once, leaving its partial output behind."""
+  def handle(signum, _):
+    raise Preempted(signum, f"{SIGNALS[signum]} before the output was complete: nothing was written")
+
+  previous = {s: signal.signal(s, handle) for s in SIGNALS}
+  try:
+    yield
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -160,7 +208,8 @@ def record_run_files(config, tokenizer) -> None:
   path = os.path.join(config.run_dir, "tokenizer.json")
   if not os.path.exists(path):
     _write_atomic(path, tokenizer.to_str())
-  elif Tokenizer.from_file(path).to_str() != tokenizer.to_str():
+  elif tokenizers.read(path, f"{path}, the tokenizer run {config.run_dir} trained with (restore it, or use "
+                       "a new run_name)").to_str() != tokenizer.to_str():
     raise ConfigError(f"dataset_path, tokenizer_type, tokenizer_path, vocab_size, grain_train_files: they give a "
                       f"tokenizer other than the one run {config.run_dir} trained with ({path}); use the run's flags, "
                       "or a new run_name")

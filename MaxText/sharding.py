@@ -42,6 +42,9 @@ def _resolve(v: dict, prefix: str, total: int, what: str) -> tuple:
 def mesh_shapes(v: dict, num_devices: int, num_granules: int) -> tuple[tuple, tuple]:
   """(ici shape, dcn shape) over MESH_AXES; granules are TPU slices or processes."""
   if all(v[f"dcn_{axis}_parallelism"] == 1 for axis in MESH_AXES):
+    if v["platform"] == "tpu" and num_granules > 1:  # ici axes stay within a slice
+      raise ConfigError(f"dcn_*_parallelism: all 1, but the devices are {num_granules} TPU slices, which only dcn_* "
+                        f"axes join; set them to multiply to {num_granules} (e.g. dcn_data_parallelism={num_granules})")
     return _resolve(v, "ici", num_devices, "devices"), (1,) * len(MESH_AXES)
   dcn = _resolve(v, "dcn", num_granules, "slices/processes")
   if num_devices % num_granules:

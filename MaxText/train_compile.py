@@ -10,7 +10,6 @@ for it on any machine):
 or N simulated CPU devices: JAX_NUM_CPU_DEVICES=N python -m MaxText.train_compile ...
 """
 
-import json
 import sys
 
 from MaxText import auto, errors, metrics, run_control, sharding, train_step
@@ -25,8 +24,7 @@ def main(argv):
     compiled = train_step.compile_train_step(trainer, config)
   except errors.UserError as e:
     if config.memory_stats_file:
-      with open(config.memory_stats_file, "w") as f:
-        json.dump({"fits": False, "error": str(e)}, f, indent=2)
+      metrics.write_json(config.memory_stats_file, {"fits": False, "error": str(e)})
     raise
   device = trainer.mesh.devices.flat[0]
   where = (f"{config.compile_topology} x {config.compile_topology_num_slices} slice(s)" if config.compile_topology
@@ -52,9 +50,9 @@ def main(argv):
           f"MFU at most {model_flops / step_flops:.1%}")
   problem = metrics.fit_message(stats, device)
   if config.memory_stats_file:
-    with open(config.memory_stats_file, "w") as f:
-      json.dump({**stats, "fits": problem is None, "device_memory_bytes": limit, "model_flops_per_step": model_flops,
-                 "traced_flops_per_step": step_flops, "largest_vocab_arrays": vocab_arrays}, f, indent=2)
+    metrics.write_json(config.memory_stats_file, {**stats, "fits": problem is None, "device_memory_bytes": limit,
+                                                 "model_flops_per_step": model_flops, "traced_flops_per_step": step_flops,
+                                                 "largest_vocab_arrays": vocab_arrays})
   if problem:
     print(f"error: {problem}", file=sys.stderr)
     sys.exit(1)

@@ -3,16 +3,19 @@
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 import yaml
 
+from MaxText import checkpointing, decode, errors, pyconfig
 from conftest import BASE_YML, ROOT, TINY, TINY_TEXT, run_cli
 
 # learning_rate_schedule_steps is pinned: otherwise a run stopped with steps=6 would follow a
@@ -133,11 +136,33 @@ def test_divergence_stops_the_run_and_keeps_every_good_checkpoint(tmp_path, refe
 
 def test_a_second_process_on_the_same_run_is_refused(tmp_path, text_cache):
   (tmp_path / "busy").mkdir()
-  (tmp_path / "busy" / ".lock").write_text(str(os.getpid()))  # this test's own, live process
-  result, _ = train(tmp_path, "busy", text_cache, "steps=2")
+  # A live process of this program (its command line names MaxText), as a training run would be.
+  holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "MaxText"])
+  try:
+    (tmp_path / "busy" / ".lock").write_text(str(holder.pid))
+    result, _ = train(tmp_path, "busy", text_cache, "steps=2")
+  finally:
+    holder.kill()
   assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
-  assert f"being trained by process {os.getpid()}" in result.stderr
+  assert f"being trained by process {holder.pid}" in result.stderr
   assert os.listdir(tmp_path / "busy") == [".lock"]
+
+
+def test_a_lock_of_an_unrelated_live_process_is_taken_over_and_one_that_is_a_directory_is_named(tmp_path):
+  from MaxText import run_control
+  unrelated = subprocess.Popen(["sleep", "300"])  # alive, but not this program: a reused pid
+  try:
+    (tmp_path / ".lock").write_text(str(unrelated.pid))
+    with run_control.run_lock(str(tmp_path)):
+      assert (tmp_path / ".lock").read_text() == str(os.getpid())
+  finally:
+    unrelated.kill()
+  assert not (tmp_path / ".lock").exists()
+  (tmp_path / ".lock").mkdir()
+  with pytest.raises(errors.ConfigError, match=re.escape(f"run_name: {tmp_path / '.lock'} is in the way")):
+    with run_control.run_lock(str(tmp_path)):
+      pass
+  assert (tmp_path / ".lock").is_dir()
 
 
 def test_a_save_killed_midway_is_never_restored(tmp_path, reference, text_cache):
@@ -162,12 +187,18 @@ def test_a_save_killed_midway_is_never_restored(tmp_path, reference, text_cache)
 
 
 def damage(step_dir, how):
-  """Overwrites every array file with garbage, or flips one bit in the largest one: what
-  tensorstore restores without a word."""
+  """Overwrites every array file with garbage, flips a byte in each data file (every array
+  unreadable, the metadata intact), or flips one bit in the largest one: what tensorstore
+  restores without a word."""
   files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.name != "_CHECKPOINT_METADATA"]
   if how == "garbage":
     for path in files:
       path.write_bytes(b"garbage")
+  elif how == "unreadable data":
+    for path in (p for p in files if p.parent.name == "d"):
+      data = bytearray(path.read_bytes())
+      data[len(data) // 2] ^= 0xFF
+      path.write_bytes(data)
   else:
     largest = max(files, key=lambda p: p.stat().st_size)
     data = bytearray(largest.read_bytes())
@@ -175,7 +206,8 @@ def damage(step_dir, how):
     largest.write_bytes(data)
 
 
-@pytest.mark.parametrize("how, why", [("garbage", "cannot be restored"), ("flipped bit", "differ from their checksums")])
+@pytest.mark.parametrize("how, why", [("garbage", "cannot be restored"), ("unreadable data", "cannot be restored"),
+                                      ("flipped bit", "differ from their checksums")])
 def test_a_damaged_checkpoint_is_set_aside_whole_and_the_run_resumes_from_the_one_before(
     tmp_path, reference, text_cache, how, why):
   run = tmp_path / "ref"
@@ -184,7 +216,7 @@ def test_a_damaged_checkpoint_is_set_aside_whole_and_the_run_resumes_from_the_on
   damaged = tree_digest(run / "checkpoints" / "12")
   result, metrics_file = train(tmp_path, "ref", text_cache, "steps=12")
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "Traceback" not in result.stderr
+  assert "Traceback" not in result.stderr  # nor the reads orbax abandoned calling into its closed event loop
   warning = next(line for line in result.stderr.splitlines() if "is damaged" in line)
   assert "checkpoints/12" in warning and why in warning and "resuming from step 10" in warning
   assert tree_digest(run / "damaged_checkpoints" / "12") == damaged
@@ -303,3 +335,77 @@ def test_a_path_that_cannot_be_written_stops_the_run_before_it_writes(tmp_path, 
   assert result.stderr.startswith("config error:") and key in result.stderr
   assert len(result.stderr.strip().splitlines()) == 1
   assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_a_checkpoint_without_checksums_is_refused_unless_trusted(tmp_path, reference, text_cache):
+  """Every checkpoint the project writes has checksums: one without them (removed, or from
+  elsewhere) is refused by every reader, with one line naming it and the flag."""
+  run = tmp_path / "ref"
+  shutil.copytree(reference[0] / "ref", run)
+  step = run / "checkpoints" / "12"
+  shutil.rmtree(step / "checksums")
+  before = tree_digest(run / "checkpoints")
+  refusal = f"checkpoint {step} has no checksums, so damage to it cannot be detected; set trust_unverified_checkpoints=true"
+  result, _ = train(tmp_path, "ref", text_cache, "steps=12")
+  assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == f"config error: {refusal} to use it anyway"
+  assert "Traceback" not in result.stderr and tree_digest(run / "checkpoints") == before
+  # load_parameters_path (train, decode, to_huggingface) is refused while the config is read; decode of the run too
+  with pytest.raises(errors.ConfigError, match=re.escape(refusal)):
+    pyconfig.initialize([BASE_YML, *RUN, text_cache, f"load_parameters_path={step}"])
+  with pytest.raises(errors.ConfigError, match=re.escape(refusal)):
+    decode.generate(pyconfig.initialize([BASE_YML, *RUN, text_cache, f"base_output_directory={tmp_path}",
+                                         "run_name=ref"]))
+  trusted, _ = train(tmp_path, "ref", text_cache, "steps=12", "trust_unverified_checkpoints=true")
+  assert trusted.returncode == 0 and "restored unverified" in trusted.stderr, trusted.stderr[-3000:]
+
+
+def test_a_resume_with_other_model_keys_is_one_line_naming_the_parameter_and_moves_nothing(tmp_path, reference,
+                                                                                           text_cache):
+  run = tmp_path / "ref"
+  shutil.copytree(reference[0] / "ref", run)
+  before = tree_digest(run / "checkpoints")
+  result, _ = train(tmp_path, "ref", text_cache, "steps=14", "learning_rate_schedule_steps=14", "base_emb_dim=64")
+  lines = result.stderr.strip().splitlines()
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert lines[-1].startswith(f"config error: checkpoint {run / 'checkpoints' / '12'}: parameter ") and \
+      "has shape" in lines[-1] and "(64,)" in lines[-1]
+  assert tree_digest(run / "checkpoints") == before and not (run / "damaged_checkpoints").exists()
+
+
+def test_decode_skips_a_stray_step_directory_and_refuses_destroyed_parameters(tmp_path, reference, text_cache):
+  run = tmp_path / "ref"
+  shutil.copytree(reference[0] / "ref", run)
+  (run / "checkpoints" / "99").mkdir()  # what training would set aside: orbax never committed it
+  config = pyconfig.initialize([BASE_YML, *RUN, text_cache, f"base_output_directory={tmp_path}", "run_name=ref",
+                                "prompt=ROMEO:", "max_decode_length=4"])
+  assert checkpointing.latest_checkpoint(config) == str(run / "checkpoints" / "12")
+  assert decode.generate(config).startswith("ROMEO:")
+  # Every array zero (what missing chunks read as), its checksums gone and the user trusting it anyway
+  zeroed = jax.tree.map(np.zeros_like, checkpointing.load_model_parameters(config, str(run / "checkpoints" / "12")))
+  with pytest.raises(checkpointing.CheckpointError, match="parameters are all zero or not finite"):
+    decode._check_not_destroyed(zeroed, "checkpoints/12")
+
+
+def test_decode_of_another_runs_checkpoint_uses_that_runs_tokenizer(tmp_path, reference, text_cache):
+  prompt = ("prompt=ROMEO:", "max_decode_length=4")
+  own = pyconfig.initialize([BASE_YML, *RUN, text_cache, f"base_output_directory={reference[0]}", "run_name=ref",
+                             *prompt])
+  # The flags name the byte tokenizer; the parameters were trained with the run's BPE.
+  elsewhere = pyconfig.initialize([BASE_YML, *RUN, text_cache, f"base_output_directory={tmp_path}", "run_name=other",
+                                   "tokenizer_type=byte", *prompt,
+                                   f"load_parameters_path={reference[0] / 'ref' / 'checkpoints' / '12'}"])
+  assert decode.generate(elsewhere) == decode.generate(own)
+
+
+def test_a_garbage_run_tokenizer_is_one_line_for_train_and_decode(tmp_path, reference, text_cache):
+  from MaxText import run_control, tokenizer
+  run = tmp_path / "ref"
+  shutil.copytree(reference[0] / "ref", run)
+  (run / "tokenizer.json").write_text("{not a tokenizer")
+  config = pyconfig.initialize([BASE_YML, *RUN, text_cache, f"base_output_directory={tmp_path}", "run_name=ref"])
+  message = re.escape(f"{run / 'tokenizer.json'}, the tokenizer ") + ".*cannot load a tokenizer.json"
+  with pytest.raises(errors.ConfigError, match=message):
+    run_control.record_run_files(config, tokenizer.byte_tokenizer())
+  with pytest.raises(errors.ConfigError, match=message):
+    decode.generate(config)
+  assert (run / "tokenizer.json").read_text() == "{not a tokenizer"

@@ -6,6 +6,7 @@ continue from the imported weights with the model directory's tokenizer."""
 import json
 import re
 import shutil
+import subprocess
 
 import jax
 import ml_dtypes
@@ -15,7 +16,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from MaxText import decode, errors, pyconfig
+from MaxText import checkpointing, decode, errors, pyconfig
 from MaxText.checkpoint_conversion import mapping, to_huggingface, to_maxtext
 from MaxText.layers.models import Transformer
 from conftest import BASE_YML, ROOT, TINY, run_cli, tiny_config
@@ -291,3 +292,40 @@ def test_outputs_are_never_overwritten_and_a_checkpoint_of_other_keys_is_named(t
                                                            "the model keys give (128, 32)")):
     to_huggingface.convert(pyconfig.initialize([*export, "vocab_size=128"]))
   assert not exported.exists() and sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["0"]
+
+
+def test_an_imported_checkpoint_has_checksums_and_a_flipped_bit_is_not_exported(tmp_path):
+  from test_checkpointing import damage
+  converted = to_maxtext.convert(to_maxtext.resolve_config(
+      [BASE_YML, f"hf_model_path={ASSETS / 'llama'}", f"base_output_directory={tmp_path}", "run_name=a"]))
+  assert (tmp_path / "a" / "checkpoints" / "0" / "checksums").is_dir()
+  damage(tmp_path / "a" / "checkpoints" / "0", "flipped bit")
+  exported = tmp_path / "exported"
+  with pytest.raises(checkpointing.CheckpointError, match=re.escape(f"load_parameters_path='{converted}': ")):
+    to_huggingface.convert(pyconfig.initialize([BASE_YML, mapping.NO_DATA, f"load_parameters_path={converted}",
+                                                f"hf_output_path={exported}"]))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def test_export_removes_only_its_own_dead_leftovers_and_paths_in_the_way_are_one_line(tmp_path):
+  converted = to_maxtext.convert(to_maxtext.resolve_config(
+      [BASE_YML, f"hf_model_path={ASSETS / 'llama'}", f"base_output_directory={tmp_path}", "run_name=a"]))
+  users = tmp_path / "exported.partial"  # a name a user may well pick: never touched
+  users.mkdir()
+  (users / "mine.txt").write_text("keep")
+  dead = subprocess.Popen(["true"])
+  dead.wait()
+  leftover = tmp_path / f".exported.to_huggingface-{dead.pid}.partial"  # a killed export's
+  leftover.mkdir()
+  export = [BASE_YML, mapping.NO_DATA, f"load_parameters_path={converted}"]
+  to_huggingface.convert(pyconfig.initialize([*export, f"hf_output_path={tmp_path / 'exported'}"]))
+  assert (users / "mine.txt").read_text() == "keep" and not leftover.exists()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "exported", "exported.partial"]
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
+  with pytest.raises(errors.ConfigError, match=re.escape(f"hf_output_path: cannot write '{a_file}/out'")):
+    to_huggingface.convert(pyconfig.initialize([*export, f"hf_output_path={a_file}/out"]))
+  with pytest.raises(errors.ConfigError, match="base_output_directory: cannot write"):
+    to_maxtext.convert(to_maxtext.resolve_config([BASE_YML, f"hf_model_path={ASSETS / 'llama'}",
+                                                  f"base_output_directory={a_file}", "run_name=b"]))
+  assert a_file.read_text() == ""

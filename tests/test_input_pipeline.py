@@ -1,10 +1,12 @@
 """Corpus, tokenizers, packing and the grain pipeline."""
 
 import json
+import re
 
 import jax
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, models
 
 from MaxText.input_pipeline import corpus, input_pipeline, tokenizer
 from MaxText.errors import ConfigError
@@ -60,6 +62,10 @@ def test_user_text_files_directories_globs_and_jsonl(tmp_path):
   (tmp_path / "empty.txt").write_text("  \n")
   with pytest.raises(ConfigError, match="empty"):
     read(tmp_path / "empty.txt")
+  bom = b"\xef\xbb\xbf"  # the byte-order mark some editors put before UTF-8 text
+  (tmp_path / "bom.jsonl").write_bytes(bom + json.dumps({"text": "epsilon"}).encode() + b"\n")
+  (tmp_path / "bom.txt").write_bytes(bom + b"zeta")
+  assert read(tmp_path / "bom.jsonl") == ["epsilon"] and read(tmp_path / "bom.txt") == ["zeta"]
 
 
 def test_directories_do_not_follow_links_out_of_or_back_into_themselves(tmp_path):
@@ -98,10 +104,23 @@ def test_tokenizer_path_loads_any_tokenizer_json_and_bad_ones_are_config_errors(
   assert tokenizer.load_or_train(config, []).get_vocab_size() == 257
   with pytest.raises(ConfigError, match="vocab_size=200.*257"):
     tokenizer.load_or_train(text_config(tmp_path, f"tokenizer_path={path}", "vocab_size=200"), [])
+  # Ids with gaps: 2 tokens, but id 400 is past a 320-row embedding table.
+  sparse = Tokenizer(models.WordLevel({"a": 0, tokenizer.EOD: 400}, unk_token=tokenizer.EOD))
+  sparse.save(str(tmp_path / "sparse.json"))
+  with pytest.raises(ConfigError, match=re.escape("vocab_size=320: smaller than the 401 token ids (0 to 400)")):
+    tokenizer.load_or_train(text_config(tmp_path, f"tokenizer_path={tmp_path / 'sparse.json'}"), [])
   (tmp_path / "bad.json").write_text("{not json")
   for bad in (tmp_path / "bad.json", tmp_path / "missing.json"):
     with pytest.raises(ConfigError, match=f"tokenizer_path='{bad}'"):
       tokenizer.load_or_train(text_config(tmp_path, f"tokenizer_path={bad}"), [])
+
+
+def test_a_corpus_too_small_for_one_row_is_one_line_and_caches_no_tokens(tmp_path):
+  (tmp_path / "small.txt").write_text("a few words\n" * 3)
+  config = text_config(tmp_path, f"dataset_path={tmp_path / 'small.txt'}", "tokenizer_type=byte")
+  with pytest.raises(ConfigError, match="fewer than one row of max_target_length=16"):
+    input_pipeline.TextData(config)
+  assert not list(tmp_path.rglob("tokens-*"))
 
 
 def test_byte_tokenizer_round_trips_any_utf8():

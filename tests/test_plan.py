@@ -91,6 +91,12 @@ def test_plan_exits_2_naming_the_smallest_when_the_budget_is_below_every_candida
   assert not list(tmp_path.iterdir())
 
 
+def test_the_smallest_candidate_is_named_with_its_size_however_small():
+  record = {"status": "ok", "fits": False, "total_bytes": 3 * 2**20, "settings": {"num_vocab_tiling": 1}}
+  with pytest.raises(errors.ConfigError, match=r"smallest found needs 0\.00293 GiB per device \(num_vocab_tiling=1\)"):
+    plan.choose([record], 2**20, "test")
+
+
 def test_auto_resolves_once_per_fingerprint_and_reuses_it(tmp_path, monkeypatch):
   argv = _argv(f"base_output_directory={tmp_path}", *SEARCH, "num_vocab_tiling=auto", "per_device_batch_size=auto")
   config = auto.initialize(argv)

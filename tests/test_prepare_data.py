@@ -2,7 +2,12 @@
 
 import json
 import os
+import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -113,6 +118,14 @@ def test_a_missing_or_damaged_shard_is_a_config_error_naming_it(prepared, tmp_pa
   copy = tmp_path / "copy"
   shutil.copytree(prepared[0].output_path, copy)
   config = lambda: grain_config(prepared, f"grain_train_files={copy}/train-*", f"grain_eval_files={copy}/eval-*")
+  original = (copy / "tokenizer.json").read_text()
+  swapped = tokenizer.byte_tokenizer()
+  swapped.add_special_tokens(["<|other|>"])
+  swapped.save(str(copy / "tokenizer.json"))
+  with pytest.raises(ConfigError, match=re.escape(f"{copy / 'tokenizer.json'} is not the tokenizer the shards were "
+                                                  "tokenized with")):
+    input_pipeline.load(config())
+  (copy / "tokenizer.json").write_text(original)
   shard = copy / token_shards.shard_name("train", 1, TRAIN_SHARDS)
   data = shard.read_bytes()
   shard.write_bytes(data[:len(data) // 2])
@@ -250,3 +263,59 @@ def test_a_parquet_run_resumed_on_another_number_of_processes_stops_with_one_lin
     train.train(parquet_config(tmp_path, f"base_output_directory={tmp_path}", "steps=4", "run_name=p",
                                "enable_checkpointing=true"))
   assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "p").rglob("*")) == before
+
+
+def test_one_writer_at_a_time_and_a_prepared_corpus_is_replaced_only_when_asked(prepared, tmp_path):
+  config = prepared[0]
+  out = tmp_path / "shards"
+  shutil.copytree(config.output_path, out)
+  (out / "notes.txt").write_text("mine")
+  before = sorted(p.name for p in out.iterdir())
+  holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "MaxText"])  # a live writer
+  try:
+    (out / ".lock").write_text(str(holder.pid))
+    with pytest.raises(ConfigError, match=re.escape(f"output_path: {out} is being prepared by process {holder.pid}")):
+      prepare(tmp_path, config.dataset_path, "overwrite_output_path=true")
+  finally:
+    holder.kill()
+  (out / ".lock").unlink()
+  with pytest.raises(ConfigError, match="already holds a prepared corpus .* set overwrite_output_path=true"):
+    prepare(tmp_path, config.dataset_path, "num_train_shards=2")
+  assert sorted(p.name for p in out.iterdir()) == before
+  _, manifest = prepare(tmp_path, config.dataset_path, "num_train_shards=2", "overwrite_output_path=true")
+  assert [s["file"] for s in manifest["splits"]["train"]["shards"]] == [token_shards.shard_name("train", i, 2)
+                                                                          for i in range(2)]
+  assert sorted(p.name for p in out.glob("train-*")) == sorted(
+      n for i in range(2) for n in (token_shards.shard_name("train", i, 2), f"train-{i:05d}-of-00002.offsets"))
+  assert (out / "notes.txt").read_text() == "mine" and not (out / ".lock").exists()
+
+
+def test_a_killed_writers_leftovers_are_removed_and_paths_in_the_way_are_one_line(prepared, tmp_path):
+  config = prepared[0]
+  dead = subprocess.Popen(["true"])
+  dead.wait()
+  leftover = tmp_path / "shards" / f".prepare_data-{dead.pid}.partial"  # what a SIGKILL leaves
+  leftover.mkdir(parents=True)
+  (leftover / "train-00000-of-00003.spill").write_bytes(b"\0" * 8)
+  prepare(tmp_path, config.dataset_path)
+  assert not leftover.exists() and (tmp_path / "shards" / "manifest.json").exists()
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(ConfigError, match=re.escape(f"output_path: cannot write '{tmp_path / 'a_file'}'")):
+    prepare_data.prepare(tiny_config(f"dataset_path={config.dataset_path}", "tokenizer_type=byte",
+                                     f"output_path={tmp_path / 'a_file'}"))
+
+
+def test_sigterm_stops_prepare_data_with_one_line_and_leaves_nothing(prepared, tmp_path):
+  out = tmp_path / "out"
+  process = subprocess.Popen([sys.executable, "-m", "MaxText.prepare_data", str(ROOT / "configs" / "base.yml"),
+                              f"dataset_path={prepared[0].dataset_path}", "tokenizer_type=byte", f"output_path={out}",
+                              "prepare_workers=1"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+  deadline = time.time() + 120
+  while time.time() < deadline and process.poll() is None and not list(out.glob(".prepare_data-*.partial")):
+    time.sleep(0.01)
+  process.send_signal(signal.SIGTERM)
+  _, stderr = process.communicate(timeout=120)
+  assert process.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
+  assert stderr.strip().splitlines()[-1] == "stopped: SIGTERM before the output was complete: nothing was written"
+  assert not out.exists()

@@ -1,5 +1,6 @@
 """Config: layering, typing, derived values, and one-line errors with exit code 2."""
 
+import re
 import subprocess
 import sys
 
@@ -99,6 +100,9 @@ def test_config_is_read_only():
     ("attn_logits_soft_cap=-1", "attn_logits_soft_cap"),
     ("query_pre_attn_scalar=-1", "query_pre_attn_scalar"),
     ("sliding_window_size=-1", "sliding_window_size"),
+    ("steps=10000000000", "steps"),
+    ("vocab_size=4e9", "vocab_size"),
+    ('logical_axis_rules=[["embed", ["fsdp", "fsdp"]]]', "logical_axis_rules"),
 ])
 def test_bad_values_name_the_key(override, key):
   with pytest.raises(errors.ConfigError, match=key):
@@ -149,3 +153,39 @@ def test_cli_missing_config_file_exits_2(tmp_path):
                           capture_output=True, text=True)
   assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
   assert "x.yml" in result.stderr
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("steps: 300", 'steps: "ten"'), "steps=ten: must be an integer"),
+    (("num_vocab_tiling: 1", "num_vocab_tiling: auto"), "num_vocab_tiling=auto: must be an integer"),
+    (("vocab_size: 4096", "vocab_size: 4000000000"), "vocab_size=4000000000: must be at most"),
+])
+def test_a_config_files_values_are_typed_like_the_command_line(tmp_path, edit, message):
+  path = tmp_path / "copy.yml"
+  text = open(BASE_YML).read()
+  assert edit[0] in text
+  path.write_text(text.replace(edit[0], edit[1]))
+  with pytest.raises(errors.ConfigError, match=re.escape(message)):
+    pyconfig.initialize([str(path)], num_devices=1)
+
+
+@pytest.mark.parametrize("text", ["", "steps: 5\n"], ids=["empty", "partial"])
+def test_a_config_file_without_every_key_says_so_and_base_config_fills_them(tmp_path, text):
+  path = tmp_path / "mine.yml"
+  path.write_text(text)
+  with pytest.raises(errors.ConfigError, match=re.escape(f"config file '{path}' lacks") + ".*base_config"):
+    pyconfig.initialize([str(path)], num_devices=1)
+  path.write_text(f"base_config: {BASE_YML}\n{text}")
+  config = pyconfig.initialize([str(path), "vocab_size=320"], num_devices=1)
+  assert config.steps == (5 if text else 300) and config.vocab_size == 320
+  path.write_text(f"base_config: {BASE_YML}\nsteps: ten\n")
+  with pytest.raises(errors.ConfigError, match="steps=ten"):
+    pyconfig.initialize([str(path)], num_devices=1)
+
+
+def test_cli_empty_config_file_is_one_line_exit_2(tmp_path):
+  (tmp_path / "empty.yml").write_text("")
+  result = subprocess.run([sys.executable, "-m", "MaxText.train", str(tmp_path / "empty.yml")],
+                          capture_output=True, text=True, cwd=ROOT)
+  assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+  assert "lacks" in result.stderr and "Traceback" not in result.stderr

@@ -7,10 +7,11 @@ compiler's memory figures. Nothing runs on a TPU.
 
 import json
 import math
+import re
 
 import pytest
 
-from MaxText import accelerators, metrics, sharding, train_step
+from MaxText import accelerators, errors, metrics, sharding, train_step
 from conftest import TINY, run_cli, tiny_config
 
 # A head-dominated model: float32 logits [4 x 512, 32768] per chip are 256 MiB, the layers little.
@@ -102,6 +103,11 @@ def test_train_compile_reports_against_the_chip_and_exits_1_when_it_does_not_fit
   assert result.stderr.strip().splitlines() == [result.stderr.strip()]
   assert result.stderr.startswith("error: does not fit")
   assert json.loads(stats_file.read_text())["fits"] is False
+
+
+def test_slices_joined_by_no_dcn_axis_are_a_config_error():
+  with pytest.raises(errors.ConfigError, match=re.escape("2 TPU slices, which only dcn_* axes join")):
+    tiny_config("compile_topology=v5p-8", "compile_topology_num_slices=2")
 
 
 @pytest.mark.parametrize("module, args, message", [

@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from safetensors.numpy import save_file
 
-from MaxText import checkpointing, errors, pyconfig
+from MaxText import checkpointing, errors, pyconfig, run_control
 from MaxText.checkpoint_conversion import mapping
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained shards at "5GB"
@@ -111,15 +111,16 @@ def convert(config, max_shard_bytes: int = MAX_SHARD_BYTES) -> list:
   output = config.hf_output_path
   if not output:
     raise errors.ConfigError("hf_output_path='': give a new directory for the Hugging Face model")
+  run_control.check_writable("hf_output_path", output)
   if os.path.exists(output):
     raise errors.ConfigError(f"hf_output_path={output!r}: exists; give a new directory")
   stored = _stored(config)
   shards = _shards(config, stored, max_shard_bytes)
   files = (["model.safetensors"] if len(shards) == 1 else
            [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
-  partial = f"{output}.partial"
-  shutil.rmtree(partial, ignore_errors=True)  # this tool's own leftover from a killed export
-  os.makedirs(partial)
+  parent = os.path.dirname(os.path.abspath(output))
+  os.makedirs(parent, exist_ok=True)
+  partial = run_control.staging_dir(parent, f"{os.path.basename(os.path.abspath(output))}.to_huggingface")
   try:
     _write(config, stored, dict(zip(files, shards)), partial)
   except BaseException:
@@ -130,8 +131,9 @@ def convert(config, max_shard_bytes: int = MAX_SHARD_BYTES) -> list:
 
 
 def main(argv):
-  config = pyconfig.initialize(mapping.tool_argv(argv[1:]))
-  files = convert(config)
+  with run_control.signals_raise():
+    config = pyconfig.initialize(mapping.tool_argv(argv[1:]))
+    files = convert(config)
   print(f"wrote {config.load_parameters_path} to {config.hf_output_path} ({len(files)} safetensors file(s), "
         f"Hugging Face {mapping.FAMILIES[config.decoder_block][0]})", file=sys.stderr)
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import yaml
 from orbax.checkpoint.experimental import v1 as ocp
 
-from MaxText import errors, pyconfig
+from MaxText import checkpointing, errors, pyconfig, run_control
 from MaxText.checkpoint_conversion import mapping
 
 
@@ -40,14 +40,18 @@ def resolve_config(argv):
 
 
 def _write(config, tensors: dict, dtype, path: str) -> None:
-  """The checkpoint, one parameter at a time, then model.yml."""
+  """The checkpoint, one parameter at a time, its checksums (as a run's, so every reader
+  verifies it), then model.yml."""
+  sums = {}
   for entry in mapping.layout(config):
     tree = mapping.to_param(config, entry, lambda name: mapping.read_tensor(tensors, name), dtype)
-    for key in reversed(("params", *entry[0])):
+    for key in reversed(entry[0]):
       tree = {key: tree}
-    ocp.partial.save(path, tree)
+    sums.update({f".params{key}": value for key, value in checkpointing.checksums(tree).items()})
+    ocp.partial.save(path, {"params": tree})
     del tree  # before the next parameter is built: one in memory at a time
   ocp.partial.finalize(path)
+  checkpointing.write_checksums(path, sums)
   with open(os.path.join(path, pyconfig.MODEL_KEYS_FILE), "w") as f:
     yaml.safe_dump({key: getattr(config, key) for key in pyconfig.MODEL_KEYS}, f, sort_keys=False)
 
@@ -55,14 +59,14 @@ def _write(config, tensors: dict, dtype, path: str) -> None:
 def convert(config) -> str:
   """Writes the checkpoint; returns its path. Every check runs before anything is written."""
   output = os.path.abspath(os.path.join(config.run_dir, "checkpoints", "0"))
+  run_control.check_writable("base_output_directory", output)
   if os.path.exists(output):
     raise errors.ConfigError(f"run_name={config.run_name!r}: {output} exists; pick a new run_name")
   dtype = jnp.dtype(config.convert_dtype) if config.convert_dtype else None
   tensors = mapping.tensor_index(config.hf_model_path)
   mapping.check_tensors(config, tensors, config.hf_model_path)
-  staging = f"{output}.converting"
-  shutil.rmtree(staging, ignore_errors=True)  # this tool's own leftover from a killed conversion
-  os.makedirs(staging)
+  os.makedirs(os.path.dirname(output), exist_ok=True)
+  staging = run_control.staging_dir(os.path.dirname(output), "to_maxtext")
   try:
     _write(config, tensors, dtype, os.path.join(staging, "0"))
   except BaseException:
@@ -74,8 +78,9 @@ def convert(config) -> str:
 
 
 def main(argv):
-  config = resolve_config(argv[1:])
-  output = convert(config)
+  with run_control.signals_raise():
+    config = resolve_config(argv[1:])
+    output = convert(config)
   print(f"wrote {config.hf_model_path} ({mapping.FAMILIES[config.decoder_block][0]}) to {output}; start a run "
         f"from it with load_parameters_path={output}", file=sys.stderr)
 

@@ -76,7 +76,7 @@ def _jsonl_records(f, path: str, text_column: str) -> Iterator[tuple[str | BadRe
     if not line.strip():
       continue
     try:
-      record = json.loads(line.decode("utf-8"))
+      record = json.loads(line.decode("utf-8-sig" if number == 1 else "utf-8"))  # a leading byte-order mark
     except UnicodeDecodeError as e:
       yield BadRecord("not UTF-8", f"dataset_path: cannot read {path} line {number}: {e}"), consumed
       continue
@@ -122,7 +122,7 @@ def records(path: str, text_column: str) -> Iterator[tuple[str | BadRecord, int]
     yield BadRecord("unreadable file", f"dataset_path: cannot read {path}: {e}"), 0
     return
   try:
-    text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # as open()'s universal newlines
+    text = data.decode("utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")  # as open()'s universal newlines
   except UnicodeDecodeError as e:
     yield BadRecord("not UTF-8", f"dataset_path: cannot read {path}: {e}"), len(data)
     return

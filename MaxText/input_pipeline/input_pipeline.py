@@ -66,20 +66,23 @@ def text_rows(stream: np.ndarray, length: int, eod: int) -> grain.MapDataset:
       lambda r: pack(np.asarray(stream[r * length:r * length + length + 1], np.int32), eod))
 
 
-def _tokenize_cached(config, documents, tokenizer, split) -> np.ndarray:
-  """`doc EOD doc EOD ...` as int32, from dataset_cache_dir when this corpus and tokenizer
-  were seen before."""
+def _tokenized(config, documents, tokenizer, split) -> tuple[np.ndarray, str | None]:
+  """(`doc EOD doc EOD ...` as int32, the cache file to write it to, or None when it was read
+  from there: this corpus and tokenizer were seen before)."""
   key = tokenizers.fingerprint(documents + [tokenizer.to_str()])
   path = os.path.join(config.dataset_cache_dir, f"tokens-{split}-{key}.npy")
   if os.path.isfile(path):
     try:
-      return np.load(path, mmap_mode="r")
+      return np.load(path, mmap_mode="r"), None
     except (ValueError, OSError, EOFError) as e:  # written atomically, so damaged after the fact
       logging.warning("token cache %s is unreadable (%s); tokenizing again", path, e)
   eod = tokenizers.eod_id(tokenizer, "tokenizer")
   encoded = tokenizer.encode_batch(documents, add_special_tokens=False)
-  stream = np.fromiter((t for e in encoded for t in (*e.ids, eod)), dtype=np.int32)
-  os.makedirs(config.dataset_cache_dir, exist_ok=True)
+  return np.fromiter((t for e in encoded for t in (*e.ids, eod)), dtype=np.int32), path
+
+
+def _cache(stream: np.ndarray, path: str) -> np.ndarray:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
   tmp = f"{path}.tmp{os.getpid()}.npy"
   np.save(tmp, stream)
   os.replace(tmp, path)
@@ -93,12 +96,13 @@ class TextData:
     train_docs, eval_docs = corpus.split_documents(corpus.read_documents(config))
     self.tokenizer = tokenizers.load_or_train(config, train_docs)
     self.eod = tokenizers.eod_id(self.tokenizer, "tokenizer")
-    self.train = _tokenize_cached(config, train_docs, self.tokenizer, "train")
-    self.eval = _tokenize_cached(config, eval_docs, self.tokenizer, "eval")
-    for split, stream in (("train", self.train), ("eval", self.eval)):
+    streams = {split: _tokenized(config, docs, self.tokenizer, split)
+               for split, docs in (("train", train_docs), ("eval", eval_docs))}
+    for split, (stream, _) in streams.items():  # before any cache is written: a failed run writes none
       if len(stream) <= config.max_target_length:
         raise ConfigError(f"dataset_path={config.dataset_path!r}: the {split} split has {len(stream)} "
                           f"tokens, fewer than one row of max_target_length={config.max_target_length}")
+    self.train, self.eval = (stream if path is None else _cache(stream, path) for stream, path in streams.values())
 
 
 def batches(rows: grain.MapDataset, batch_size: int) -> grain.MapDataset:
@@ -151,9 +155,7 @@ def _shards(config, key: str):
   if len(stream) <= config.max_target_length:
     raise ConfigError(f"{key}={getattr(config, key)!r}: {len(stream)} tokens, fewer than one row of "
                       f"max_target_length={config.max_target_length}")
-  if tokenizer.get_vocab_size() > config.vocab_size:
-    raise ConfigError(f"vocab_size={config.vocab_size}: smaller than the {tokenizer.get_vocab_size()} tokens "
-                      f"of the tokenizer of {key}={getattr(config, key)!r}")
+  tokenizers.check_vocab_size(tokenizer, config.vocab_size, f"the tokenizer of {key}={getattr(config, key)!r}")
   return stream, tokenizer
 
 
@@ -208,6 +210,7 @@ def grain_data(config) -> Data:
   held_out = None
   if config.grain_file_type == "parquet":
     tokenizer = tokenizers.load_pretrained(config, "grain_file_type='parquet'")
+    tokenizers.check_vocab_size(tokenizer, config.vocab_size, "the tokenizer of grain_file_type='parquet'")
     train = _parquet_rows(config, "grain_train_files", tokenizer, shuffle=True)
     if config.grain_eval_files:
       held_out = _parquet_rows(config, "grain_eval_files", tokenizer, shuffle=False)

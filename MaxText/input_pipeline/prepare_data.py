@@ -14,7 +14,9 @@ strict_data=true stops at the first one instead (exit 2, nothing written).
 """
 
 import collections
+import contextlib
 import itertools
+import json
 import multiprocessing
 import os
 import resource
@@ -26,7 +28,7 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from MaxText import errors, pyconfig
+from MaxText import errors, pyconfig, run_control
 from MaxText.input_pipeline import corpus, token_shards
 from MaxText.input_pipeline import tokenizer as tokenizers
 
@@ -38,9 +40,26 @@ _LOGGED_BAD = 5  # bad records logged one by one; the rest only counted
 def check_output_path(config) -> None:
   if not config.output_path:
     raise errors.ConfigError("output_path='': give the directory to write the shards to")
-  if os.path.exists(os.path.join(config.output_path, token_shards.MANIFEST)):
+  run_control.check_writable("output_path", config.output_path)
+  if os.path.exists(os.path.join(config.output_path, token_shards.MANIFEST)) and not config.overwrite_output_path:
     raise errors.ConfigError(f"output_path={config.output_path!r}: already holds a prepared corpus "
-                             f"({token_shards.MANIFEST}); choose another directory")
+                             f"({token_shards.MANIFEST}); choose another directory, or set "
+                             "overwrite_output_path=true to replace it")
+
+
+def _remove_prepared(directory: str) -> None:
+  """The prepared corpus in `directory`: its manifest first (the directory is then no corpus),
+  then the files it lists; nothing else there is touched."""
+  path = os.path.join(directory, token_shards.MANIFEST)
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    manifest = json.load(f)
+  os.remove(path)
+  shards = [s["file"] for split in manifest["splits"].values() for s in split["shards"]]
+  for name in [manifest["tokenizer"], *shards, *map(token_shards.offsets_path, shards)]:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(os.path.join(directory, name))
 
 
 class BadRecords:
@@ -167,30 +186,33 @@ def prepare(config) -> dict:
   tokenizer = tokenizers.load_pretrained(config, "prepare_data")
   paths = corpus.files(config.dataset_path, SUFFIXES)
   created = not os.path.exists(config.output_path)
-  partial = os.path.join(config.output_path, f".partial-{os.getpid()}")
-  os.makedirs(partial)
-  bad = BadRecords(config.strict_data)
-  start = time.perf_counter()
-  try:
-    if config.runner:
-      tokens = _beam().run(config, tokenizer, paths, partial, bad)
-    else:
-      tokens = prepare_local(config, tokenizer, paths, partial, bad)
-  except BaseException:  # nothing of a failed preparation stays
-    shutil.rmtree(config.output_path if created else partial)
-    raise
-  seconds = time.perf_counter() - start
-  for name in sorted(os.listdir(partial)):
-    os.replace(os.path.join(partial, name), os.path.join(config.output_path, name))
-  os.rmdir(partial)
-  size = sum(os.path.getsize(p) for p in paths)
-  main_rss, worker_rss = peak_rss_mib()
-  measured = {"seconds": round(seconds, 2), "input_bytes": size, "mb_per_s": round(size / 1e6 / seconds, 2),
-              "tokens_per_s": round(tokens / seconds), "peak_rss_mib": round(main_rss),
-              "peak_worker_rss_mib": round(worker_rss)}
-  manifest = token_shards.write_manifest(config.output_path, tokenizer, {
-      "dataset_path": config.dataset_path, "text_column": config.text_column, "files": len(paths),
-      "bad_records": dict(bad.counts), "preparation": measured})
+  # One writer at a time: a second one would replace the first's files with its own.
+  with run_control.run_lock(config.output_path, "output_path", "prepared"), run_control.signals_raise():
+    check_output_path(config)  # again, holding the lock: the writer that held it may have finished
+    partial = run_control.staging_dir(config.output_path, "prepare_data")
+    bad = BadRecords(config.strict_data)
+    start = time.perf_counter()
+    try:
+      if config.runner:
+        tokens = _beam().run(config, tokenizer, paths, partial, bad)
+      else:
+        tokens = prepare_local(config, tokenizer, paths, partial, bad)
+    except BaseException:  # nothing of a failed preparation stays
+      shutil.rmtree(config.output_path if created else partial)
+      raise
+    seconds = time.perf_counter() - start
+    _remove_prepared(config.output_path)  # overwrite_output_path=true
+    for name in sorted(os.listdir(partial)):
+      os.replace(os.path.join(partial, name), os.path.join(config.output_path, name))
+    os.rmdir(partial)
+    size = sum(os.path.getsize(p) for p in paths)
+    main_rss, worker_rss = peak_rss_mib()
+    measured = {"seconds": round(seconds, 2), "input_bytes": size, "mb_per_s": round(size / 1e6 / seconds, 2),
+                "tokens_per_s": round(tokens / seconds), "peak_rss_mib": round(main_rss),
+                "peak_worker_rss_mib": round(worker_rss)}
+    manifest = token_shards.write_manifest(config.output_path, tokenizer, {
+        "dataset_path": config.dataset_path, "text_column": config.text_column, "files": len(paths),
+        "bad_records": dict(bad.counts), "preparation": measured})
   train, held_out = manifest["splits"]["train"], manifest["splits"]["eval"]
   print(f"prepared {config.output_path}: {train['documents']} train documents ({train['tokens']} tokens), "
         f"{held_out['documents']} eval documents ({held_out['tokens']} tokens); {measured['mb_per_s']} MB/s, "

@@ -141,6 +141,9 @@ def open_split(key: str, pattern: str):
   except Exception as e:  # json, KeyError, OSError, and tokenizers' bare Exceptions
     raise ConfigError(f"{key}={pattern!r}: {manifest_path} or its tokenizer is missing or unreadable "
                       f"({first_line(e)}); is this a prepare_data output?") from None
+  if tokenizers.fingerprint([tokenizer.to_str()]) != manifest.get("tokenizer_fingerprint"):
+    raise ConfigError(f"{key}={pattern!r}: {os.path.join(directory, manifest['tokenizer'])} is not the tokenizer the "
+                      f"shards were tokenized with (its fingerprint differs from {manifest_path}'s); prepare them again")
   listed = {s["file"]: s for split in manifest["splits"].values() for s in split["shards"]}
   for path in paths:  # `-of-N` promises N shards: one gone would silently drop its documents
     named = re.fullmatch(r"(.+)-\d+-of-(\d+)\.arrayrecord", os.path.basename(path))

@@ -57,6 +57,22 @@ def save_atomic(tokenizer: Tokenizer, path: str) -> None:
   os.replace(tmp, path)
 
 
+def read(path: str, source: str) -> Tokenizer:
+  """The tokenizer.json at `path`; a missing or malformed file is a ConfigError naming `source`."""
+  try:
+    return Tokenizer.from_file(path)
+  except Exception as e:  # tokenizers raises bare Exceptions for missing and malformed files.
+    raise ConfigError(f"{source}: cannot load a tokenizer.json ({first_line(e)})") from None
+
+
+def check_vocab_size(tokenizer: Tokenizer, vocab_size: int, source: str) -> None:
+  """ConfigError unless every token id of `tokenizer` is below vocab_size: ids past the
+  embedding table would make the loss NaN. Its largest id, not its count: ids may have gaps."""
+  ids = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+  if ids > vocab_size:
+    raise ConfigError(f"vocab_size={vocab_size}: smaller than the {ids} token ids (0 to {ids - 1}) of {source}")
+
+
 def eod_id(tokenizer: Tokenizer, source: str) -> int:
   for token in EOD_CANDIDATES:
     token_id = tokenizer.token_to_id(token)
@@ -71,11 +87,7 @@ def from_config(config, train_documents) -> tuple[Tokenizer, str]:
     path = config.tokenizer_path
     if os.path.isdir(path):  # a Hugging Face model directory
       path = os.path.join(path, "tokenizer.json")
-    try:
-      tokenizer = Tokenizer.from_file(path)
-    except Exception as e:  # tokenizers raises bare Exceptions for missing and malformed files.
-      raise ConfigError(f"tokenizer_path={config.tokenizer_path!r}: cannot load a tokenizer.json "
-                        f"({first_line(e)})") from None
+    tokenizer = read(path, f"tokenizer_path={config.tokenizer_path!r}")
     source = f"tokenizer_path={config.tokenizer_path!r}"
   elif config.tokenizer_type == "byte":
     tokenizer, source = byte_tokenizer(), "tokenizer_type='byte'"
@@ -109,8 +121,6 @@ def load_pretrained(config, user: str) -> Tokenizer:
 def load_or_train(config, train_documents) -> Tokenizer:
   """The tokenizer the config asks for; larger than vocab_size is a config error."""
   tokenizer, source = from_config(config, train_documents)
-  if tokenizer.get_vocab_size() > config.vocab_size:
-    raise ConfigError(f"vocab_size={config.vocab_size}: smaller than the {tokenizer.get_vocab_size()} "
-                      f"tokens of {source}")
+  check_vocab_size(tokenizer, config.vocab_size, source)
   eod_id(tokenizer, source)
   return tokenizer
