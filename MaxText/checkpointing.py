@@ -13,10 +13,10 @@ fails to restore or to match is moved, whole, to <run_dir>/damaged_checkpoints/<
 older one restores and matches, and the run resumes from that one; nothing is deleted.
 """
 
+import asyncio
 import functools
 import os
 import shutil
-import sys
 
 import flax.linen as nn
 import grain
@@ -176,20 +176,21 @@ def check_shapes(item: str, abstract_params, fix: str) -> None:
 @functools.cache
 def _drop_abandoned_read_callbacks() -> None:
   """Installed before the first restore. When a restore fails, tensorstore still completes the
-  reads orbax abandoned, and each calls back into the event loop orbax made for the restore
-  and has closed since: a RuntimeError('Event loop is closed') that tensorstore hands to
-  sys.unraisablehook or, on another path, sys.excepthook, each printing a traceback, dozens
-  of them, while orbax raises and after. Those, and only those, are dropped."""
-  def closed_loop(error) -> bool:
-    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+  reads orbax abandoned, and each hands its result to the asyncio event loop orbax made for the
+  restore and has closed since: call_soon_threadsafe raises RuntimeError('Event loop is
+  closed'), which tensorstore prints as a traceback from its own thread, dozens of them, while
+  orbax raises and after. A closed loop runs nothing, so such a call is dropped instead."""
+  call_soon_threadsafe = asyncio.BaseEventLoop.call_soon_threadsafe
 
-  unraisable, excepthook = sys.unraisablehook, sys.excepthook
-  sys.unraisablehook = lambda u: None if closed_loop(u.exc_value) else unraisable(u)
-  sys.excepthook = lambda kind, error, tb: None if closed_loop(error) else excepthook(kind, error, tb)
+  def unless_closed(loop, *args, **kwargs):
+    return None if loop.is_closed() else call_soon_threadsafe(loop, *args, **kwargs)
+
+  asyncio.BaseEventLoop.call_soon_threadsafe = unless_closed
 
 
 def _restore_verified(manager, step: int, abstract_state, state_sharding, data_iterator):
   """(state, None) if checkpoint `step` restores and matches its checksums, else (None, why)."""
+  _drop_abandoned_read_callbacks()  # before the first read: a metadata read can be abandoned too
   check_shapes(str(manager.directory / str(step) / "state"), abstract_state.params,
                "resume with the model keys it was trained with, or use a new run_name")
   items = {"state": ocp.args.StandardRestore(_with_shardings(abstract_state, state_sharding))}
@@ -199,7 +200,6 @@ def _restore_verified(manager, step: int, abstract_state, state_sharding, data_i
   verified = (manager.directory / str(step) / "checksums").is_dir()
   if verified:
     items["checksums"] = ocp.args.JsonRestore()
-  _drop_abandoned_read_callbacks()  # before: they may come while orbax is still raising
   try:
     restored = manager.restore(step, args=ocp.args.Composite(**items))
   except Exception as e:  # orbax and tensorstore raise many types for a damaged directory.
@@ -273,9 +273,9 @@ def parameters_item(path: str) -> str:
 def load_parameters(path: str, abstract_params, params_sharding):
   """Parameters only, from a checkpoint step directory (or its `state` item) of any run."""
   item = parameters_item(path)
+  _drop_abandoned_read_callbacks()
   check_shapes(item, abstract_params, f"load_parameters_path={path!r} needs the model keys it was saved with")
   target = {"params": _with_shardings(abstract_params, params_sharding)}
-  _drop_abandoned_read_callbacks()
   try:
     restored = ocp.PyTreeCheckpointer().restore(item, args=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),

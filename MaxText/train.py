@@ -70,10 +70,11 @@ def train(config) -> None:
   data = input_pipeline.load(config)
   mesh = sharding.create_mesh(config)
   trainer = train_step.build(config, mesh)
-  compiled = _compile_to_fit(trainer, config)
+  compiled, stats = _compile_to_fit(trainer, config)
   with run_control.run_lock(config.run_dir):
     run_control.record_run_files(config, data.tokenizer)
     manager = checkpointing.create_manager(config)
+    logging.info("train step memory per device:\n%s", metrics.format_memory_stats(stats))
     try:
       with sharding.activate(mesh, config):
         state, train_iterator = initial_state(trainer, config, manager, data)
@@ -87,11 +88,10 @@ def train(config) -> None:
 
 
 def _compile_to_fit(trainer: Trainer, config):
-  """The compiled train step, before anything is allocated: a step that cannot fit fails now,
-  with one line, not in its first allocation."""
+  """(The compiled train step, its memory stats), before anything is allocated: a step that
+  cannot fit fails now, with one line, not in its first allocation."""
   compiled = train_step.compile_train_step(trainer, config)
   stats = metrics.memory_stats(compiled)
-  logging.info("train step memory per device:\n%s", metrics.format_memory_stats(stats))
   device = trainer.mesh.devices.flat[0]
   problem = metrics.fit_message(stats, device)
   if config.memory_stats_file:
@@ -99,7 +99,7 @@ def _compile_to_fit(trainer: Trainer, config):
                                                   "device_memory_bytes": metrics.memory_limit_bytes(device)})
   if problem:
     raise errors.UserError(problem)
-  return compiled
+  return compiled, stats
 
 
 def _train_steps(trainer, config, compiled, state, data, train_iterator, manager, signals) -> None:

@@ -398,7 +398,8 @@ def test_decode_of_another_runs_checkpoint_uses_that_runs_tokenizer(tmp_path, re
 
 
 def test_a_garbage_run_tokenizer_is_one_line_for_train_and_decode(tmp_path, reference, text_cache):
-  from MaxText import run_control, tokenizer
+  from MaxText import run_control
+  from MaxText.input_pipeline import tokenizer
   run = tmp_path / "ref"
   shutil.copytree(reference[0] / "ref", run)
   (run / "tokenizer.json").write_text("{not a tokenizer")
