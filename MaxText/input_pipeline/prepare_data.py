@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import resource
 import shutil
+import signal
 import sys
 import time
 
@@ -155,17 +156,35 @@ def prepare_local(config, tokenizer, paths, partial: str, bad: BadRecords) -> in
   total_bytes = sum(os.path.getsize(p) for p in paths)
   tokens = 0
   context = multiprocessing.get_context("spawn")  # fork would copy JAX's threads into the workers
-  with context.Pool(workers, _init_worker, (tokenizer.to_str(),)) as pool, \
-       tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr,
-            disable=None) as bar:
-    start = time.perf_counter()
-    for chunk, chunk_read, ids in _tokenized(pool, _chunks(stream, read), workers):
-      for (split, position, _), document in zip(chunk, ids):
-        writers[split][position % counts[split]].add(document)
-        tokens += len(document)
-      bar.update(chunk_read - bar.n)
-      bar.set_postfix(tokens=f"{tokens:.3g}", tokens_per_s=f"{tokens / (time.perf_counter() - start):.3g}",
-                      refresh=False)
+  # SIGTERM and SIGINT are held while the pool starts: one arriving while a worker reads its
+  # start-up data from this process would cut that short (a traceback from the worker). Held,
+  # it is raised again inside the try below and stops the preparation as anywhere else.
+  held = []
+  handlers = {s: signal.signal(s, lambda signum, _: held.append(signum)) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    pool = context.Pool(workers, _init_worker, (tokenizer.to_str(),))
+  finally:
+    for s, handler in handlers.items():
+      signal.signal(s, handler)
+  try:
+    if held:
+      signal.raise_signal(held[0])
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr,
+              disable=None) as bar:
+      start = time.perf_counter()
+      for chunk, chunk_read, ids in _tokenized(pool, _chunks(stream, read), workers):
+        for (split, position, _), document in zip(chunk, ids):
+          writers[split][position % counts[split]].add(document)
+          tokens += len(document)
+        bar.update(chunk_read - bar.n)
+        bar.set_postfix(tokens=f"{tokens:.3g}", tokens_per_s=f"{tokens / (time.perf_counter() - start):.3g}",
+                        refresh=False)
+  finally:
+    # Closed and joined, not terminated, also when stopped: a worker killed before it has read
+    # its start-up data from this process prints a traceback. Queued chunks (at most two per
+    # worker) are tokenized first.
+    pool.close()
+    pool.join()
   for writer in itertools.chain(*writers.values()):
     writer.close()
   return tokens
