@@ -83,8 +83,10 @@ def train(config) -> None:
         _train_steps(trainer, config, compiled, state, data, train_iterator, manager, signals)
     finally:
       if manager:  # whatever stopped the run, saves already under way are good: let them commit
-        checkpointing.wait_for_saves(manager)
-        manager.close()
+        try:
+          checkpointing.wait_for_saves(manager)
+        finally:
+          manager.close()
 
 
 def _compile_to_fit(trainer: Trainer, config):
