@@ -106,7 +106,10 @@ def check_divisible(v: dict) -> None:
   rules = {}
   for name, axes in v["logical_axis_rules"]:
     rules.setdefault(name, axes if isinstance(axes, list) else [] if axes is None else [axes])
-  for name, (what, size) in sizes.items():
+  checks = list(sizes.items())
+  if v["moe"]:  # the experts' weights: [exp, embed, mlp]
+    checks += [("exp", ("num_experts", v["num_experts"])), ("mlp", ("base_moe_mlp_dim", v["base_moe_mlp_dim"]))]
+  for name, (what, size) in checks:
     axes = [a for a in rules.get(name, []) if shards[a] > 1]
     if size % math.prod(shards[a] for a in axes):
       parallelism = " x ".join(f"{a} ({shards[a]})" for a in axes)

@@ -37,9 +37,15 @@ def test_every_model_config_resolves_and_its_model_traces(name):
 
   params = jax.eval_shape(init)
   layers = params["decoder"]["layers"]
-  assert layers["mlp"]["wi_0"]["kernel"].value.shape == (cfg.base_num_decoder_layers, cfg.base_emb_dim, cfg.base_mlp_dim)
+  if cfg.moe:
+    assert layers["moe_block"]["wi_0"].value.shape == (cfg.base_num_decoder_layers, cfg.num_experts, cfg.base_emb_dim,
+                                                       cfg.base_moe_mlp_dim)
+    assert layers["moe_block"]["gate"]["kernel"].value.shape[1:] == (cfg.base_emb_dim, cfg.num_experts)
+  else:
+    assert layers["mlp"]["wi_0"]["kernel"].value.shape == (cfg.base_num_decoder_layers, cfg.base_emb_dim,
+                                                           cfg.base_mlp_dim)
   assert layers["self_attention"]["key"]["kernel"].value.shape[2:] == (cfg.base_num_kv_heads, cfg.head_dim)
-  assert ("query_norm" in layers["self_attention"]) == (cfg.decoder_block == "qwen3")
+  assert ("query_norm" in layers["self_attention"]) == (cfg.decoder_block in ("qwen3", "qwen3_moe"))
   assert ("post_ffw_norm" in layers) == (cfg.decoder_block == "gemma2")
   assert ("logits_kernel" in params) == (not cfg.logits_via_embedding)
 
