@@ -42,6 +42,16 @@ def _dot_flops(eqn) -> float:
   return 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in contracting)
 
 
+def _ragged_dot_flops(eqn) -> float:
+  """A grouped matmul does one group's product per row: every lhs element meets one group's
+  rhs, so 2 * |lhs| * |rhs| / (contracted size * groups) (a dW product has no rhs groups)."""
+  numbers = eqn.params["ragged_dot_dimension_numbers"]
+  (_, rhs_contracting), _ = numbers.dot_dimension_numbers
+  lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+  per_row = math.prod(rhs[d] for d in (*rhs_contracting, *numbers.rhs_group_dimensions))
+  return 2 * math.prod(lhs) * math.prod(rhs) / per_row
+
+
 def _dot_bytes(eqn) -> float:
   return sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in (*eqn.invars, *eqn.outvars))
 
@@ -53,7 +63,7 @@ def _executed(jaxpr, cost) -> float:
   undercounts scanned layers and vocabulary tiles."""
   total = 0.0
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
+    if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
       total += cost(eqn)
       continue
     inner = [_executed(getattr(sub, "jaxpr", sub), cost) for value in eqn.params.values()
@@ -71,8 +81,9 @@ def _executed(jaxpr, cost) -> float:
 
 
 def matmul_flops(jaxpr) -> float:
-  """FLOPs of the matrix products a jaxpr executes (see _executed)."""
-  return _executed(jaxpr, _dot_flops)
+  """FLOPs of the matrix products a jaxpr executes, grouped (ragged) ones included (see _executed)."""
+  return _executed(jaxpr, lambda eqn: _ragged_dot_flops(eqn) if eqn.primitive.name == "ragged_dot_general"
+                   else _dot_flops(eqn))
 
 
 def matmul_bytes(jaxpr) -> float:

@@ -2,8 +2,12 @@
 token, capacity dropping against the rule played out in Python, the router's losses against
 numpy, memory settings that leave the model unchanged, bad input, and training end to end."""
 
+import functools
 import json
 import math
+import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -14,7 +18,8 @@ import pytest
 from MaxText import errors, losses, metrics, sharding, train, train_step
 from MaxText.layers import moe
 from MaxText.layers.models import Transformer
-from conftest import assert_trees_close, fixed_batch, run_cli, tiny_config, trainer_and_state
+import moe_mesh_runs
+from conftest import ROOT, assert_trees_close, fixed_batch, run_cli, tiny_config, trainer_and_state
 
 # 4 experts, top 2, expert width 24 over TINY (width 32, 16 tokens, 4 rows).
 MOE = ("decoder_block=qwen3_moe", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=24")
@@ -113,11 +118,10 @@ def test_router_losses_and_imbalance_match_numpy():
 # Router losses on, so their gradients are part of what must not change.
 WEIGHTED = (*MOE, "load_balance_loss_weight=0.1", "router_z_loss_weight=0.01")
 MEMORY_SETTINGS = {
-    "minimal": ("remat_policy=minimal",),
-    "save_dot_except_mlp, loop": ("remat_policy=save_dot_except_mlp", "scan_layers=false"),
-    "full, interval 2, tiles 4": ("remat_policy=full", "remat_layer_interval=2", "num_vocab_tiling=4"),
-    "full, tiles 4 recompute, loop": ("remat_policy=full", "num_vocab_tiling=4", "vocab_tiling_mode=recompute",
-                                      "scan_layers=false"),
+    "minimal, interval 2": ("remat_policy=minimal", "remat_layer_interval=2"),
+    "save_dot_except_mlp, tiles 4, loop": ("remat_policy=save_dot_except_mlp", "num_vocab_tiling=4",
+                                           "scan_layers=false"),
+    "full, tiles 4 recompute": ("remat_policy=full", "num_vocab_tiling=4", "vocab_tiling_mode=recompute"),
 }
 
 
@@ -207,3 +211,37 @@ def test_training_runs_end_to_end_and_logs_the_router(tmp_path, family):
     aux = config.load_balance_loss_weight * r["learning/moe_lb_loss"] + 0.001 * r["learning/moe_z_loss"]
     np.testing.assert_allclose(r["learning/moe_aux_loss"], aux, rtol=1e-5)
   assert any("eval/loss" in r and np.isfinite(r["eval/loss"]) for r in records)
+
+
+@pytest.fixture(scope="module")
+def expert_mesh_results(tmp_path_factory):
+  out = tmp_path_factory.mktemp("expert_meshes")
+  result = subprocess.run([sys.executable, str(ROOT / "tests" / "moe_mesh_runs.py"), str(out)],
+                          env={**os.environ, "JAX_NUM_CPU_DEVICES": "8"}, capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stderr[-4000:]
+  return out
+
+
+@functools.cache
+def one_device_loss_and_gradients(*overrides):
+  return moe_mesh_runs.loss_and_gradients(
+      tiny_config(*moe_mesh_runs.MOE, "per_device_batch_size=8", *overrides, num_devices=1))
+
+
+@pytest.mark.parametrize("mesh", list(moe_mesh_runs.EXPERT_MESHES))
+def test_expert_parallel_meshes_equal_one_device(expert_mesh_results, mesh):
+  routing = [o for o in moe_mesh_runs.EXPERT_MESHES[mesh] if o.startswith("capacity_factor")]
+  want_loss, want_grads = one_device_loss_and_gradients(*routing)
+  got = dict(np.load(expert_mesh_results / f"{mesh}.npz"))
+  np.testing.assert_allclose(got.pop("loss"), want_loss, rtol=RTOL, err_msg=mesh)
+  assert_trees_close(got, want_grads, RTOL, mesh)
+
+
+def test_experts_not_divisible_by_the_expert_axis_is_one_line_exit_2(tmp_path):
+  out = tmp_path / "outputs"
+  result = run_cli("train", f"base_output_directory={out}", *MOE, "num_experts=6", "ici_expert_parallelism=4",
+                   env={"JAX_NUM_CPU_DEVICES": "4"})
+  assert result.returncode == 2, result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "num_experts=6: not divisible by" in lines[0] and "expert (4)" in lines[0], result.stderr
+  assert not out.exists()

@@ -10,9 +10,9 @@ of position and then of choice; the rest are dropped (they add nothing to the to
 The kept copies fill a fixed [E, rows * C, D] buffer, multiplied with the stacked weights.
 
 The routing runs inside a shard_map over the mesh axes that shard the tokens, so each device
-sorts only its own tokens; the expert weights arrive whole (FSDP gathers them, as for the
-dense MLP), their hidden dimension still split over the axes of the `mlp` rule, whose partial
-outputs are summed. The router's statistics (load-balancing loss, z-loss, load imbalance) are
+sorts only its own tokens. The expert weights arrive gathered along `embed` (FSDP, as for the
+dense MLP) and split along `exp` (expert parallelism: see _local_moe) and `mlp` (tensor
+parallelism), whose partial outputs are summed. The router's statistics (load-balancing loss, z-loss, load imbalance) are
 taken over all tokens of the batch and sown into the `intermediates` collection, one value per
 MoE layer; `aux_means` averages them over layers for the loss and the metrics.
 """
@@ -61,33 +61,38 @@ def _swiglu(x, wi_0, wi_1, wo, matmul, activation):
 
 def _dropless_copies(x, experts, wi_0, wi_1, wo, cfg):
   """Every copy's expert output [N * k, D], in (token, choice) order: sorted by expert, grouped
-  matmuls, unsorted."""
+  matmuls, unsorted. `experts` are this shard's expert indices; a copy outside [0, local
+  experts) belongs to another shard's experts, sorts last and gets zero."""
   k, num_experts = experts.shape[-1], wi_0.shape[0]
   flat = experts.reshape(-1)
+  flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
   order = jnp.argsort(flat, stable=True)
-  group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  group_sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
   tokens = jnp.take(x, order // k, axis=0)
   matmul = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes)
-  out = _swiglu(tokens, wi_0, wi_1, wo, lambda a, w: matmul(a, w), cfg.mlp_activation)
+  out = _swiglu(tokens, wi_0, wi_1, wo, lambda a, w: matmul(a, w), cfg.mlp_activation)  # rows past the groups: 0
   return jnp.take(out, jnp.argsort(order), axis=0)
 
 
 def _dropping_copies(x, experts, wi_0, wi_1, wo, cfg, rows: int):
-  """Every copy's expert output [N * k, D] under capacity_factor > 0: zero for dropped copies."""
+  """Every copy's expert output [N * k, D] under capacity_factor > 0: zero for dropped copies
+  (and, as in _dropless_copies, for copies of other shards' experts)."""
   k, num_experts = experts.shape[-1], wi_0.shape[0]
   copies = experts.size
-  cap = capacity(copies // (rows * k), k, num_experts, cfg.capacity_factor)
+  cap = capacity(copies // (rows * k), k, cfg.num_experts, cfg.capacity_factor)
   flat = experts.reshape(-1)
+  local = (flat >= 0) & (flat < num_experts)
+  flat = jnp.where(local, flat, num_experts)
   row = jnp.arange(copies) // (copies // rows)
   # Rank of each copy among its (row, expert)'s copies in (position, choice) order: a stable
   # sort groups them, and the rank is the distance from the group's start.
-  group = row * num_experts + flat
+  group = row * (num_experts + 1) + flat
   order = jnp.argsort(group, stable=True)
-  counts = jnp.bincount(group, length=rows * num_experts)
+  counts = jnp.bincount(group, length=rows * (num_experts + 1))
   starts = jnp.cumsum(counts) - counts
   rank = jnp.zeros(copies, jnp.int32).at[order].set(jnp.arange(copies, dtype=jnp.int32) - starts[group[order]])
   slots = num_experts * rows * cap
-  slot = jnp.where(rank < cap, (flat * rows + row) * cap + rank, slots)  # the last slot: dropped
+  slot = jnp.where(local & (rank < cap), (flat * rows + row) * cap + rank, slots)  # the last slot: dropped
   # Which copy fills each slot (`copies`, a zero row, where none): gathers both ways, no scatter of activations.
   source = jnp.full(slots + 1, copies, jnp.int32).at[slot].set(jnp.arange(copies, dtype=jnp.int32))[:slots]
   padded = jnp.concatenate([jnp.repeat(x, k, axis=0), jnp.zeros((1, x.shape[-1]), x.dtype)])
@@ -97,29 +102,52 @@ def _dropping_copies(x, experts, wi_0, wi_1, wo, cfg, rows: int):
   return jnp.take(out, slot, axis=0)
 
 
-def _local_moe(x, logits, wi_0, wi_1, wo, cfg, token_axes: tuple, mlp_axes: tuple):
-  """One device's tokens x [b, t, D] and router logits [b, t, E] -> (outputs [b, t, D], the
-  router's statistics over all devices' tokens)."""
+def _router_stats(logits, cfg, token_axes: tuple) -> dict:
+  """The load-balancing loss, z-loss and imbalance over every device's tokens (psum over
+  token_axes) from this device's router logits [b, t, E]."""
+  num_experts = cfg.num_experts
+  probs, _, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+  total = lambda v: jax.lax.psum(v, token_axes) if token_axes else v  # noqa: E731
+  tokens = total(jnp.float32(probs.size // num_experts))
+  load = total(jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.float32))
+  mean_probs = total(jnp.sum(probs.reshape(-1, num_experts), axis=0)) / tokens
+  lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+  return {"moe_lb_loss": num_experts * jnp.sum(load / tokens * mean_probs),
+          "moe_z_loss": total(jnp.sum(jnp.square(lse))) / tokens,
+          "moe_imbalance": jnp.max(load) / jnp.mean(load)}
+
+
+def _local_moe(x, logits, wi_0, wi_1, wo, cfg, token_axes: tuple, expert_axes: tuple, mlp_axes: tuple):
+  """One device's tokens x [b, t, D] and router logits [b, t, E], and its experts' weights ->
+  (outputs [b, t, D], the router's statistics over all devices' tokens).
+
+  Expert parallelism: the expert axes that also shard the tokens exchange them by all-gather,
+  each device runs its own experts on the gathered tokens, and a reduce-scatter sums the
+  experts' outputs and returns each device its own tokens."""
+  stats = _router_stats(logits, cfg, token_axes)
+  exchanged = tuple(a for a in expert_axes if a in token_axes)
+  if exchanged:
+    x = jax.lax.all_gather(x, exchanged, axis=0, tiled=True)
+    logits = jax.lax.all_gather(logits, exchanged, axis=0, tiled=True)
   rows, length, width = x.shape
-  k, num_experts = cfg.num_experts_per_tok, cfg.num_experts
-  probs, weights, experts = route(logits, k, cfg.norm_topk_prob)
+  k = cfg.num_experts_per_tok
+  _, weights, experts = route(logits, k, cfg.norm_topk_prob)
+  if expert_axes:  # this device's experts are [first, first + local experts)
+    experts = experts - jax.lax.axis_index(expert_axes) * wi_0.shape[0]
   flat_x = x.reshape(-1, width)
   if dropless(cfg.capacity_factor):
     copies = _dropless_copies(flat_x, experts, wi_0, wi_1, wo, cfg)
   else:
     copies = _dropping_copies(flat_x, experts, wi_0, wi_1, wo, cfg, rows)
   out = jnp.einsum("nkd,nk->nd", copies.reshape(-1, k, width), weights.reshape(-1, k).astype(copies.dtype))
-  if mlp_axes:  # each device holds a slice of every expert's hidden units: partial sums
-    out = jax.lax.psum(out, mlp_axes)
-  total = lambda v: jax.lax.psum(v, token_axes) if token_axes else v  # noqa: E731
-  tokens = total(jnp.float32(rows * length))
-  load = total(jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.float32))
-  mean_probs = total(jnp.sum(probs.reshape(-1, num_experts), axis=0)) / tokens
-  lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
-  stats = {"moe_lb_loss": num_experts * jnp.sum(load / tokens * mean_probs),
-           "moe_z_loss": total(jnp.sum(jnp.square(lse))) / tokens,
-           "moe_imbalance": jnp.max(load) / jnp.mean(load)}
-  return out.reshape(rows, length, width), stats
+  out = out.reshape(rows, length, width)
+  # Partial sums: over the experts held elsewhere, and over slices of every expert's hidden units.
+  summed = tuple(a for a in expert_axes if a not in exchanged) + mlp_axes
+  if summed:
+    out = jax.lax.psum(out, summed)
+  if exchanged:
+    out = jax.lax.psum_scatter(out, exchanged, scatter_dimension=0, tiled=True)
+  return out, stats
 
 
 def _axes(logical_name) -> tuple:
@@ -169,14 +197,16 @@ class MoeBlock(nn.Module):
     cfg = self.config
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-      return _local_moe(x, logits, wi_0, wi_1, wo, cfg, (), ())
+      return _local_moe(x, logits, wi_0, wi_1, wo, cfg, (), (), ())
     batch, length = _axes(TOKENS[0]), _axes(TOKENS[1])
     token_axes = batch + length
-    mlp_axes = tuple(a for a in _axes("mlp") if a not in token_axes)
+    expert_axes = _axes("exp")
+    mlp_axes = tuple(a for a in _axes("mlp") if a not in token_axes + expert_axes)
     tokens = PartitionSpec(batch or None, length or None, None)
-    weights = PartitionSpec(None, None, mlp_axes or None)
-    body = functools.partial(_local_moe, cfg=cfg, token_axes=token_axes, mlp_axes=mlp_axes)
-    return jax.shard_map(body, in_specs=(tokens, tokens, weights, weights, PartitionSpec(None, mlp_axes or None)),
+    wi = PartitionSpec(expert_axes or None, None, mlp_axes or None)
+    wo_spec = PartitionSpec(expert_axes or None, mlp_axes or None, None)
+    body = functools.partial(_local_moe, cfg=cfg, token_axes=token_axes, expert_axes=expert_axes, mlp_axes=mlp_axes)
+    return jax.shard_map(body, in_specs=(tokens, tokens, wi, wi, wo_spec),
                          out_specs=(tokens, {n: PartitionSpec() for n in AUX_NAMES}))(x, logits, wi_0, wi_1, wo)
 
 
