@@ -245,3 +245,13 @@ def test_experts_not_divisible_by_the_expert_axis_is_one_line_exit_2(tmp_path):
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and "num_experts=6: not divisible by" in lines[0] and "expert (4)" in lines[0], result.stderr
   assert not out.exists()
+
+
+def test_expert_weights_shard_over_expert_and_dense_weights_over_every_batch_axis():
+  """Under expert parallelism no parameter is replicated over the expert axis."""
+  cfg = tiny_config(*MOE, "ici_expert_parallelism=2", "ici_fsdp_parallelism=2", num_devices=4)
+  rules = sharding.axis_rules(cfg)
+  assert nn.logical_to_mesh_axes(("exp", "embed", "mlp"), rules) == jax.sharding.PartitionSpec(
+      "expert", ("fsdp", "sequence"), "tensor")
+  assert nn.logical_to_mesh_axes(("embed", "mlp"), rules) == jax.sharding.PartitionSpec(
+      ("fsdp", "sequence", "expert"), "tensor")
