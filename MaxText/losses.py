@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from MaxText.layers import moe
+
 TILE_TOKENS = (None, "activation_batch", "activation_length")
 TILE_HIDDEN = TILE_TOKENS + ("activation_embed",)
 TILE_LOGITS = ("activation_batch", "activation_length", "activation_vocab")
@@ -232,17 +234,30 @@ def tiled_token_sums(hidden, kernel, targets, weights, num_tiles, z_loss_multipl
 
 
 def batch_sums(model, config, params, batch):
-  """Sums over the batch's scored tokens: (loss incl. z-loss, {weights, z_loss, correct}),
-  from the whole logits or, with num_vocab_tiling > 1, tile by tile."""
+  """Sums over the batch's scored tokens: (loss incl. z-loss and the MoE router's losses,
+  {weights, z_loss, correct}, and for MoE models moe_aux_loss (the router's share of the loss)
+  and the router's statistics, each times the scored tokens), from the whole logits or, with
+  num_vocab_tiling > 1, tile by tile."""
   weights = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
   targets = batch["targets"]
   if config.num_vocab_tiling > 1:
-    hidden, kernel = model.apply({"params": params}, *inputs, return_hidden=True)
+    (hidden, kernel), state = model.apply({"params": params}, *inputs, return_hidden=True, mutable="intermediates")
     loss, z_loss, correct = tiled_token_sums(
         hidden, kernel, targets, weights, config.num_vocab_tiling, config.z_loss_multiplier,
         config.vocab_tiling_mode, config.final_logits_soft_cap)
   else:
-    logits = model.apply({"params": params}, *inputs)
+    logits, state = model.apply({"params": params}, *inputs, mutable="intermediates")
     loss, z_loss, correct = token_sums(logits, targets, weights, config.z_loss_multiplier)
-  return loss, {"weights": jnp.sum(weights), "z_loss": z_loss, "correct": correct}
+  total = jnp.sum(weights)
+  sums = {"weights": total, "z_loss": z_loss, "correct": correct}
+  router = moe.aux_means(state.get("intermediates", {}))
+  if router:
+    # The router's losses are means over tokens and layers; as sums they weigh each microbatch
+    # by its scored tokens, like the cross entropy.
+    aux = total * (config.load_balance_loss_weight * router["moe_lb_loss"]
+                   + config.router_z_loss_weight * router["moe_z_loss"])
+    loss = loss + aux
+    sums["moe_aux_loss"] = jax.lax.stop_gradient(aux)
+    sums.update({name: total * jax.lax.stop_gradient(value) for name, value in router.items()})
+  return loss, sums

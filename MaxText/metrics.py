@@ -19,12 +19,18 @@ def training_flops_per_step(config) -> float:
 
   Matmuls: 2 FLOPs per multiply-add, forward plus a backward twice the forward. Causal
   attention scores and context count only the half of the T x T products that the mask keeps.
+  A mixture of experts counts its active parameters only: the router and the
+  num_experts_per_tok experts each token goes to.
   """
   d, m, v, hd = config.base_emb_dim, config.base_mlp_dim, config.vocab_size, config.head_dim
   hq, hkv, layers, length = (config.base_num_query_heads, config.base_num_kv_heads,
                              config.base_num_decoder_layers, config.max_target_length)
   batch = config.global_batch_size_to_train_on
-  layer_params = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 3 * d * m
+  if config.moe:
+    mlp_params = d * config.num_experts + config.num_experts_per_tok * 3 * d * config.base_moe_mlp_dim
+  else:
+    mlp_params = 3 * d * m
+  layer_params = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + mlp_params
   matmul = 2 * batch * length * (layers * layer_params + d * v)
   attention = 2 * 2 * batch * length * length * hq * hd * layers / 2
   return 3 * (matmul + attention)
@@ -34,6 +40,16 @@ def _dot_flops(eqn) -> float:
   (contracting, _), _ = eqn.params["dimension_numbers"]
   lhs = eqn.invars[0].aval
   return 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in contracting)
+
+
+def _ragged_dot_flops(eqn) -> float:
+  """A grouped matmul does one group's product per row: every lhs element meets one group's
+  rhs, so 2 * |lhs| * |rhs| / (contracted size * groups) (a dW product has no rhs groups)."""
+  numbers = eqn.params["ragged_dot_dimension_numbers"]
+  (_, rhs_contracting), _ = numbers.dot_dimension_numbers
+  lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+  per_row = math.prod(rhs[d] for d in (*rhs_contracting, *numbers.rhs_group_dimensions))
+  return 2 * math.prod(lhs) * math.prod(rhs) / per_row
 
 
 def _dot_bytes(eqn) -> float:
@@ -47,7 +63,7 @@ def _executed(jaxpr, cost) -> float:
   undercounts scanned layers and vocabulary tiles."""
   total = 0.0
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
+    if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
       total += cost(eqn)
       continue
     inner = [_executed(getattr(sub, "jaxpr", sub), cost) for value in eqn.params.values()
@@ -65,8 +81,9 @@ def _executed(jaxpr, cost) -> float:
 
 
 def matmul_flops(jaxpr) -> float:
-  """FLOPs of the matrix products a jaxpr executes (see _executed)."""
-  return _executed(jaxpr, _dot_flops)
+  """FLOPs of the matrix products a jaxpr executes, grouped (ragged) ones included (see _executed)."""
+  return _executed(jaxpr, lambda eqn: _ragged_dot_flops(eqn) if eqn.primitive.name == "ragged_dot_general"
+                   else _dot_flops(eqn))
 
 
 def matmul_bytes(jaxpr) -> float:

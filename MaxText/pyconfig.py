@@ -27,7 +27,8 @@ MODEL_KEYS = ("decoder_block", "vocab_size", "base_emb_dim", "base_mlp_dim", "ba
               "base_num_kv_heads", "base_num_decoder_layers", "head_dim", "logits_via_embedding",
               "rope_max_timescale", "rope_type", "rope_scaling_factor", "rope_low_freq_factor",
               "rope_high_freq_factor", "rope_original_max_position", "normalization_layer_epsilon",
-              "attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar", "sliding_window_size")
+              "attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar", "sliding_window_size",
+              "num_experts", "num_experts_per_tok", "base_moe_mlp_dim", "norm_topk_prob")
 MODEL_KEYS_FILE = "model.yml"
 # decoder_block -> the switches that family sets; the layers read only the switches.
 #   qk_norm: RMSNorm over each head's queries and keys before RoPE (Qwen3)
@@ -35,11 +36,14 @@ MODEL_KEYS_FILE = "model.yml"
 #   norm_plus_one: RMSNorm scales by 1 + w, w stored zero-centred (Gemma)
 #   scale_embedding: embeddings times sqrt(base_emb_dim) (Gemma)
 #   mlp_activation: the gate's nonlinearity, silu (SwiGLU) or gelu_tanh (GeGLU)
+#   moe: every layer's MLP is a mixture of num_experts experts (layers/moe.py)
 _LLAMA = {"qk_norm": False, "sandwich_norms": False, "norm_plus_one": False, "scale_embedding": False,
-          "mlp_activation": "silu"}
+          "mlp_activation": "silu", "moe": False}
 DECODER_BLOCKS = {
     "llama2": _LLAMA,
     "qwen3": {**_LLAMA, "qk_norm": True},
+    "qwen3_moe": {**_LLAMA, "qk_norm": True, "moe": True},
+    "mixtral": {**_LLAMA, "moe": True},
     "gemma2": {**_LLAMA, "sandwich_norms": True, "norm_plus_one": True, "scale_embedding": True,
                "mlp_activation": "gelu_tanh"},
 }
@@ -207,9 +211,21 @@ def _validate_model(v: dict) -> None:
   _require(v["rope_scaling_factor"] > 0 and v["rope_original_max_position"] > 0, "rope_scaling_factor",
            "and rope_original_max_position must be > 0", v)
   _require(v["normalization_layer_epsilon"] > 0, "normalization_layer_epsilon", "must be > 0", v)
+  _validate_moe(v)
   _require(v["max_decode_length"] >= 1, "max_decode_length", "must be >= 1", v)
   _one_of(v, "decode_sampling_strategy", ("greedy", "weighted"))
   _require(v["decode_sampling_temperature"] > 0, "decode_sampling_temperature", "must be > 0", v)
+
+
+def _validate_moe(v: dict) -> None:
+  for key in ("num_experts", "base_moe_mlp_dim"):
+    _require(v[key] >= 1, key, "must be >= 1", v)
+  _require(1 <= v["num_experts_per_tok"] <= v["num_experts"], "num_experts_per_tok",
+           f"must be in [1, num_experts={v['num_experts']}]", v)
+  _require(v["capacity_factor"] >= 0 or v["capacity_factor"] == -1, "capacity_factor",
+           "must be > 0 (tokens past capacity dropped), or -1 or 0 (dropless)", v)
+  for key in ("load_balance_loss_weight", "router_z_loss_weight"):
+    _require(v[key] >= 0, key, "must be >= 0", v)
 
 
 def _validate_optimizer(v: dict) -> None:

@@ -1,5 +1,5 @@
-"""The devices and their mesh: which devices a run is for, the (data, fsdp, tensor, sequence)
-mesh sizes from ici_*/dcn_*_parallelism, the check that every sharded dimension divides, and
+"""The devices and their mesh: which devices a run is for, the (data, fsdp, tensor, sequence,
+expert) mesh sizes from ici_*/dcn_*_parallelism, the check that every sharded dimension divides, and
 logical-axis sharding (flax logical axis rules over jax.sharding)."""
 
 import contextlib
@@ -14,12 +14,12 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from MaxText import accelerators
 from MaxText.errors import ConfigError, UserError, first_line
 
-MESH_AXES = ("data", "fsdp", "tensor", "sequence")
+MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")
 BATCH = ("activation_batch", "activation_length")
 
 
 def _resolve(v: dict, prefix: str, total: int, what: str) -> tuple:
-  """The four {prefix}_*_parallelism sizes with a -1 filled, multiplying to `total`."""
+  """The {prefix}_*_parallelism sizes, one per mesh axis, with a -1 filled, multiplying to `total`."""
   keys = [f"{prefix}_{axis}_parallelism" for axis in MESH_AXES]
   sizes = [v[k] for k in keys]
   for key, size in zip(keys, sizes):
@@ -106,7 +106,10 @@ def check_divisible(v: dict) -> None:
   rules = {}
   for name, axes in v["logical_axis_rules"]:
     rules.setdefault(name, axes if isinstance(axes, list) else [] if axes is None else [axes])
-  for name, (what, size) in sizes.items():
+  checks = list(sizes.items())
+  if v["moe"]:  # the experts' weights: [exp, embed, mlp]
+    checks += [("exp", ("num_experts", v["num_experts"])), ("mlp", ("base_moe_mlp_dim", v["base_moe_mlp_dim"]))]
+  for name, (what, size) in checks:
     axes = [a for a in rules.get(name, []) if shards[a] > 1]
     if size % math.prod(shards[a] for a in axes):
       parallelism = " x ".join(f"{a} ({shards[a]})" for a in axes)
@@ -115,7 +118,7 @@ def check_divisible(v: dict) -> None:
 
 
 def create_mesh(config) -> jax.sharding.Mesh:
-  """The (data, fsdp, tensor, sequence) mesh; with dcn_* sizes, a hybrid mesh whose dcn part
+  """The (data, fsdp, tensor, sequence, expert) mesh; with dcn_* sizes, a hybrid mesh whose dcn part
   spans slices (TPU) or processes (GPU, CPU) and whose ici part spans devices within one.
   With compile_topology, the devices are that TPU slice's, to compile for."""
   # Auto axes: XLA's SPMD partitioner propagates shardings from the constraints we place.

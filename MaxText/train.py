@@ -17,7 +17,7 @@ from MaxText.train_step import Trainer, device_batch
 
 
 def evaluate(trainer: Trainer, config, params, data) -> dict:
-  """eval_steps held-out batches: eval/loss (cross entropy, no z-loss), perplexity, accuracy."""
+  """eval_steps held-out batches: eval/loss (cross entropy, no z-loss or MoE router losses), perplexity, accuracy."""
   batches = input_pipeline.create_eval_iterator(config, data)
   sums = None
   for _ in range(config.eval_steps):
@@ -25,7 +25,7 @@ def evaluate(trainer: Trainer, config, params, data) -> dict:
     sums = batch_sums if sums is None else jax.tree.map(jnp.add, sums, batch_sums)
   sums = {k: float(v) for k, v in jax.device_get(sums).items()}
   weights = max(sums["weights"], 1.0)
-  cross_entropy = (sums["loss"] - sums["z_loss"]) / weights
+  cross_entropy = (sums["loss"] - sums["z_loss"] - sums.get("moe_aux_loss", 0.0)) / weights
   return {"eval/loss": cross_entropy, "eval/perplexity": math.exp(min(cross_entropy, 50.0)),
           "eval/accuracy": sums["correct"] / weights}
 

@@ -28,8 +28,9 @@ def _microbatches(batch, count):
 def _per_token(loss, sums):
   """Token-weighted means, the same however the tokens were split into microbatches."""
   total = jnp.maximum(sums["weights"], 1.0)
+  router = {name: sums[name] / total for name in sums if name.startswith("moe_")}
   return {"loss": loss / total, "z_loss": sums["z_loss"] / total, "accuracy": sums["correct"] / total,
-          "total_weights": sums["weights"]}
+          "total_weights": sums["weights"], **router}
 
 
 def gradients(model, config, params, batch):

@@ -37,9 +37,15 @@ def test_every_model_config_resolves_and_its_model_traces(name):
 
   params = jax.eval_shape(init)
   layers = params["decoder"]["layers"]
-  assert layers["mlp"]["wi_0"]["kernel"].value.shape == (cfg.base_num_decoder_layers, cfg.base_emb_dim, cfg.base_mlp_dim)
+  if cfg.moe:
+    assert layers["moe_block"]["wi_0"].value.shape == (cfg.base_num_decoder_layers, cfg.num_experts, cfg.base_emb_dim,
+                                                       cfg.base_moe_mlp_dim)
+    assert layers["moe_block"]["gate"]["kernel"].value.shape[1:] == (cfg.base_emb_dim, cfg.num_experts)
+  else:
+    assert layers["mlp"]["wi_0"]["kernel"].value.shape == (cfg.base_num_decoder_layers, cfg.base_emb_dim,
+                                                           cfg.base_mlp_dim)
   assert layers["self_attention"]["key"]["kernel"].value.shape[2:] == (cfg.base_num_kv_heads, cfg.head_dim)
-  assert ("query_norm" in layers["self_attention"]) == (cfg.decoder_block == "qwen3")
+  assert ("query_norm" in layers["self_attention"]) == (cfg.decoder_block in ("qwen3", "qwen3_moe"))
   assert ("post_ffw_norm" in layers) == (cfg.decoder_block == "gemma2")
   assert ("logits_kernel" in params) == (not cfg.logits_via_embedding)
 
@@ -48,10 +54,10 @@ def test_derived_values():
   cfg = tiny_config("per_device_batch_size=3", "gradient_accumulation_steps=2", "head_dim=0",
                     "base_emb_dim=48", num_devices=4)
   assert cfg.micro_batch_size == 12 and cfg.global_batch_size_to_train_on == 24
-  assert cfg.head_dim == 12 and cfg.mesh_shape == (1, 4, 1, 1)
+  assert cfg.head_dim == 12 and cfg.mesh_shape == (1, 4, 1, 1, 1)
   assert cfg.learning_rate_schedule_steps == cfg.steps
   cfg = tiny_config("ici_tensor_parallelism=2", "ici_data_parallelism=2", num_devices=8)
-  assert cfg.mesh_shape == (2, 2, 2, 1)
+  assert cfg.mesh_shape == (2, 2, 2, 1, 1)
 
 
 def test_config_is_read_only():

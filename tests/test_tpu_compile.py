@@ -81,7 +81,7 @@ def test_flash_attention_compiles_for_tpu_without_the_score_matrix(mesh):
 def test_dcn_axes_span_the_slices_of_a_multi_slice_compile():
   config = tiny_config("compile_topology=v5p-8", "compile_topology_num_slices=2", "dcn_data_parallelism=2")
   mesh = sharding.create_mesh(config)
-  assert config.mesh_shape == (1, 4, 1, 1) and config.dcn_mesh_shape == (2, 1, 1, 1)
+  assert config.mesh_shape == (1, 4, 1, 1, 1) and config.dcn_mesh_shape == (2, 1, 1, 1, 1)
   # The data axis crosses slices; every other axis stays inside one.
   assert [{d.slice_index for d in mesh.devices[i].flat} for i in range(2)] == [{0}, {1}]
   stats = metrics.memory_stats(train_step.compile_train_step(train_step.build(config, mesh), config))

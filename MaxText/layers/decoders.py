@@ -8,6 +8,7 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText import remat
 from MaxText.layers.attentions import Attention
 from MaxText.layers.linears import MlpBlock
+from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import rms_norm
 
 BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
@@ -32,7 +33,8 @@ class DecoderLayer(nn.Module):
       attn = rms_norm(cfg, "post_self_attention_norm")(attn)
     h = nn.with_logical_constraint(x + attn, BATCH_LENGTH_EMBED)
     mlp_norm = "pre_ffw_norm" if cfg.sandwich_norms else "post_self_attention_norm"
-    mlp = MlpBlock(cfg, name="mlp")(rms_norm(cfg, mlp_norm)(h))
+    block = MoeBlock(cfg, name="moe_block") if cfg.moe else MlpBlock(cfg, name="mlp")
+    mlp = block(rms_norm(cfg, mlp_norm)(h))
     if cfg.sandwich_norms:
       mlp = rms_norm(cfg, "post_ffw_norm")(mlp)
     return nn.with_logical_constraint(h + mlp, BATCH_LENGTH_EMBED)
@@ -74,8 +76,9 @@ class DecoderBlock(nn.Module):
 
 def scanned(module, cfg, length: int, *args, name: str):
   """nn.scan of module(cfg, *args) over `length` steps: parameters stacked on a `layers`
-  axis, the carry x, positions and segment ids broadcast, one index per step scanned."""
-  return nn.scan(module, variable_axes={"params": 0}, split_rngs={"params": True},
+  axis, the carry x, positions and segment ids broadcast, one index per step scanned. What the
+  layers sow (the MoE router's statistics) is stacked the same way."""
+  return nn.scan(module, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
                  in_axes=(nn.broadcast, nn.broadcast, 0), length=length,
                  metadata_params={nn.PARTITION_NAME: "layers"})(cfg, *args, name=name)
 

@@ -1,0 +1,221 @@
+"""Mixture of experts: a float32 softmax router picks num_experts_per_tok of num_experts SwiGLU
+experts for each token, and the token's output is the router-weighted sum of theirs.
+
+Dropless (capacity_factor -1 or 0, the default): the token copies are sorted by expert and each
+projection is one grouped matmul, `jax.lax.ragged_dot` with the experts' group sizes, so compute
+and memory follow the tokens actually routed and no [tokens, experts, width] tensor exists.
+capacity_factor > 0 (MaxText's dropping rule): per sequence, each expert keeps the first
+C = int(max(ceil(T * k / E) * capacity_factor, capacity_factor)) copies routed to it, in order
+of position and then of choice; the rest are dropped (they add nothing to the token's output).
+The kept copies fill a fixed [E, rows * C, D] buffer, multiplied with the stacked weights.
+
+The routing runs inside a shard_map over the mesh axes that shard the tokens, so each device
+sorts only its own tokens. The expert weights arrive gathered along `embed` (FSDP, as for the
+dense MLP) and split along `exp` (expert parallelism: see _local_moe) and `mlp` (tensor
+parallelism), whose partial outputs are summed. The router's statistics (load-balancing loss, z-loss, load imbalance) are
+taken over all tokens of the batch and sown into the `intermediates` collection, one value per
+MoE layer; `aux_means` averages them over layers for the loss and the metrics.
+"""
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
+
+from MaxText.layers.linears import ACTIVATIONS, DenseGeneral
+
+TOKENS = ("activation_batch", "activation_length", "activation_embed")
+# Sown per MoE layer, averaged over layers: the Switch/MaxText load-balancing loss, the router
+# z-loss, and max/mean of the copies routed to each expert (1 when perfectly balanced).
+AUX_NAMES = ("moe_lb_loss", "moe_z_loss", "moe_imbalance")
+
+
+def dropless(capacity_factor: float) -> bool:
+  return capacity_factor <= 0
+
+
+def capacity(length: int, k: int, num_experts: int, capacity_factor: float) -> int:
+  """MaxText's expert capacity per sequence of `length` tokens (at least capacity_factor)."""
+  return int(max(math.ceil(length * k / num_experts) * capacity_factor, capacity_factor))
+
+
+def route(logits, k: int, norm_topk_prob: bool):
+  """float32 logits [..., E] -> (probabilities [..., E], top-k weights [..., k], experts [..., k])."""
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  weights, experts = jax.lax.top_k(probs, k)
+  if norm_topk_prob:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return probs, weights, experts
+
+
+def _swiglu(x, wi_0, wi_1, wo, matmul, activation):
+  """wo(act(wi_0 x) * wi_1 x) per expert, `matmul` doing the per-expert products."""
+  gate = checkpoint_name(matmul(x, wi_0), "mlpwi_0")
+  up = checkpoint_name(matmul(x, wi_1), "mlpwi_1")
+  return checkpoint_name(matmul(ACTIVATIONS[activation](gate) * up, wo), "mlpwo")
+
+
+def _dropless_copies(x, experts, wi_0, wi_1, wo, cfg):
+  """Every copy's expert output [N * k, D], in (token, choice) order: sorted by expert, grouped
+  matmuls, unsorted. `experts` are this shard's expert indices; a copy outside [0, local
+  experts) belongs to another shard's experts, sorts last and gets zero."""
+  k, num_experts = experts.shape[-1], wi_0.shape[0]
+  flat = experts.reshape(-1)
+  flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+  order = jnp.argsort(flat, stable=True)
+  group_sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  tokens = jnp.take(x, order // k, axis=0)
+  matmul = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes)
+  out = _swiglu(tokens, wi_0, wi_1, wo, lambda a, w: matmul(a, w), cfg.mlp_activation)  # rows past the groups: 0
+  return jnp.take(out, jnp.argsort(order), axis=0)
+
+
+def _dropping_copies(x, experts, wi_0, wi_1, wo, cfg, rows: int):
+  """Every copy's expert output [N * k, D] under capacity_factor > 0: zero for dropped copies
+  (and, as in _dropless_copies, for copies of other shards' experts)."""
+  k, num_experts = experts.shape[-1], wi_0.shape[0]
+  copies = experts.size
+  cap = capacity(copies // (rows * k), k, cfg.num_experts, cfg.capacity_factor)
+  flat = experts.reshape(-1)
+  local = (flat >= 0) & (flat < num_experts)
+  flat = jnp.where(local, flat, num_experts)
+  row = jnp.arange(copies) // (copies // rows)
+  # Rank of each copy among its (row, expert)'s copies in (position, choice) order: a stable
+  # sort groups them, and the rank is the distance from the group's start.
+  group = row * (num_experts + 1) + flat
+  order = jnp.argsort(group, stable=True)
+  counts = jnp.bincount(group, length=rows * (num_experts + 1))
+  starts = jnp.cumsum(counts) - counts
+  rank = jnp.zeros(copies, jnp.int32).at[order].set(jnp.arange(copies, dtype=jnp.int32) - starts[group[order]])
+  slots = num_experts * rows * cap
+  slot = jnp.where(local & (rank < cap), (flat * rows + row) * cap + rank, slots)  # the last slot: dropped
+  # Which copy fills each slot (`copies`, a zero row, where none): gathers both ways, no scatter of activations.
+  source = jnp.full(slots + 1, copies, jnp.int32).at[slot].set(jnp.arange(copies, dtype=jnp.int32))[:slots]
+  padded = jnp.concatenate([jnp.repeat(x, k, axis=0), jnp.zeros((1, x.shape[-1]), x.dtype)])
+  buffer = jnp.take(padded, source, axis=0).reshape(num_experts, rows * cap, -1)
+  out = _swiglu(buffer, wi_0, wi_1, wo, lambda a, w: jnp.einsum("ecd,edf->ecf", a, w), cfg.mlp_activation)
+  out = jnp.concatenate([out.reshape(slots, -1), jnp.zeros((1, out.shape[-1]), out.dtype)])
+  return jnp.take(out, slot, axis=0)
+
+
+def _router_stats(logits, cfg, token_axes: tuple) -> dict:
+  """The load-balancing loss, z-loss and imbalance over every device's tokens (psum over
+  token_axes) from this device's router logits [b, t, E]."""
+  num_experts = cfg.num_experts
+  probs, _, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+  total = lambda v: jax.lax.psum(v, token_axes) if token_axes else v  # noqa: E731
+  tokens = total(jnp.float32(probs.size // num_experts))
+  load = total(jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.float32))
+  mean_probs = total(jnp.sum(probs.reshape(-1, num_experts), axis=0)) / tokens
+  lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+  return {"moe_lb_loss": num_experts * jnp.sum(load / tokens * mean_probs),
+          "moe_z_loss": total(jnp.sum(jnp.square(lse))) / tokens,
+          "moe_imbalance": jnp.max(load) / jnp.mean(load)}
+
+
+def _local_moe(x, logits, wi_0, wi_1, wo, cfg, token_axes: tuple, expert_axes: tuple, mlp_axes: tuple):
+  """One device's tokens x [b, t, D] and router logits [b, t, E], and its experts' weights ->
+  (outputs [b, t, D], the router's statistics over all devices' tokens).
+
+  Expert parallelism: the expert axes that also shard the tokens exchange them by all-gather,
+  each device runs its own experts on the gathered tokens, and a reduce-scatter sums the
+  experts' outputs and returns each device its own tokens."""
+  stats = _router_stats(logits, cfg, token_axes)
+  exchanged = tuple(a for a in expert_axes if a in token_axes)
+  if exchanged:
+    x = jax.lax.all_gather(x, exchanged, axis=0, tiled=True)
+    logits = jax.lax.all_gather(logits, exchanged, axis=0, tiled=True)
+  rows, length, width = x.shape
+  k = cfg.num_experts_per_tok
+  _, weights, experts = route(logits, k, cfg.norm_topk_prob)
+  if expert_axes:  # this device's experts are [first, first + local experts)
+    experts = experts - jax.lax.axis_index(expert_axes) * wi_0.shape[0]
+  flat_x = x.reshape(-1, width)
+  if dropless(cfg.capacity_factor):
+    copies = _dropless_copies(flat_x, experts, wi_0, wi_1, wo, cfg)
+  else:
+    copies = _dropping_copies(flat_x, experts, wi_0, wi_1, wo, cfg, rows)
+  out = jnp.einsum("nkd,nk->nd", copies.reshape(-1, k, width), weights.reshape(-1, k).astype(copies.dtype))
+  out = out.reshape(rows, length, width)
+  # Partial sums: over the experts held elsewhere, and over slices of every expert's hidden units.
+  summed = tuple(a for a in expert_axes if a not in exchanged) + mlp_axes
+  if summed:
+    out = jax.lax.psum(out, summed)
+  if exchanged:
+    out = jax.lax.psum_scatter(out, exchanged, scatter_dimension=0, tiled=True)
+  return out, stats
+
+
+def _axes(logical_name) -> tuple:
+  """The mesh axes a logical axis name maps to under the active rules."""
+  (axes,) = nn.logical_to_mesh_axes((logical_name,))
+  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def expert_init(key, shape, dtype):
+  """[experts, in, out]: each expert's kernel truncated normal with std 1/sqrt(in)."""
+  return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=2,
+                                          batch_axis=(0,))(key, shape, dtype)
+
+
+class MoeBlock(nn.Module):
+  """x [B, T, D] -> sum over the token's top-k experts of weight * SwiGLU_expert(x).
+
+  Parameters (MaxText's names and layout): gate/kernel [D, E] (the router), wi_0 and wi_1
+  [E, D, moe_mlp], wo [E, moe_mlp, D].
+  """
+
+  config: object
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
+    experts, width, hidden = cfg.num_experts, cfg.base_emb_dim, cfg.base_moe_mlp_dim
+    x = nn.with_logical_constraint(x, TOKENS)
+    # The router in float32 whatever the activation dtype: the top-k choice is a comparison of
+    # nearby probabilities, which bfloat16 would blur.
+    logits = DenseGeneral((experts,), ("embed", None), jnp.float32, weight_dtype, name="gate")(x)
+
+    def kernel(name, shape, axes):
+      init = nn.with_logical_partitioning(expert_init, axes)
+      return self.param(name, init, shape, weight_dtype).astype(dtype)
+
+    wi_0 = kernel("wi_0", (experts, width, hidden), ("exp", "embed", "mlp"))
+    wi_1 = kernel("wi_1", (experts, width, hidden), ("exp", "embed", "mlp"))
+    wo = kernel("wo", (experts, hidden, width), ("exp", "mlp", "embed"))
+    out, stats = self._routed(x.astype(dtype), logits, wi_0, wi_1, wo)
+    for name, value in stats.items():
+      self.sow("intermediates", name, value)
+    return nn.with_logical_constraint(out, TOKENS)
+
+  def _routed(self, x, logits, wi_0, wi_1, wo):
+    cfg = self.config
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      return _local_moe(x, logits, wi_0, wi_1, wo, cfg, (), (), ())
+    batch, length = _axes(TOKENS[0]), _axes(TOKENS[1])
+    token_axes = batch + length
+    expert_axes = _axes("exp")
+    mlp_axes = tuple(a for a in _axes("mlp") if a not in token_axes + expert_axes)
+    tokens = PartitionSpec(batch or None, length or None, None)
+    wi = PartitionSpec(expert_axes or None, None, mlp_axes or None)
+    wo_spec = PartitionSpec(expert_axes or None, mlp_axes or None, None)
+    body = functools.partial(_local_moe, cfg=cfg, token_axes=token_axes, expert_axes=expert_axes, mlp_axes=mlp_axes)
+    return jax.shard_map(body, in_specs=(tokens, tokens, wi, wi, wo_spec),
+                         out_specs=(tokens, {n: PartitionSpec() for n in AUX_NAMES}))(x, logits, wi_0, wi_1, wo)
+
+
+def aux_means(intermediates) -> dict:
+  """{name: mean over MoE layers} of the statistics the layers sowed (scanned layers sow one
+  value per step of the scan); {} for a model without MoE layers."""
+  values = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(intermediates):
+    name = path[-2].key if isinstance(path[-1], jax.tree_util.SequenceKey) else path[-1].key
+    if name in AUX_NAMES:
+      values.setdefault(name, []).append(jnp.ravel(leaf))
+  return {name: jnp.mean(jnp.concatenate(parts)) for name, parts in values.items()}

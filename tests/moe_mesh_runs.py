@@ -1,0 +1,48 @@
+"""The MoE model's loss and gradients under every expert-parallel test mesh; run with
+JAX_NUM_CPU_DEVICES=8.
+
+python tests/moe_mesh_runs.py OUT_DIR writes OUT_DIR/<mesh>.npz: the summed training loss
+("loss") and its gradients (by parameter path) at the initial parameters on fixed_batch.
+"""
+
+import os
+import sys
+
+import jax
+import numpy as np
+
+from conftest import fixed_batch, tiny_config, trainer_and_state
+from MaxText import losses, sharding, train_step
+
+# 8 experts of width 24, top 2, over TINY: every mesh below divides it with one row per device.
+MOE = ("decoder_block=qwen3_moe", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=24",
+       "load_balance_loss_weight=0.1", "router_z_loss_weight=0.01", "per_device_batch_size=1")
+EXPERT_MESHES = {
+    "expert=8": ("ici_expert_parallelism=8", "ici_fsdp_parallelism=1"),
+    "expert=4 fsdp=2": ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"),
+    "expert=2 tensor=2 data=2": ("ici_expert_parallelism=2", "ici_tensor_parallelism=2", "ici_data_parallelism=2",
+                                 "ici_fsdp_parallelism=1"),
+    "expert=2 sequence=2 fsdp=2": ("ici_expert_parallelism=2", "ici_sequence_parallelism=2", "ici_fsdp_parallelism=2"),
+    # Dropping: the capacity is per sequence, and each device's experts see whole sequences.
+    "expert=8, capacity 1": ("ici_expert_parallelism=8", "ici_fsdp_parallelism=1", "capacity_factor=1.0"),
+}
+
+
+def loss_and_gradients(config):
+  """(summed training loss, {parameter path: gradient}) at config's initial parameters on fixed_batch."""
+  trainer, state = trainer_and_state(config)
+  fn = jax.jit(jax.value_and_grad(lambda p, b: losses.batch_sums(trainer.model, config, p, b)[0]))
+  with sharding.activate(trainer.mesh, config):
+    loss, grads = fn(state.params, train_step.device_batch(trainer, fixed_batch(config)))
+  leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(grads))
+  return float(loss), {jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}
+
+
+def main(out):
+  for name, overrides in EXPERT_MESHES.items():
+    loss, grads = loss_and_gradients(tiny_config(*MOE, *overrides))
+    np.savez(os.path.join(out, f"{name}.npz"), loss=loss, **grads)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])

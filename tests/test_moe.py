@@ -1,0 +1,257 @@
+"""Mixture of experts: the routed layer against a dense reference that runs every expert on every
+token, capacity dropping against the rule played out in Python, the router's losses against
+numpy, memory settings that leave the model unchanged, bad input, and training end to end."""
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from MaxText import errors, losses, metrics, sharding, train, train_step
+from MaxText.layers import moe
+from MaxText.layers.models import Transformer
+import moe_mesh_runs
+from conftest import ROOT, assert_trees_close, fixed_batch, run_cli, tiny_config, trainer_and_state
+
+# 4 experts, top 2, expert width 24 over TINY (width 32, 16 tokens, 4 rows).
+MOE = ("decoder_block=qwen3_moe", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=24")
+RTOL = 1e-5
+
+
+def dense_reference(params, x, cfg, keep=None):
+  """Every expert on every token (einsum), combined with the router's top-k weights (times
+  keep [B, T, k], 0 for a dropped copy): no sorting, no grouped matmul."""
+  logits = jnp.einsum("btd,de->bte", x, params["gate"]["kernel"])
+  weights, experts = jax.lax.top_k(jax.nn.softmax(logits), cfg.num_experts_per_tok)
+  if cfg.norm_topk_prob:
+    weights = weights / weights.sum(-1, keepdims=True)
+  if keep is not None:
+    weights = weights * keep
+  combine = jnp.einsum("btk,btke->bte", weights, jax.nn.one_hot(experts, cfg.num_experts))
+  h = jax.nn.silu(jnp.einsum("btd,edf->btef", x, params["wi_0"])) * jnp.einsum("btd,edf->btef", x, params["wi_1"])
+  return jnp.einsum("bte,btef,efd->btd", combine, h, params["wo"])
+
+
+def layer_and_inputs(cfg, seed=0):
+  block = moe.MoeBlock(cfg)
+  x = jax.random.normal(jax.random.key(seed), (cfg.micro_batch_size, cfg.max_target_length, cfg.base_emb_dim))
+  params = jax.device_get(nn.meta.unbox(block.init(jax.random.key(seed + 1), x)["params"]))
+  return block, params, x
+
+
+def outputs_loss_grads(fn, params, x):
+  """fn(params, x), and the loss sum(fn * a fixed cotangent) with its gradients in params and x."""
+  cotangent = jax.random.normal(jax.random.key(7), x.shape)
+  loss = lambda p, x: jnp.sum(fn(p, x) * cotangent)  # noqa: E731
+  value, grads = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+  return fn(params, x), value, grads
+
+
+def test_dropless_layer_equals_every_expert_on_every_token():
+  cfg = tiny_config(*MOE, num_devices=1)
+  block, params, x = layer_and_inputs(cfg)
+  got = outputs_loss_grads(lambda p, x: block.apply({"params": p}, x), params, x)
+  want = outputs_loss_grads(lambda p, x: dense_reference(p, x, cfg), params, x)
+  assert_trees_close(got, want, RTOL, "dropless")
+
+
+def capacity_keep(experts, num_experts, capacity_factor):
+  """[B, T, k] 1 for the copies the capacity keeps: per row, walking the tokens in order and each
+  token's choices in order, an expert accepts copies until it holds its capacity."""
+  rows, length, k = experts.shape
+  cap = int(max(math.ceil(length * k / num_experts) * capacity_factor, capacity_factor))
+  keep = np.zeros(experts.shape, np.float32)
+  for b in range(rows):
+    held = [0] * num_experts
+    for t in range(length):
+      for j in range(k):
+        e = experts[b, t, j]
+        if held[e] < cap:
+          held[e] += 1
+          keep[b, t, j] = 1
+  return keep
+
+
+# The top-k weights unnormalised in one case, so that switch is covered too.
+@pytest.mark.parametrize("capacity_factor, norm", [(0.5, False), (2.0, True)])
+def test_capacity_drops_exactly_the_copies_past_capacity(capacity_factor, norm):
+  cfg = tiny_config(*MOE, f"capacity_factor={capacity_factor}", f"norm_topk_prob={norm}", num_devices=1)
+  block, params, x = layer_and_inputs(cfg)
+  logits = np.einsum("btd,de->bte", np.asarray(x, np.float64), params["gate"]["kernel"])
+  experts = np.argsort(-logits, axis=-1, kind="stable")[..., :cfg.num_experts_per_tok]
+  keep = capacity_keep(experts, cfg.num_experts, capacity_factor)
+  if capacity_factor < 1:
+    assert keep.mean() < 0.9  # the case under test drops copies
+  if capacity_factor >= 2:
+    assert keep.min() == 1  # C = 2 T k / E = T: no expert can receive more copies from a row
+  got = outputs_loss_grads(lambda p, x: block.apply({"params": p}, x), params, x)
+  want = outputs_loss_grads(lambda p, x: dense_reference(p, x, cfg, keep), params, x)
+  assert_trees_close(got, want, RTOL, f"capacity_factor={capacity_factor}")
+
+
+def test_router_losses_and_imbalance_match_numpy():
+  cfg = tiny_config(*MOE, num_devices=1)
+  block, params, x = layer_and_inputs(cfg, seed=3)
+  _, state = block.apply({"params": params}, x, mutable="intermediates")
+  sown = {name: float(value[0]) for name, value in state["intermediates"].items()}
+  logits = np.einsum("btd,de->bte", np.asarray(x, np.float64), params["gate"]["kernel"]).reshape(-1, cfg.num_experts)
+  lse = np.log(np.exp(logits).sum(-1))
+  probs = np.exp(logits - lse[:, None])
+  chosen = np.argsort(-probs, axis=-1)[:, :cfg.num_experts_per_tok]
+  load = np.bincount(chosen.ravel(), minlength=cfg.num_experts)
+  tokens = logits.shape[0]
+  want = {"moe_lb_loss": cfg.num_experts * np.sum(load / tokens * probs.mean(0)),
+          "moe_z_loss": np.mean(lse**2), "moe_imbalance": load.max() / load.mean()}
+  assert sown.keys() == want.keys()
+  for name in want:
+    np.testing.assert_allclose(sown[name], want[name], rtol=RTOL, err_msg=name)
+
+
+# Router losses on, so their gradients are part of what must not change.
+WEIGHTED = (*MOE, "load_balance_loss_weight=0.1", "router_z_loss_weight=0.01")
+MEMORY_SETTINGS = {
+    "minimal, interval 2": ("remat_policy=minimal", "remat_layer_interval=2"),
+    "save_dot_except_mlp, tiles 4, loop": ("remat_policy=save_dot_except_mlp", "num_vocab_tiling=4",
+                                           "scan_layers=false"),
+    "full, tiles 4 recompute": ("remat_policy=full", "num_vocab_tiling=4", "vocab_tiling_mode=recompute"),
+}
+
+
+def loss_and_gradients(config, params, batch):
+  trainer = train_step.build(config, sharding.create_mesh(config))
+  fn = jax.jit(jax.value_and_grad(lambda p, b: losses.batch_sums(trainer.model, config, p, b)[0]))
+  with sharding.activate(trainer.mesh, config):
+    loss, grads = fn(jax.device_put(params, trainer.state_sharding.params), train_step.device_batch(trainer, batch))
+  return float(loss), jax.device_get(grads)
+
+
+def test_memory_settings_give_the_same_loss_and_gradients():
+  reference = tiny_config(*WEIGHTED, "remat_policy=none", "scan_layers=false")
+  _, state = trainer_and_state(reference)
+  params, batch = jax.device_get(state.params), fixed_batch(reference)
+  want_loss, want_grads = loss_and_gradients(reference, params, batch)
+  assert np.any(np.asarray(want_grads["decoder"]["layers"]["moe_block"]["gate"]["kernel"]))
+  for name, overrides in MEMORY_SETTINGS.items():
+    loss, grads = loss_and_gradients(tiny_config(*WEIGHTED, *overrides), params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6, err_msg=name)
+    assert_trees_close(grads, want_grads, 1e-6, name)
+
+
+def test_model_flops_count_active_parameters_only():
+  """6 FLOPs per token per active weight (the router, k of the E experts, attention projections
+  and the head, counted from the parameter tree) plus the causal attention products."""
+  cfg = tiny_config(*MOE, num_devices=1)
+  tokens = jnp.zeros((1, cfg.max_target_length), jnp.int32)
+  params = nn.meta.unbox(jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), tokens, tokens, tokens))["params"])
+  layer = params["decoder"]["layers"]
+  experts = sum(math.prod(layer["moe_block"][n].shape[2:]) for n in ("wi_0", "wi_1", "wo"))
+  attention = sum(math.prod(layer["self_attention"][n]["kernel"].shape[1:]) for n in ("query", "key", "value", "out"))
+  per_layer = attention + math.prod(layer["moe_block"]["gate"]["kernel"].shape[1:]) + cfg.num_experts_per_tok * experts
+  active = cfg.base_num_decoder_layers * per_layer + math.prod(params["logits_kernel"].shape)
+  tokens = cfg.global_batch_size_to_train_on * cfg.max_target_length
+  scores = 3 * 2 * 2 * tokens * cfg.max_target_length / 2 * cfg.base_num_query_heads * cfg.head_dim
+  want = 6 * tokens * active + scores * cfg.base_num_decoder_layers
+  assert metrics.training_flops_per_step(cfg) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("num_experts_per_tok=5", "num_experts_per_tok=5: must be in \\[1, num_experts=4\\]"),
+    ("num_experts_per_tok=0", "num_experts_per_tok=0: must be in"),
+    ("capacity_factor=-0.5", "capacity_factor=-0.5: must be > 0 .* or -1 or 0"),
+    ("capacity_factor=0", None),
+    ("capacity_factor=-1", None),
+])
+def test_bad_moe_values_name_the_key(override, message):
+  if message is None:  # the dropless spellings
+    assert moe.dropless(tiny_config(*MOE, override, num_devices=1).capacity_factor)
+  else:
+    with pytest.raises(errors.ConfigError, match=message):
+      tiny_config(*MOE, override, num_devices=1)
+
+
+def test_bad_moe_input_on_the_command_line_is_one_line_exit_2_and_writes_nothing(tmp_path):
+  out = tmp_path / "outputs"
+  result = run_cli("train", f"base_output_directory={out}", *MOE, "num_experts_per_tok=5")
+  assert result.returncode == 2, result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "num_experts_per_tok=5" in lines[0] and "Traceback" not in result.stderr, result.stderr
+  assert not out.exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (('logical_axis_rules=[["exp", ["fsdp"]]]', "num_experts=6"), "num_experts=6: not divisible by .* fsdp \\(4\\)"),
+    (("ici_tensor_parallelism=2", "base_moe_mlp_dim=25"), "base_moe_mlp_dim=25: not divisible by .* tensor \\(2\\)"),
+])
+def test_a_mesh_that_does_not_divide_the_experts_is_a_config_error(overrides, message):
+  with pytest.raises(errors.ConfigError, match=message):
+    tiny_config(*MOE, *overrides, num_devices=4)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_training_runs_end_to_end_and_logs_the_router(tmp_path, family):
+  metrics_file = tmp_path / "metrics.jsonl"
+  config = tiny_config(*MOE, f"decoder_block={family}", "steps=3", "gradient_accumulation_steps=2",
+                       "eval_interval=3", "eval_steps=1", f"base_output_directory={tmp_path}",
+                       f"metrics_file={metrics_file}", "router_z_loss_weight=0.001")
+  train.train(config)
+  records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+  steps = [r for r in records if "learning/loss" in r]
+  assert [r["step"] for r in steps] == [1, 2, 3]
+  for r in steps:
+    assert all(np.isfinite(r[f"learning/{n}"]) for n in moe.AUX_NAMES), r
+    assert r["learning/moe_imbalance"] >= 1 and r["learning/moe_lb_loss"] > 0 and r["learning/moe_z_loss"] > 0
+    aux = config.load_balance_loss_weight * r["learning/moe_lb_loss"] + 0.001 * r["learning/moe_z_loss"]
+    np.testing.assert_allclose(r["learning/moe_aux_loss"], aux, rtol=1e-5)
+  assert any("eval/loss" in r and np.isfinite(r["eval/loss"]) for r in records)
+
+
+@pytest.fixture(scope="module")
+def expert_mesh_results(tmp_path_factory):
+  out = tmp_path_factory.mktemp("expert_meshes")
+  result = subprocess.run([sys.executable, str(ROOT / "tests" / "moe_mesh_runs.py"), str(out)],
+                          env={**os.environ, "JAX_NUM_CPU_DEVICES": "8"}, capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stderr[-4000:]
+  return out
+
+
+@functools.cache
+def one_device_loss_and_gradients(*overrides):
+  return moe_mesh_runs.loss_and_gradients(
+      tiny_config(*moe_mesh_runs.MOE, "per_device_batch_size=8", *overrides, num_devices=1))
+
+
+@pytest.mark.parametrize("mesh", list(moe_mesh_runs.EXPERT_MESHES))
+def test_expert_parallel_meshes_equal_one_device(expert_mesh_results, mesh):
+  routing = [o for o in moe_mesh_runs.EXPERT_MESHES[mesh] if o.startswith("capacity_factor")]
+  want_loss, want_grads = one_device_loss_and_gradients(*routing)
+  got = dict(np.load(expert_mesh_results / f"{mesh}.npz"))
+  np.testing.assert_allclose(got.pop("loss"), want_loss, rtol=RTOL, err_msg=mesh)
+  assert_trees_close(got, want_grads, RTOL, mesh)
+
+
+def test_experts_not_divisible_by_the_expert_axis_is_one_line_exit_2(tmp_path):
+  out = tmp_path / "outputs"
+  result = run_cli("train", f"base_output_directory={out}", *MOE, "num_experts=6", "ici_expert_parallelism=4",
+                   env={"JAX_NUM_CPU_DEVICES": "4"})
+  assert result.returncode == 2, result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "num_experts=6: not divisible by" in lines[0] and "expert (4)" in lines[0], result.stderr
+  assert not out.exists()
+
+
+def test_expert_weights_shard_over_expert_and_dense_weights_over_every_batch_axis():
+  """Under expert parallelism no parameter is replicated over the expert axis."""
+  cfg = tiny_config(*MOE, "ici_expert_parallelism=2", "ici_fsdp_parallelism=2", num_devices=4)
+  rules = sharding.axis_rules(cfg)
+  assert nn.logical_to_mesh_axes(("exp", "embed", "mlp"), rules) == jax.sharding.PartitionSpec(
+      "expert", ("fsdp", "sequence"), "tensor")
+  assert nn.logical_to_mesh_axes(("embed", "mlp"), rules) == jax.sharding.PartitionSpec(
+      ("fsdp", "sequence", "expert"), "tensor")
