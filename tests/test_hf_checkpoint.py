@@ -1,6 +1,6 @@
 """Hugging Face checkpoints: converted weights give transformers' own logits and greedy tokens
 (golden files written by tests/assets/hf/make_golden.py from random LlamaForCausalLM,
-Qwen3ForCausalLM and Gemma2ForCausalLM), both converters round-trip bit for bit, and runs
+Qwen3ForCausalLM, Gemma2ForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM), both converters round-trip bit for bit, and runs
 continue from the imported weights with the model directory's tokenizer."""
 
 import json
@@ -27,11 +27,18 @@ SHAPE = ("vocab_size=96", "base_emb_dim=32", "base_mlp_dim=64", "base_num_decode
          "normalization_layer_epsilon=1e-6", "max_target_length=24")
 LLAMA31_ROPE = ("rope_type=llama3.1", "rope_scaling_factor=8", "rope_low_freq_factor=1", "rope_high_freq_factor=4",
                 "rope_original_max_position=16")
+MOE = ("num_experts=4", "num_experts_per_tok=2")
 FAMILIES = {"llama": ("decoder_block=llama2", "logits_via_embedding=false"),
             "qwen3": ("decoder_block=qwen3", "logits_via_embedding=true"),
             "llama3.1": ("decoder_block=llama2", "logits_via_embedding=true", *LLAMA31_ROPE),
             "gemma2": ("decoder_block=gemma2", "logits_via_embedding=true", "sliding_window_size=8",
-                       "query_pre_attn_scalar=24", "attn_logits_soft_cap=2", "final_logits_soft_cap=3")}
+                       "query_pre_attn_scalar=24", "attn_logits_soft_cap=2", "final_logits_soft_cap=3"),
+            "qwen3_moe": ("decoder_block=qwen3_moe", "logits_via_embedding=false", *MOE, "base_moe_mlp_dim=24",
+                          "norm_topk_prob=true"),
+            "qwen3_moe_tied": ("decoder_block=qwen3_moe", "logits_via_embedding=true", *MOE, "base_moe_mlp_dim=24",
+                               "norm_topk_prob=false"),
+            "mixtral": ("decoder_block=mixtral", "logits_via_embedding=false", *MOE, "base_moe_mlp_dim=64"),
+            "mixtral_tied": ("decoder_block=mixtral", "logits_via_embedding=true", *MOE, "base_moe_mlp_dim=64")}
 # TINY's run keys without its model keys: runs from a converted checkpoint take those saved with it.
 RUN = tuple(a for a in TINY if a.partition("=")[0] not in pyconfig.MODEL_KEYS) + ("max_target_length=24",)
 EOD = "<|endoftext|>"
@@ -69,9 +76,11 @@ def test_converted_weights_give_the_hugging_face_logits(family, settings):
 @pytest.mark.parametrize("family, without", [
     ("qwen3", "decoder_block=llama2"), ("llama3.1", "rope_type=default"), ("gemma2", "decoder_block=llama2"),
     ("gemma2", "sliding_window_size=0"), ("gemma2", "query_pre_attn_scalar=0"), ("gemma2", "attn_logits_soft_cap=0"),
-    ("gemma2", "final_logits_soft_cap=0")])
+    ("gemma2", "final_logits_soft_cap=0"), ("qwen3_moe", "norm_topk_prob=false"),
+    ("qwen3_moe_tied", "norm_topk_prob=true"), ("mixtral", "num_experts_per_tok=1")])
 def test_without_the_family_feature_the_logits_are_not_matched(family, without):
-  """Qwen3's q/k norms, Llama 3.1's RoPE rescaling and each of Gemma 2's features matter: the
+  """Qwen3's q/k norms, Llama 3.1's RoPE rescaling, each of Gemma 2's features and the experts'
+  routing matter: the
   same weights without one miss transformers' logits by over 100 times what the parity test
   allows."""
   logits, golden = logits_and_golden(family, tiny_config(*SHAPE, *FAMILIES[family], without))
@@ -115,7 +124,7 @@ def test_greedy_decoding_of_an_imported_model_gives_the_hugging_face_tokens(tmp_
   assert decode.generate(config) == words(golden["greedy_prompt"]) + tokenizer.decode(golden["greedy"].tolist())
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama3.1", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3.1", "gemma2", "qwen3_moe", "mixtral_tied"])
 def test_import_export_round_trip_and_continued_pretraining(tmp_path, family):
   """The command lines of docs/huggingface.md: Hugging Face -> checkpoint ->
   Hugging Face gives the same tensors bit for bit with no model key given (config.json's are
@@ -241,7 +250,7 @@ def split_and_lose_a_shard(hf):
     (split_and_lose_a_shard, "model-00002-of-00002.safetensors, which is not there"),
     (lambda hf: edit_config(hf, architectures=["MistralForCausalLM"]),
      "architecture MistralForCausalLM is not supported (supported: LlamaForCausalLM, Qwen3ForCausalLM, "
-     "Gemma2ForCausalLM)"),
+     "Gemma2ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM)"),
     (lambda hf: drop_tensor(hf, "model.layers.1.mlp.up_proj.weight"), "tensor model.layers.1.mlp.up_proj.weight is "
      "missing"),
     (lambda hf: reshape_tensor(hf, "model.layers.2.self_attn.k_proj.weight"),

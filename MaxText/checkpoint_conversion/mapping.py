@@ -2,10 +2,12 @@
 converters read (to_maxtext.py, to_huggingface.py), config.json both ways, and reading a
 directory's safetensors one tensor at a time.
 
-Supported: LlamaForCausalLM (Llama 2, 3, 3.1, 3.2), Qwen3ForCausalLM, Gemma2ForCausalLM.
+Supported: LlamaForCausalLM (Llama 2, 3, 3.1, 3.2), Qwen3ForCausalLM, Gemma2ForCausalLM, and the
+mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM.
 """
 
 import glob
+import itertools
 import json
 import math
 import os
@@ -18,11 +20,19 @@ from MaxText import errors
 # decoder_block -> (Hugging Face architecture, model_type, name of its activation key, activation)
 FAMILIES = {"llama2": ("LlamaForCausalLM", "llama", "hidden_act", "silu"),
             "qwen3": ("Qwen3ForCausalLM", "qwen3", "hidden_act", "silu"),
-            "gemma2": ("Gemma2ForCausalLM", "gemma2", "hidden_activation", "gelu_pytorch_tanh")}
+            "gemma2": ("Gemma2ForCausalLM", "gemma2", "hidden_activation", "gelu_pytorch_tanh"),
+            "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe", "hidden_act", "silu"),
+            "mixtral": ("MixtralForCausalLM", "mixtral", "hidden_act", "silu")}
 ARCHITECTURES = {architecture: block for block, (architecture, *_) in FAMILIES.items()}
 # What transformers assumes where a family's config.json is silent: Gemma 2's published files
 # name neither a tied head nor layer_types, its head is tied and its even layers slide.
-TIED_BY_DEFAULT = {"llama2": False, "qwen3": False, "gemma2": True}
+TIED_BY_DEFAULT = {"llama2": False, "qwen3": False, "gemma2": True, "qwen3_moe": False, "mixtral": False}
+# A mixture of experts' Hugging Face names: (router, expert e's gate, up and down projections)
+# under model.layers.{i}. Mixtral's experts are w1 (gate), w3 (up) and w2 (down).
+EXPERT_NAMES = {"qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                              "mlp.experts.{e}.down_proj.weight"),
+                "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                            "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight")}
 SLIDING_ON_EVEN_LAYERS_BY_DEFAULT = ("gemma2",)
 # Put before the user's keys: the converters read no data, so the text dataset's checks (a
 # tokenizer that fits vocab_size) must not stop them.
@@ -44,8 +54,10 @@ def layer_types(config) -> list:
 
 def _expected(config) -> dict:
   """config.json's values for this config, by the config key each one checks."""
+  # A mixture of experts has no dense MLP: base_mlp_dim is unused (Mixtral's intermediate_size
+  # is its experts' width).
   return {"decoder_block": config.decoder_block, "vocab_size": config.vocab_size,
-          "base_emb_dim": config.base_emb_dim, "base_mlp_dim": config.base_mlp_dim,
+          "base_emb_dim": config.base_emb_dim, **({} if config.moe else {"base_mlp_dim": config.base_mlp_dim}),
           "base_num_query_heads": config.base_num_query_heads, "base_num_kv_heads": config.base_num_kv_heads,
           "base_num_decoder_layers": config.base_num_decoder_layers, "head_dim": config.head_dim,
           "logits_via_embedding": config.logits_via_embedding, "rope_max_timescale": float(config.rope_max_timescale),
@@ -53,6 +65,9 @@ def _expected(config) -> dict:
           "attn_logits_soft_cap": config.attn_logits_soft_cap, "final_logits_soft_cap": config.final_logits_soft_cap,
           "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim,
           "sliding_window_size": config.sliding_window_size,
+          **({"num_experts": config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
+              "base_moe_mlp_dim": config.base_moe_mlp_dim, "norm_topk_prob": config.norm_topk_prob}
+             if config.moe else {}),
           **({"rope_scaling_factor": config.rope_scaling_factor, "rope_low_freq_factor": config.rope_low_freq_factor,
               "rope_high_freq_factor": config.rope_high_freq_factor,
               "rope_original_max_position": config.rope_original_max_position}
@@ -98,7 +113,27 @@ def _model_keys(hf: dict, block: str) -> dict:
           "rope_original_max_position": rope.get("original_max_position_embeddings"),
           "attn_logits_soft_cap": float(hf.get("attn_logit_softcapping") or 0),
           "final_logits_soft_cap": float(hf.get("final_logit_softcapping") or 0),
-          "query_pre_attn_scalar": hf.get("query_pre_attn_scalar") or head_dim, "sliding_window_size": window}
+          "query_pre_attn_scalar": hf.get("query_pre_attn_scalar") or head_dim, "sliding_window_size": window,
+          **_moe_keys(hf, block)}
+
+
+def _moe_keys(hf: dict, block: str) -> dict:
+  """The mixture-of-experts keys of a Qwen3-MoE or Mixtral config.json ({} for a dense family).
+  Mixtral's experts are intermediate_size wide and its top-k weights always renormalised; a
+  Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step) is not supported."""
+  if block not in EXPERT_NAMES:
+    return {}
+  # The Hub's Qwen3-MoE files say num_experts; transformers 5 writes num_local_experts for both.
+  experts = hf["num_local_experts"] if "num_local_experts" in hf else hf["num_experts"]
+  if block == "mixtral":
+    return {"num_experts": experts, "num_experts_per_tok": hf["num_experts_per_tok"],
+            "base_moe_mlp_dim": hf["intermediate_size"], "norm_topk_prob": True}
+  dense_layers = hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1
+  return {"num_experts": experts, "num_experts_per_tok": hf["num_experts_per_tok"],
+          "base_moe_mlp_dim": hf["moe_intermediate_size"], "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+          **({"decoder_block": f"qwen3_moe with dense layers (mlp_only_layers {hf.get('mlp_only_layers')}, "
+                               f"decoder_sparse_step {hf.get('decoder_sparse_step')}: not supported)"}
+             if dense_layers else {})}
 
 
 def check_shape(config, hf: dict, hf_path: str) -> None:
@@ -110,43 +145,55 @@ def check_shape(config, hf: dict, hf_path: str) -> None:
 
 
 def layout(config) -> list:
-  """(path in this project's parameter tree, Hugging Face name, per layer, this project's shape
-  (of one layer), input axes of a linear weight or 0 for a tensor copied as it is). Hugging
-  Face keeps linear weights [out, in]; here they are [in..., out...] kernels, and per-layer
-  weights are stacked on a leading layer axis."""
+  """(path in this project's parameter tree, Hugging Face name, the stacked dimensions, this
+  project's shape of one of the stacked tensors, input axes of a linear weight or 0 for a
+  tensor copied as it is). Hugging Face keeps linear weights [out, in]; here they are
+  [in..., out...] kernels, per-layer weights (names with {i}) are stacked on a leading layer
+  axis, and experts' weights (names with {e} too) on an expert axis after it."""
   dim, heads, kv_heads, head_dim = (config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads,
                                     config.head_dim)
   attention, layer = ("decoder", "layers", "self_attention"), "model.layers.{i}."
+  layers = (config.base_num_decoder_layers,)
   entries = [
-      (("token_embedder", "embedding"), "model.embed_tokens.weight", False, (config.vocab_size, dim), 0),
-      (("decoder", "decoder_norm", "scale"), "model.norm.weight", False, (dim,), 0),
-      ((*attention, "query", "kernel"), layer + "self_attn.q_proj.weight", True, (dim, heads, head_dim), 1),
-      ((*attention, "key", "kernel"), layer + "self_attn.k_proj.weight", True, (dim, kv_heads, head_dim), 1),
-      ((*attention, "value", "kernel"), layer + "self_attn.v_proj.weight", True, (dim, kv_heads, head_dim), 1),
-      ((*attention, "out", "kernel"), layer + "self_attn.o_proj.weight", True, (heads, head_dim, dim), 2),
-      (("decoder", "layers", "mlp", "wi_0", "kernel"), layer + "mlp.gate_proj.weight", True, (dim, config.base_mlp_dim), 1),
-      (("decoder", "layers", "mlp", "wi_1", "kernel"), layer + "mlp.up_proj.weight", True, (dim, config.base_mlp_dim), 1),
-      (("decoder", "layers", "mlp", "wo", "kernel"), layer + "mlp.down_proj.weight", True, (config.base_mlp_dim, dim), 1),
-      (("decoder", "layers", "pre_self_attention_norm", "scale"), layer + "input_layernorm.weight", True, (dim,), 0),
-      (("decoder", "layers", "post_self_attention_norm", "scale"), layer + "post_attention_layernorm.weight", True,
+      (("token_embedder", "embedding"), "model.embed_tokens.weight", (), (config.vocab_size, dim), 0),
+      (("decoder", "decoder_norm", "scale"), "model.norm.weight", (), (dim,), 0),
+      ((*attention, "query", "kernel"), layer + "self_attn.q_proj.weight", layers, (dim, heads, head_dim), 1),
+      ((*attention, "key", "kernel"), layer + "self_attn.k_proj.weight", layers, (dim, kv_heads, head_dim), 1),
+      ((*attention, "value", "kernel"), layer + "self_attn.v_proj.weight", layers, (dim, kv_heads, head_dim), 1),
+      ((*attention, "out", "kernel"), layer + "self_attn.o_proj.weight", layers, (heads, head_dim, dim), 2),
+      (("decoder", "layers", "pre_self_attention_norm", "scale"), layer + "input_layernorm.weight", layers, (dim,), 0),
+      (("decoder", "layers", "post_self_attention_norm", "scale"), layer + "post_attention_layernorm.weight", layers,
        (dim,), 0),
   ]
+  if config.moe:
+    moe, (router, gate, up, down) = ("decoder", "layers", "moe_block"), EXPERT_NAMES[config.decoder_block]
+    experts, hidden = layers + (config.num_experts,), config.base_moe_mlp_dim
+    entries += [((*moe, "gate", "kernel"), layer + router, layers, (dim, config.num_experts), 1),
+                ((*moe, "wi_0"), layer + gate, experts, (dim, hidden), 1),
+                ((*moe, "wi_1"), layer + up, experts, (dim, hidden), 1),
+                ((*moe, "wo"), layer + down, experts, (hidden, dim), 1)]
+  else:
+    mlp = ("decoder", "layers", "mlp")
+    entries += [((*mlp, "wi_0", "kernel"), layer + "mlp.gate_proj.weight", layers, (dim, config.base_mlp_dim), 1),
+                ((*mlp, "wi_1", "kernel"), layer + "mlp.up_proj.weight", layers, (dim, config.base_mlp_dim), 1),
+                ((*mlp, "wo", "kernel"), layer + "mlp.down_proj.weight", layers, (config.base_mlp_dim, dim), 1)]
   if config.sandwich_norms:
-    entries += [(("decoder", "layers", "pre_ffw_norm", "scale"), layer + "pre_feedforward_layernorm.weight", True,
+    entries += [(("decoder", "layers", "pre_ffw_norm", "scale"), layer + "pre_feedforward_layernorm.weight", layers,
                  (dim,), 0),
-                (("decoder", "layers", "post_ffw_norm", "scale"), layer + "post_feedforward_layernorm.weight", True,
+                (("decoder", "layers", "post_ffw_norm", "scale"), layer + "post_feedforward_layernorm.weight", layers,
                  (dim,), 0)]
   if config.qk_norm:
-    entries += [((*attention, "query_norm", "scale"), layer + "self_attn.q_norm.weight", True, (head_dim,), 0),
-                ((*attention, "key_norm", "scale"), layer + "self_attn.k_norm.weight", True, (head_dim,), 0)]
+    entries += [((*attention, "query_norm", "scale"), layer + "self_attn.q_norm.weight", layers, (head_dim,), 0),
+                ((*attention, "key_norm", "scale"), layer + "self_attn.k_norm.weight", layers, (head_dim,), 0)]
   if not config.logits_via_embedding:
-    entries.append((("logits_kernel",), "lm_head.weight", False, (dim, config.vocab_size), 1))
+    entries.append((("logits_kernel",), "lm_head.weight", (), (dim, config.vocab_size), 1))
   return entries
 
 
 def hf_names(config, entry) -> list:
-  _, name, per_layer, _, _ = entry
-  return [name.format(i=i) for i in range(config.base_num_decoder_layers)] if per_layer else [name]
+  """The entry's Hugging Face names in the order of its stacked dimensions (layer-major)."""
+  _, name, stack, _, _ = entry
+  return [name.format(**dict(zip("ie", index))) for index in itertools.product(*map(range, stack))]
 
 
 def hf_shape(entry) -> tuple:
@@ -155,25 +202,23 @@ def hf_shape(entry) -> tuple:
 
 
 def to_param(config, entry, read, dtype) -> np.ndarray:
-  """One parameter of this project (layers stacked) from its Hugging Face tensors, read one
-  at a time with read(name); dtype None keeps theirs."""
-  _, _, per_layer, shape, in_axes = entry
-  names = hf_names(config, entry)
+  """One parameter of this project (layers, experts stacked) from its Hugging Face tensors,
+  read one at a time with read(name); dtype None keeps theirs."""
+  _, _, stack, shape, in_axes = entry
   out = None
-  for i, name in enumerate(names):
+  for index, name in zip(itertools.product(*map(range, stack)), hf_names(config, entry)):
     tensor = read(name)
-    value = tensor.T.reshape(shape) if in_axes else tensor
     if out is None:
-      out = np.empty(((len(names),) if per_layer else ()) + shape, dtype or tensor.dtype)
-    out[i if per_layer else ...] = value
+      out = np.empty(stack + shape, dtype or tensor.dtype)
+    out[index] = tensor.T.reshape(shape) if in_axes else tensor
   return out
 
 
 def to_hf_tensors(config, entry, param) -> dict:
   """The inverse of to_param: {Hugging Face name: tensor} of one parameter."""
-  _, _, per_layer, shape, in_axes = entry
+  _, _, stack, shape, in_axes = entry
   convert = (lambda w: w.reshape(math.prod(shape[:in_axes]), -1).T) if in_axes else (lambda w: w)
-  values = param if per_layer else [param]
+  values = param.reshape(-1, *shape)
   return {name: np.ascontiguousarray(convert(value)) for name, value in zip(hf_names(config, entry), values)}
 
 
@@ -185,9 +230,11 @@ def hf_config(config, dtype: str) -> dict:
                 high_freq_factor=config.rope_high_freq_factor,
                 original_max_position_embeddings=config.rope_original_max_position)
   architecture, model_type, activation_key, activation = FAMILIES[config.decoder_block]
+  mixtral = config.decoder_block == "mixtral"
   return {"architectures": [architecture], "model_type": model_type,
           "vocab_size": config.vocab_size, "hidden_size": config.base_emb_dim,
-          "intermediate_size": config.base_mlp_dim, "num_hidden_layers": config.base_num_decoder_layers,
+          "intermediate_size": config.base_moe_mlp_dim if mixtral else config.base_mlp_dim,
+          "num_hidden_layers": config.base_num_decoder_layers,
           "num_attention_heads": config.base_num_query_heads, "num_key_value_heads": config.base_num_kv_heads,
           "head_dim": config.head_dim, activation_key: activation, "rms_norm_eps": config.normalization_layer_epsilon,
           "max_position_embeddings": config.max_target_length, "tie_word_embeddings": config.logits_via_embedding,
@@ -197,7 +244,23 @@ def hf_config(config, dtype: str) -> dict:
           "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim,
           "attn_logit_softcapping": config.attn_logits_soft_cap or None,
           "final_logit_softcapping": config.final_logits_soft_cap or None,
-          "sliding_window": config.sliding_window_size or None, "layer_types": layer_types(config)}
+          "sliding_window": config.sliding_window_size or None, "layer_types": layer_types(config),
+          **(_moe_config(config) if config.moe else {})}
+
+
+def _moe_config(config) -> dict:
+  """config.json's mixture-of-experts keys; every layer routed."""
+  experts = "num_local_experts" if config.decoder_block == "mixtral" else "num_experts"
+  return {experts: config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
+          "moe_intermediate_size": config.base_moe_mlp_dim, "norm_topk_prob": config.norm_topk_prob,
+          "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": config.load_balance_loss_weight}
+
+
+def check_exportable(config) -> None:
+  """A config Hugging Face's class for its family cannot express is refused before anything is written."""
+  if config.decoder_block == "mixtral" and not config.norm_topk_prob:
+    raise errors.ConfigError("norm_topk_prob=False: MixtralForCausalLM always renormalises the top-k router "
+                             "weights; export with norm_topk_prob=true or as decoder_block=qwen3_moe")
 
 
 def read_config(hf_path: str) -> dict:

@@ -46,7 +46,7 @@ def _stored(config) -> dict:
     if node is None:
       raise errors.ConfigError(f"load_parameters_path={path!r}: has no parameter {'/'.join(entry[0])} (its model "
                                "keys are not this config's: give them, or model_name)")
-    want = ((config.base_num_decoder_layers,) if entry[2] else ()) + entry[3]
+    want = entry[2] + entry[3]
     if tuple(node.shape) != want:
       raise errors.ConfigError(f"load_parameters_path={path!r}: parameter {'/'.join(entry[0])} has shape "
                                f"{tuple(node.shape)}, the model keys give {want} (give the checkpoint's keys)")
@@ -111,6 +111,7 @@ def convert(config, max_shard_bytes: int = MAX_SHARD_BYTES) -> list:
   output = config.hf_output_path
   if not output:
     raise errors.ConfigError("hf_output_path='': give a new directory for the Hugging Face model")
+  mapping.check_exportable(config)
   run_control.check_writable("hf_output_path", output)
   if os.path.exists(output):
     raise errors.ConfigError(f"hf_output_path={output!r}: exists; give a new directory")

@@ -1,5 +1,6 @@
-"""Writes the Hugging Face parity assets: python tests/assets/hf/make_golden.py (needs torch
-and transformers, which are not runtime dependencies; any versions that have Qwen3 and Gemma 2).
+"""Writes the Hugging Face parity assets: python tests/assets/hf/make_golden.py [NAME ...] (all,
+or only the named ones; needs torch and transformers, which are not runtime dependencies; any
+versions that have Qwen3, Gemma 2, Qwen3-MoE and Mixtral).
 
 For each family, a small randomly initialised transformers model saved as Hugging Face does
 (config.json, model.safetensors), its float32 logits on fixed tokens and its greedy
@@ -8,6 +9,7 @@ project's model on the converted weights.
 """
 
 import os
+import sys
 
 import numpy as np
 import torch
@@ -30,6 +32,18 @@ MODELS = {
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
         tie_word_embeddings=True, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
         final_logit_softcapping=3.0, initializer_range=0.2)),
+    # Mixtures of 4 experts, 2 per token, tied and untied, Qwen3-MoE's top-k weights renormalised
+    # or not (Mixtral's always are).
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        norm_topk_prob=True)),
+    "qwen3_moe_tied": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        norm_topk_prob=False)),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
+        tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral_tied": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
+        tie_word_embeddings=True, num_local_experts=4, num_experts_per_tok=2)),
 }
 
 
@@ -37,6 +51,8 @@ def main():
   here = os.path.dirname(os.path.abspath(__file__))
   tokens = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (2, 24))
   for name, (config_class, model_class, extra) in MODELS.items():
+    if sys.argv[1:] and name not in sys.argv[1:]:
+      continue
     torch.manual_seed(0)
     # eager: the attention that applies Gemma 2's soft cap (SDPA has none)
     model = model_class(config_class(**SHAPE, **extra, torch_dtype="float32", attn_implementation="eager")).eval()
@@ -44,6 +60,8 @@ def main():
       for param_name, param in model.named_parameters():
         if param_name.endswith("norm.weight"):
           param.uniform_(0.5, 1.5)
+        elif param_name.endswith("mlp.gate.weight"):  # a decisive router: no near-ties among the top k
+          param.normal_(0, 1.0)
     model.save_pretrained(os.path.join(here, name), safe_serialization=True)
     with torch.no_grad():
       logits = model(torch.as_tensor(tokens)).logits.numpy()
