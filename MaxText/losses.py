@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from MaxText.layers import context_parallel
+
 TILE_TOKENS = (None, "activation_batch", "activation_length")
 TILE_HIDDEN = TILE_TOKENS + ("activation_embed",)
 TILE_LOGITS = ("activation_batch", "activation_length", "activation_vocab")
@@ -233,7 +235,10 @@ def tiled_token_sums(hidden, kernel, targets, weights, num_tiles, z_loss_multipl
 
 def batch_sums(model, config, params, batch):
   """Sums over the batch's scored tokens: (loss incl. z-loss, {weights, z_loss, correct}),
-  from the whole logits or, with num_vocab_tiling > 1, tile by tile."""
+  from the whole logits or, with num_vocab_tiling > 1, tile by tile. Under load-balanced
+  context parallelism the batch is reordered first, targets with their tokens: sums are
+  unchanged."""
+  batch = context_parallel.load_balance(config, batch)
   weights = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
   targets = batch["targets"]
