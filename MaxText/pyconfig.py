@@ -19,7 +19,7 @@ from MaxText import accelerators, checkpointing, losses, remat, sharding
 from MaxText.errors import ConfigError, first_line
 from MaxText.input_pipeline.input_pipeline import DATASET_TYPES
 from MaxText.layers.attentions import ATTENTIONS, FLASH_KERNELS
-from MaxText.layers.context_parallel import STRATEGIES
+from MaxText.layers.context_parallel import SHARD_KERNELS, STRATEGIES
 
 DTYPES = ("float32", "bfloat16", "float16")
 # The keys that fix the parameters' shapes and meaning. Saved with a checkpoint (the converters'
@@ -352,8 +352,8 @@ def _check_context(v: dict) -> None:
   if v["context_parallel_load_balance"]:
     _require(length % (2 * shards) == 0, "max_target_length", f"must be divisible by 2 x context parallelism "
              f"= {2 * shards} with context_parallel_load_balance=true", v)
-  _require(v["attention"] != "flash", "attention", f"flash is not split over context shards (context parallelism "
-           f"{shards}); use attention=chunked (or dot_product), which context_parallel_strategy runs per shard", v)
+  _require(v["attention"] in SHARD_KERNELS, "attention", f"with context parallelism ({shards} shards) must be one of "
+           f"{', '.join(SHARD_KERNELS)}, whose kernel runs per context shard", v)
   if v["attention"] == "chunked":
     chunk = v["attention_chunk_size"]
     _require(chunk >= length // shards or (length // shards) % chunk == 0, "attention_chunk_size",

@@ -56,7 +56,7 @@ def test_balanced_order_pairs_chunk_i_with_its_mirror():
     (("ici_context_parallelism=3", "ici_fsdp_parallelism=1"), "ici_context_parallelism = 3: must equal the 8 devices"),
     (("compile_topology=v5p-8", "ici_context_parallelism=4", "ici_fsdp_parallelism=2", "attention=flash",
       "max_target_length=128"),
-     "attention='flash': .* context"),
+     "attention='flash': with context parallelism \\(4 shards\\) must be one of dot_product, chunked"),
     (("ici_context_parallelism=4", "ici_fsdp_parallelism=2", "attention=chunked", "max_target_length=48",
       "attention_chunk_size=8"), "attention_chunk_size=8: must divide the 12 tokens"),
     (("context_parallel_strategy=ulysses",), "context_parallel_strategy='ulysses': must be one of all_gather, ring"),

@@ -4,8 +4,9 @@ only its own queries' rows.
 The sequence is sharded over `context` (C shards) everywhere in the model. Attention runs in
 shard_map: every shard holds its queries, keys and values; a strategy (STRATEGIES) brings it
 the other shards' keys and values, all at once (all_gather) or one block at a time around a
-ring (ring), and a block kernel (BLOCK_KERNELS) attends its queries to them with the causal,
-document and window masks taken from the tokens' indices in the whole sequence.
+ring (ring), and a block kernel (SHARD_KERNELS, by `attention`) attends its queries to them
+with the causal, document and window masks taken from the tokens' indices in the whole
+sequence.
 
 With load balancing the sequence is cut into 2C chunks and shard i holds chunks i and
 2C-1-i: under a causal mask early chunks see few keys and late ones many, so this pairing
@@ -74,14 +75,6 @@ def dot_block(q, k, v, q_index, k_index, q_segments, k_segments, window, scale, 
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=jnp.float32)
   lse = jnp.moveaxis(lse.reshape(batch, heads, length), 1, 2)
   return out.reshape(batch, length, heads, head_dim), lse
-
-
-# platform -> block kernel (q, k, v, q_index, k_index, q_segments, k_segments, window, scale,
-# cap) -> (normalised context, logsumexp). The ring merges blocks by their logsumexp, which
-# neither Pallas kernel of attentions.FLASH_KERNELS returns with a gradient, and a shard's
-# causal mask depends on its (traced) shard index, which their static masks cannot take; so
-# every platform runs the blocks as dots, the queries in checkpointed chunks (see _in_chunks).
-BLOCK_KERNELS = {"cpu": dot_block, "gpu": dot_block, "tpu": dot_block}
 
 
 def _in_chunks(kernel, num_chunks):
@@ -176,6 +169,19 @@ def ring_attention(block, q, k, v, q_index, segments, window, num_shards):
   return attend(q, k, v, q_index, segments, window)
 
 
+# attention= -> (config, this shard's tokens) -> its block kernel (q, k, v, q_index, k_index,
+# q_segments, k_segments, window, scale, cap) -> (normalised context, logsumexp), on every
+# platform. The ring merges blocks by their logsumexp, which neither Pallas kernel of
+# attentions.FLASH_KERNELS returns with a gradient (splash's save_residuals has no VJP), and
+# the Triton kernel takes no mask offsets; attention=flash is refused here until an entry has
+# them (pyconfig takes the allowed values from these keys).
+SHARD_KERNELS = {
+    "dot_product": lambda cfg, local_length: dot_block,
+    "chunked": lambda cfg, local_length: _in_chunks(
+        dot_block, local_length // min(cfg.attention_chunk_size, local_length)),
+}
+
+
 # context_parallel_strategy= -> (block, q, k, v, q_index, segment ids, window, shards) -> this shard's
 # context, run per shard inside shard_map. A new strategy is one entry; pyconfig checks against it.
 STRATEGIES = {"all_gather": all_gather_attention, "ring": ring_attention}
@@ -184,18 +190,15 @@ STRATEGIES = {"all_gather": all_gather_attention, "ring": ring_attention}
 def attention(q, k, v, segment_ids, cfg, scale, cap, window):
   """Self-attention [B, T, N, H] with the sequence sharded over `context`: each shard attends
   its own queries; batch and heads stay sharded as the logical rules say. `cap` maps scores
-  (the soft cap); `window` is None or the layer's (maybe traced) window. attention=chunked
-  splits a shard's queries into attention_chunk_size chunks; dot_product takes them at once."""
+  (the soft cap); `window` is None or the layer's (maybe traced) window."""
   num_shards = shards()
   local_length = q.shape[1] // num_shards
-  chunk = min(cfg.attention_chunk_size, local_length) if cfg.attention == "chunked" else local_length
   strategy = STRATEGIES[cfg.context_parallel_strategy]
 
   def per_shard(q, k, v, segment_ids, *window):  # a traced window (the layer's, in a scan) enters as an argument
-    kernel = functools.partial(BLOCK_KERNELS[cfg.platform], scale=scale, cap=cap)
+    kernel = functools.partial(SHARD_KERNELS[cfg.attention](cfg, local_length), scale=scale, cap=cap)
     q_index = _token_index(local_length, num_shards, cfg.context_parallel_load_balance)
-    return strategy(_in_chunks(kernel, local_length // chunk), q, k, v, q_index, segment_ids,
-                    window[0] if window else None, num_shards)
+    return strategy(kernel, q, k, v, q_index, segment_ids, window[0] if window else None, num_shards)
 
   batch, _, heads, _ = nn.logical_to_mesh_axes(("activation_batch", None, "activation_heads", None))
   kv_heads = nn.logical_to_mesh_axes((None, None, "activation_kv_heads", None))[2]
