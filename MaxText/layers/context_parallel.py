@@ -47,13 +47,10 @@ def load_balance(config, batch: dict) -> dict:
   return {k: jnp.take(x, order, axis=1) for k, x in batch.items()}
 
 
-def _token_index(local_length: int, num_shards: int, balanced: bool):
-  """[local_length] indices in the whole sequence of this shard's tokens."""
-  shard = jax.lax.axis_index(AXIS)
-  if not balanced:
-    return shard * local_length + jnp.arange(local_length)
-  chunk = local_length // 2
-  return jnp.concatenate([shard * chunk + jnp.arange(chunk), (2 * num_shards - 1 - shard) * chunk + jnp.arange(chunk)])
+def _token_index(length: int, num_shards: int, balanced: bool):
+  """[length / num_shards] indices in the whole sequence of this shard's tokens."""
+  order = balanced_order(length, num_shards) if balanced else np.arange(length)
+  return jnp.asarray(order.reshape(num_shards, -1), jnp.int32)[jax.lax.axis_index(AXIS)]
 
 
 def dot_block(q, k, v, q_index, k_index, q_segments, k_segments, window, scale, cap):
@@ -169,16 +166,16 @@ def ring_attention(block, q, k, v, q_index, segments, window, num_shards):
   return attend(q, k, v, q_index, segments, window)
 
 
-# attention= -> (config, this shard's tokens) -> its block kernel (q, k, v, q_index, k_index,
-# q_segments, k_segments, window, scale, cap) -> (normalised context, logsumexp), on every
+# attention= -> (config, this shard's tokens, scale=, cap=) -> its block kernel (q, k, v,
+# q_index, k_index, q_segments, k_segments, window) -> (normalised context, logsumexp), on every
 # platform. The ring merges blocks by their logsumexp, which neither Pallas kernel of
 # attentions.FLASH_KERNELS returns with a gradient (splash's save_residuals has no VJP), and
 # the Triton kernel takes no mask offsets; attention=flash is refused here until an entry has
 # them (pyconfig takes the allowed values from these keys).
 SHARD_KERNELS = {
-    "dot_product": lambda cfg, local_length: dot_block,
-    "chunked": lambda cfg, local_length: _in_chunks(
-        dot_block, local_length // min(cfg.attention_chunk_size, local_length)),
+    "dot_product": lambda cfg, local_length, **options: functools.partial(dot_block, **options),
+    "chunked": lambda cfg, local_length, **options: _in_chunks(
+        functools.partial(dot_block, **options), local_length // min(cfg.attention_chunk_size, local_length)),
 }
 
 
@@ -196,8 +193,8 @@ def attention(q, k, v, segment_ids, cfg, scale, cap, window):
   strategy = STRATEGIES[cfg.context_parallel_strategy]
 
   def per_shard(q, k, v, segment_ids, *window):  # a traced window (the layer's, in a scan) enters as an argument
-    kernel = functools.partial(SHARD_KERNELS[cfg.attention](cfg, local_length), scale=scale, cap=cap)
-    q_index = _token_index(local_length, num_shards, cfg.context_parallel_load_balance)
+    kernel = SHARD_KERNELS[cfg.attention](cfg, local_length, scale=scale, cap=cap)
+    q_index = _token_index(q.shape[1] * num_shards, num_shards, cfg.context_parallel_load_balance)
     return strategy(kernel, q, k, v, q_index, segment_ids, window[0] if window else None, num_shards)
 
   batch, _, heads, _ = nn.logical_to_mesh_axes(("activation_batch", None, "activation_heads", None))
