@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from MaxText.layers import moe
+from MaxText.layers import context_parallel, moe
 
 TILE_TOKENS = (None, "activation_batch", "activation_length")
 TILE_HIDDEN = TILE_TOKENS + ("activation_embed",)
@@ -237,7 +237,9 @@ def batch_sums(model, config, params, batch):
   """Sums over the batch's scored tokens: (loss incl. z-loss and the MoE router's losses,
   {weights, z_loss, correct}, and for MoE models moe_aux_loss (the router's share of the loss)
   and the router's statistics, each times the scored tokens), from the whole logits or, with
-  num_vocab_tiling > 1, tile by tile."""
+  num_vocab_tiling > 1, tile by tile. Under load-balanced context parallelism the batch is
+  reordered first, targets with their tokens: sums are unchanged."""
+  batch = context_parallel.load_balance(config, batch)
   weights = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
   targets = batch["targets"]

@@ -19,6 +19,7 @@ from MaxText import accelerators, checkpointing, losses, remat, sharding
 from MaxText.errors import ConfigError, first_line
 from MaxText.input_pipeline.input_pipeline import DATASET_TYPES
 from MaxText.layers.attentions import ATTENTIONS, FLASH_KERNELS
+from MaxText.layers.context_parallel import SHARD_KERNELS, STRATEGIES
 
 DTYPES = ("float32", "bfloat16", "float16")
 # The keys that fix the parameters' shapes and meaning. Saved with a checkpoint (the converters'
@@ -30,6 +31,9 @@ MODEL_KEYS = ("decoder_block", "vocab_size", "base_emb_dim", "base_mlp_dim", "ba
               "attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar", "sliding_window_size",
               "num_experts", "num_experts_per_tok", "base_moe_mlp_dim", "norm_topk_prob")
 MODEL_KEYS_FILE = "model.yml"
+# Keys that are gone, -> what replaces them: the one sequence-sharding axis is `context`.
+RENAMED_KEYS = {"ici_sequence_parallelism": "ici_context_parallelism",
+                "dcn_sequence_parallelism": "dcn_context_parallelism"}
 # decoder_block -> the switches that family sets; the layers read only the switches.
 #   qk_norm: RMSNorm over each head's queries and keys before RoPE (Qwen3)
 #   sandwich_norms: norms both before and after attention and MLP (Gemma 2)
@@ -145,10 +149,17 @@ def _load_config(path: str, depth: int = 0) -> dict:
   return resolved
 
 
+def _unknown(key: str, source: str) -> ConfigError:
+  if key in RENAMED_KEYS:
+    return ConfigError(f"{key}: the sequence is now split by the context axis; use {RENAMED_KEYS[key]} "
+                       "(docs/attention.md)")
+  return ConfigError(f"unknown key {key!r} in {source} (every key is listed in configs/base.yml)")
+
+
 def _merge(values: dict, overrides: dict, source: str) -> None:
   for key, value in overrides.items():
     if key not in values:
-      raise ConfigError(f"unknown key {key!r} in {source} (every key is listed in configs/base.yml)")
+      raise _unknown(key, source)
     values[key] = _coerce(key, value, values[key])
 
 
@@ -283,6 +294,7 @@ def _validate_mesh(v: dict) -> None:
   _require(v["compile_topology_num_slices"] >= 1, "compile_topology_num_slices", "must be >= 1", v)
   _require(v["jax_num_processes"] >= 0, "jax_num_processes", "must be >= 0 (0: from the environment)", v)
   _require(v["jax_process_id"] >= -1, "jax_process_id", "must be >= 0, or -1 for the environment", v)
+  _one_of(v, "context_parallel_strategy", tuple(STRATEGIES))
 
 
 def _validate_axis_rules(rules: list) -> None:
@@ -339,10 +351,29 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   v["head_dim"] = v["head_dim"] or v["base_emb_dim"] // v["base_num_query_heads"]
   v.update(DECODER_BLOCKS[v["decoder_block"]])
   sharding.check_divisible(v)
+  _check_context(v)
   if v["learning_rate_schedule_steps"] == -1:
     v["learning_rate_schedule_steps"] = v["steps"]
   v["run_dir"] = os.path.join(v["base_output_directory"], v["run_name"])
   v["dataset_cache_dir"] = v["dataset_cache_dir"] or os.path.join(v["base_output_directory"], "cache")
+
+
+def _check_context(v: dict) -> None:
+  """What context parallelism needs of the length and the attention, once the mesh is known."""
+  axis = sharding.MESH_AXES.index("context")
+  shards = v["mesh_shape"][axis] * v["dcn_mesh_shape"][axis]
+  if shards == 1:
+    return
+  length = v["max_target_length"]
+  if v["context_parallel_load_balance"]:
+    _require(length % (2 * shards) == 0, "max_target_length", f"must be divisible by 2 x context parallelism "
+             f"= {2 * shards} with context_parallel_load_balance=true", v)
+  _require(v["attention"] in SHARD_KERNELS, "attention", f"with context parallelism ({shards} shards) must be one of "
+           f"{', '.join(SHARD_KERNELS)}, whose kernel runs per context shard", v)
+  if v["attention"] == "chunked":
+    chunk = v["attention_chunk_size"]
+    _require(chunk >= length // shards or (length // shards) % chunk == 0, "attention_chunk_size",
+             f"must divide the {length // shards} tokens of each context shard", v)
 
 
 def saved_model_keys(checkpoint: str) -> tuple[dict, str] | None:
@@ -387,7 +418,7 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
     if not sep or not key:
       raise ConfigError(f"argument {arg!r}: expected key=value")
     if key not in values:
-      raise ConfigError(f"unknown key {key!r} (every key is listed in {config_path})")
+      raise _unknown(key, config_path)
     overrides[key] = raw
   model_name = _coerce("model_name", overrides.get("model_name", values["model_name"]), "")
   if model_name != "default":

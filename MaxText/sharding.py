@@ -1,4 +1,4 @@
-"""The devices and their mesh: which devices a run is for, the (data, fsdp, tensor, sequence,
+"""The devices and their mesh: which devices a run is for, the (data, fsdp, tensor, context,
 expert) mesh sizes from ici_*/dcn_*_parallelism, the check that every sharded dimension divides, and
 logical-axis sharding (flax logical axis rules over jax.sharding)."""
 
@@ -14,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from MaxText import accelerators
 from MaxText.errors import ConfigError, UserError, first_line
 
-MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")
+MESH_AXES = ("data", "fsdp", "tensor", "context", "expert")
 BATCH = ("activation_batch", "activation_length")
 
 
@@ -118,7 +118,7 @@ def check_divisible(v: dict) -> None:
 
 
 def create_mesh(config) -> jax.sharding.Mesh:
-  """The (data, fsdp, tensor, sequence, expert) mesh; with dcn_* sizes, a hybrid mesh whose dcn part
+  """The (data, fsdp, tensor, context, expert) mesh; with dcn_* sizes, a hybrid mesh whose dcn part
   spans slices (TPU) or processes (GPU, CPU) and whose ici part spans devices within one.
   With compile_topology, the devices are that TPU slice's, to compile for."""
   # Auto axes: XLA's SPMD partitioner propagates shardings from the constraints we place.
@@ -149,5 +149,5 @@ def logical_to_sharding(logical_specs, mesh, config):
 
 
 def batch_sharding(mesh, config) -> NamedSharding:
-  """Sharding of every [batch, length] input array: batch over data+fsdp, length over sequence."""
+  """Sharding of every [batch, length] input array: batch over data+fsdp, length over context."""
   return logical_to_sharding(PartitionSpec(*BATCH), mesh, config)

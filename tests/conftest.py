@@ -101,7 +101,7 @@ def fixed_batch(config, seed=0):
 
 
 # A model every test mesh of 8 devices divides: 8 query / 4 kv heads and MLP 128 over
-# tensor=4, 16 positions over sequence=4, width 48 over fsdp. Vocabulary 1000 is a size no
+# tensor=4, 16 positions over context=4, width 48 over fsdp. Vocabulary 1000 is a size no
 # other dimension has, so logits are recognisable in compiled HLO.
 SHARDED = (
     "vocab_size=1000", "base_emb_dim=48", "base_num_query_heads=8", "base_num_kv_heads=4",
@@ -112,7 +112,7 @@ SHARDED = (
 MESHES = {
     "fsdp=8": ("ici_fsdp_parallelism=8",),
     "data=2 fsdp=2 tensor=2": ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
-    "fsdp=2 sequence=4": ("ici_fsdp_parallelism=2", "ici_sequence_parallelism=4"),
+    "fsdp=2 context=4": ("ici_fsdp_parallelism=2", "ici_context_parallelism=4"),
     "tensor=4 data=2": ("ici_tensor_parallelism=4", "ici_data_parallelism=2", "ici_fsdp_parallelism=1"),
 }
 
@@ -151,15 +151,60 @@ def hlo_arrays(hlo_text):
   return arrays
 
 
-def loss_gradients(config):
-  """{parameter path: gradient} of the summed training loss at config's initial parameters on
-  fixed_batch, computed on config's mesh and gathered."""
+def loss_gradients(config, batch=None):
+  """{parameter path: gradient, and "loss": the summed training loss} at config's initial
+  parameters on `batch` (default fixed_batch), computed on config's mesh and gathered."""
   import jax
   import numpy as np
   from MaxText import losses, sharding, train_step
   trainer, state = trainer_and_state(config)
   loss = lambda params, batch: losses.batch_sums(trainer.model, config, params, batch)[0]
+  batch = fixed_batch(config) if batch is None else batch
   with sharding.activate(trainer.mesh, config):
-    grads = jax.jit(jax.grad(loss))(state.params, train_step.device_batch(trainer, fixed_batch(config)))
+    value, grads = jax.jit(jax.value_and_grad(loss))(state.params, train_step.device_batch(trainer, batch))
   leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(grads))
-  return {jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}
+  return {"loss": np.asarray(value), **{jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}}
+
+
+def packed_batch(config, seed=0):
+  """Two rows of packed documents: row 0's boundaries fall inside a context shard (5) and on
+  one (16), row 1's inside (13), then two padding tokens; positions restart per document and
+  each document's last token is not scored."""
+  import numpy as np
+  length = config.max_target_length
+  rows = [[5, 11, length - 16], [13, length - 15, 2]]
+  segments = np.stack([np.repeat(np.arange(1, 4), row) for row in rows]).astype(np.int32)
+  segments[1, -2:] = 0
+  positions = np.stack([np.concatenate([np.arange(n) for n in row]) for row in rows]).astype(np.int32)
+  tokens = np.random.default_rng(seed).integers(0, config.vocab_size, segments.shape, dtype=np.int32)
+  targets = np.roll(tokens, -1, axis=1)
+  scored = (segments == np.roll(segments, -1, axis=1)) & (segments != 0)
+  scored[:, -1] = False
+  batch = {"inputs": tokens, "targets": targets, "inputs_position": positions, "inputs_segmentation": segments,
+           "targets_segmentation": (segments * scored).astype(np.int32)}
+  return {k: np.tile(x, (config.global_batch_size_to_train_on // 2, 1)) for k, x in batch.items()}
+
+
+# Context parallelism's test models (TINY, GQA 4/2, at 32 tokens) and the meshes of 8 devices
+# they run under, each against the model on one device (tests/context_runs.py).
+CONTEXT_MODELS = {
+    "llama": ("max_target_length=32",),
+    "gemma2": ("max_target_length=32", "decoder_block=gemma2", "sliding_window_size=6",
+               "attn_logits_soft_cap=50", "query_pre_attn_scalar=8"),
+}
+_RING, _UNBALANCED = "context_parallel_strategy=ring", "context_parallel_load_balance=false"
+_C4F2 = ("ici_context_parallelism=4", "ici_fsdp_parallelism=2")
+CONTEXT_VARIANTS = {  # name -> (model, overrides)
+    "context=2 fsdp=2 tensor=2 all_gather": ("llama", ("ici_context_parallelism=2", "ici_fsdp_parallelism=2",
+                                                       "ici_tensor_parallelism=2")),
+    "context=4 tensor=2 ring": ("llama", ("ici_context_parallelism=4", "ici_fsdp_parallelism=1",
+                                          "ici_tensor_parallelism=2", _RING)),
+    "context=8 all_gather": ("llama", ("ici_context_parallelism=8", "ici_fsdp_parallelism=1")),
+    "context=8 ring unbalanced": ("llama", ("ici_context_parallelism=8", "ici_fsdp_parallelism=1", _RING,
+                                            _UNBALANCED)),
+    "context=4 fsdp=2 ring": ("llama", (*_C4F2, _RING)),
+    "context=4 fsdp=2 all_gather unbalanced": ("llama", (*_C4F2, _UNBALANCED)),
+    "gemma2 context=4 fsdp=2 ring": ("gemma2", (*_C4F2, _RING)),
+    "gemma2 context=4 fsdp=2 all_gather unbalanced chunked": ("gemma2", (*_C4F2, _UNBALANCED, "attention=chunked",
+                                                                         "attention_chunk_size=4")),
+}

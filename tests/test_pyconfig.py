@@ -119,7 +119,7 @@ def test_bad_values_name_the_key(override, key):
     # TINY: 4 query heads, 2 kv heads, MLP 64, vocabulary 128, width 32, 16 tokens, 4 rows per device.
     (("ici_tensor_parallelism=4", "ici_fsdp_parallelism=2"), "base_num_kv_heads=2: not divisible by .* tensor \\(4\\)"),
     (("ici_tensor_parallelism=8", "ici_fsdp_parallelism=1"), "base_num_query_heads=4: .* tensor \\(8\\)"),
-    (("ici_sequence_parallelism=8", "ici_fsdp_parallelism=1", "max_target_length=20"), "max_target_length=20: .* sequence"),
+    (("ici_context_parallelism=8", "ici_fsdp_parallelism=1", "max_target_length=20"), "max_target_length=20: .* context"),
     (("ici_fsdp_parallelism=8", "per_device_batch_size=0.5"), "rows per step .*=4: .* fsdp \\(8\\)"),
     (("ici_fsdp_parallelism=8", "base_emb_dim=36", "head_dim=8"), "base_emb_dim=36: .* fsdp \\(8\\)"),
     (("ici_tensor_parallelism=8", "ici_fsdp_parallelism=1", "base_num_query_heads=8", "base_num_kv_heads=8",

@@ -55,7 +55,7 @@ def test_checkpoint_saved_under_one_mesh_restores_under_another(mesh_results, on
                              rtol=1e-5)
 
 
-@pytest.mark.parametrize("mesh, tokens_per_device_tile", [("data=2 fsdp=2 tensor=2", 8), ("fsdp=2 sequence=4", 4)])
+@pytest.mark.parametrize("mesh, tokens_per_device_tile", [("data=2 fsdp=2 tensor=2", 8), ("fsdp=2 context=4", 4)])
 def test_no_device_ever_holds_more_than_its_share_of_a_tile(mesh_results, mesh, tokens_per_device_tile):
   # 8 rows x 16 positions in 4 tiles: a tile is 32 tokens, spread over the batch-like axes.
   assert mesh_results["logits_tokens"][f"{mesh} tiles=4"] == tokens_per_device_tile
@@ -80,7 +80,7 @@ def test_mesh_gradients_equal_one_device(mesh_results, one_device_gradients, mes
 
 
 # The [D, V] = [48, 1000] head kernel and [V, D] embedding are split over this many devices.
-KERNEL_SHARDS = {"fsdp=8": 8, "data=2 fsdp=2 tensor=2": 4, "fsdp=2 sequence=4": 8, "tensor=4 data=2": 4}
+KERNEL_SHARDS = {"fsdp=8": 8, "data=2 fsdp=2 tensor=2": 4, "fsdp=2 context=4": 8, "tensor=4 data=2": 4}
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))

@@ -8,13 +8,14 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import losses
+from MaxText.layers import context_parallel
 from MaxText.layers.embeddings import apply_rope, rope_timescales
 from MaxText.layers.linears import dense
 from MaxText.layers.normalizations import rms_norm
 
 BATCH_LENGTH_HEADS = ("activation_batch", "activation_length", "activation_heads", None)
-# Keys and values are gathered along the sequence (no `activation_length`): under sequence
-# parallelism each query shard then attends over the whole row, exactly as unsharded.
+BATCH_LENGTH_KV_HEADS = ("activation_batch", "activation_length", "activation_kv_heads", None)
+# Without context parallelism keys and values are whole rows (no `activation_length`).
 BATCH_FULL_LENGTH_KV_HEADS = ("activation_batch", None, "activation_kv_heads", None)
 
 
@@ -174,13 +175,19 @@ class Attention(nn.Module):
       q, k = rms_norm(cfg, "query_norm")(q), rms_norm(cfg, "key_norm")(k)
     timescale = rope_timescales(cfg, head_dim)
     q, k = apply_rope(q, positions, timescale), apply_rope(k, positions, timescale)
+    split = context_parallel.shards() > 1  # each context shard attends its own queries
     q = nn.with_logical_constraint(q, BATCH_LENGTH_HEADS)
-    k = nn.with_logical_constraint(k, BATCH_FULL_LENGTH_KV_HEADS)
-    v = nn.with_logical_constraint(v, BATCH_FULL_LENGTH_KV_HEADS)
+    k = nn.with_logical_constraint(k, BATCH_LENGTH_KV_HEADS if split else BATCH_FULL_LENGTH_KV_HEADS)
+    v = nn.with_logical_constraint(v, BATCH_LENGTH_KV_HEADS if split else BATCH_FULL_LENGTH_KV_HEADS)
     scale, soft_cap = (cfg.query_pre_attn_scalar or head_dim)**-0.5, cfg.attn_logits_soft_cap
     # Gemma 2 alternates: even layers see a window of the last tokens, odd ones the whole row.
     window, sliding = cfg.sliding_window_size or None, layer_index % 2 == 0
-    context = ATTENTIONS[cfg.attention](q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding)
+    if split:
+      context = context_parallel.attention(q, k, v, segment_ids, cfg, scale,
+                                           functools.partial(losses.soft_cap, cap=soft_cap),
+                                           _layer_window(window, sliding, q.shape[1]))
+    else:
+      context = ATTENTIONS[cfg.attention](q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding)
     context = checkpoint_name(nn.with_logical_constraint(context, BATCH_LENGTH_HEADS), "attention_out")
     out = dense(cfg.base_emb_dim, ("heads", "kv", "embed"), cfg, "out", num_in_axes=2)(context)
     return checkpoint_name(out, "out_proj")

@@ -1,0 +1,73 @@
+"""Context parallelism: both strategies, balanced or not, on 2 to 8 context shards, give the
+one-device loss and gradients on packed documents, with GQA and Gemma 2's window and soft cap."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from MaxText import errors
+from MaxText.layers import context_parallel
+from conftest import CONTEXT_MODELS, CONTEXT_VARIANTS, ROOT, assert_trees_close, loss_gradients, packed_batch, \
+    run_cli, tiny_config
+
+
+@pytest.fixture(scope="module")
+def context_results(tmp_path_factory):
+  out = tmp_path_factory.mktemp("context")
+  env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8"}
+  result = subprocess.run([sys.executable, str(ROOT / "tests" / "context_runs.py"), str(out)], env=env,
+                          capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stderr[-4000:]
+  return out
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  """{model: loss and gradients} on this process's single device, the same two rows."""
+  results = {}
+  for model, overrides in CONTEXT_MODELS.items():
+    config = tiny_config(*overrides, "per_device_batch_size=2")
+    results[model] = loss_gradients(config, packed_batch(config))
+  return results
+
+
+@pytest.mark.parametrize("variant", list(CONTEXT_VARIANTS))
+def test_context_parallel_loss_and_gradients_equal_one_device(context_results, one_device, variant):
+  got = np.load(context_results / f"{variant.replace(' ', '_')}.npz")
+  want = one_device[CONTEXT_VARIANTS[variant][0]]
+  assert sorted(got.files) == sorted(want)
+  assert_trees_close({k: got[k] for k in want}, want, rtol=1e-5, what=variant)
+
+
+def test_balanced_order_pairs_chunk_i_with_its_mirror():
+  order = context_parallel.balanced_order(16, 4)  # 8 chunks of 2: shard i holds chunks i and 7 - i
+  assert order.tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
+  # Every shard's queries see the same number of causal (query, key) pairs.
+  work = [sum(order[4 * s:4 * s + 4] + 1) for s in range(4)]
+  assert len(set(work)) == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("ici_context_parallelism=4", "ici_fsdp_parallelism=2", "max_target_length=36"),
+     "max_target_length=36: must be divisible by 2 x context parallelism = 8"),
+    (("ici_context_parallelism=3", "ici_fsdp_parallelism=1"), "ici_context_parallelism = 3: must equal the 8 devices"),
+    (("compile_topology=v5p-8", "ici_context_parallelism=4", "ici_fsdp_parallelism=2", "attention=flash",
+      "max_target_length=128"),
+     "attention='flash': with context parallelism \\(4 shards\\) must be one of dot_product, chunked"),
+    (("ici_context_parallelism=4", "ici_fsdp_parallelism=2", "attention=chunked", "max_target_length=48",
+      "attention_chunk_size=8"), "attention_chunk_size=8: must divide the 12 tokens"),
+    (("context_parallel_strategy=ulysses",), "context_parallel_strategy='ulysses': must be one of all_gather, ring"),
+    (("ici_sequence_parallelism=4",), "ici_sequence_parallelism: .* use ici_context_parallelism"),
+])
+def test_bad_context_parallel_settings_are_one_line_config_errors(overrides, message):
+  with pytest.raises(errors.ConfigError, match=message):
+    tiny_config(*overrides, num_devices=8)
+
+
+def test_renamed_sequence_key_exits_2_with_one_line():
+  result = run_cli("train_compile", "dcn_sequence_parallelism=2")
+  assert result.returncode == 2
+  assert result.stderr.strip().count("\n") == 0 and "dcn_context_parallelism" in result.stderr
