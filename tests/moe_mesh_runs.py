@@ -22,7 +22,7 @@ EXPERT_MESHES = {
     "expert=4 fsdp=2": ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"),
     "expert=2 tensor=2 data=2": ("ici_expert_parallelism=2", "ici_tensor_parallelism=2", "ici_data_parallelism=2",
                                  "ici_fsdp_parallelism=1"),
-    "expert=2 sequence=2 fsdp=2": ("ici_expert_parallelism=2", "ici_sequence_parallelism=2", "ici_fsdp_parallelism=2"),
+    "expert=2 context=2 fsdp=2": ("ici_expert_parallelism=2", "ici_context_parallelism=2", "ici_fsdp_parallelism=2"),
     # Dropping: the capacity is per sequence, and each device's experts see whole sequences.
     "expert=8, capacity 1": ("ici_expert_parallelism=8", "ici_fsdp_parallelism=1", "capacity_factor=1.0"),
 }

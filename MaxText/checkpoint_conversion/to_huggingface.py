@@ -106,9 +106,6 @@ def _write(config, stored: dict, shards: dict, directory: str) -> None:
 
 def convert(config, max_shard_bytes: int = MAX_SHARD_BYTES) -> list:
   """Writes the Hugging Face directory; returns its files. Every check runs before anything is written."""
-  if config.decoder_block not in mapping.FAMILIES:
-    raise errors.ConfigError(f"decoder_block={config.decoder_block!r}: no Hugging Face mapping; export supports "
-                             f"{', '.join(mapping.FAMILIES)}")
   if not config.load_parameters_path:
     raise errors.ConfigError("load_parameters_path='': give the checkpoint step directory to export")
   output = config.hf_output_path
