@@ -35,13 +35,20 @@ KERNEL = ("embed", "vocab")
 MODES = ("fused", "recompute")  # vocab_tiling_mode: see the module doc
 
 
-def _to_tiles(x, num_tiles):
-  """[B, T, ...] -> [num_tiles, B, ceil(T / num_tiles), ...], padding T with zeros."""
+def to_tiles(x, num_tiles):
+  """[B, T, ...] -> [num_tiles, B, ceil(T / num_tiles), ...], padding T with zeros; tile k
+  holds positions t with t % num_tiles == k."""
   batch, length = x.shape[:2]
   pad = -length % num_tiles
   x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
   x = x.reshape(batch, (length + pad) // num_tiles, num_tiles, *x.shape[2:])
   return jnp.moveaxis(x, 2, 0)
+
+
+def from_tiles(x):
+  """to_tiles' inverse for a length divisible by the tile count: [N, B, T / N, ...] -> [B, T, ...]."""
+  x = jnp.moveaxis(x, 0, 2)
+  return x.reshape(x.shape[0], -1, *x.shape[3:])
 
 
 def _tile_logits(hidden, kernel):
@@ -224,9 +231,9 @@ def tiled_token_sums(hidden, kernel, targets, weights, num_tiles, z_loss_multipl
     raise ValueError(f"mode={mode!r}: must be one of {', '.join(MODES)}")
   if num_tiles < 1:
     raise ValueError(f"num_tiles={num_tiles}: must be >= 1")
-  h = nn.with_logical_constraint(_to_tiles(hidden, num_tiles), TILE_HIDDEN)
-  t = nn.with_logical_constraint(_to_tiles(targets, num_tiles), TILE_TOKENS)
-  w = nn.with_logical_constraint(_to_tiles(weights.astype(jnp.float32), num_tiles), TILE_TOKENS)
+  h = nn.with_logical_constraint(to_tiles(hidden, num_tiles), TILE_HIDDEN)
+  t = nn.with_logical_constraint(to_tiles(targets, num_tiles), TILE_TOKENS)
+  w = nn.with_logical_constraint(to_tiles(weights.astype(jnp.float32), num_tiles), TILE_TOKENS)
   sums = _tiled_sums(h, kernel, t, w, float(z_loss_multiplier), float(logits_soft_cap), mode)
   return sums[0], jax.lax.stop_gradient(sums[1]), jax.lax.stop_gradient(sums[2])
 

@@ -196,6 +196,7 @@ def _validate_model(v: dict) -> None:
   if v["attention"] == "chunked":
     _require(v["attention_chunk_size"] >= 1 and v["max_target_length"] % v["attention_chunk_size"] == 0,
              "attention_chunk_size", f"must divide max_target_length={v['max_target_length']}", v)
+  _require(v["mlp_chunks"] >= 1, "mlp_chunks", "must be >= 1 (1: the MLP over the whole sequence)", v)
   _require(v["rope_max_timescale"] > 0, "rope_max_timescale", "must be > 0", v)
   _one_of(v, "rope_type", ("default", "llama3.1"))
   for key in ("final_logits_soft_cap", "attn_logits_soft_cap"):
@@ -323,6 +324,9 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   v["head_dim"] = v["head_dim"] or v["base_emb_dim"] // v["base_num_query_heads"]
   v.update(DECODER_BLOCKS[v["decoder_block"]])
   sharding.check_divisible(v)
+  per_shard = v["max_target_length"] // sharding.logical_shards(v, "activation_length")
+  _require(per_shard % v["mlp_chunks"] == 0, "mlp_chunks",
+           f"must divide the {per_shard} tokens per sequence shard (max_target_length / sequence shards)", v)
   if v["learning_rate_schedule_steps"] == -1:
     v["learning_rate_schedule_steps"] = v["steps"]
   v["run_dir"] = os.path.join(v["base_output_directory"], v["run_name"])
