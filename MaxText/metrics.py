@@ -12,6 +12,7 @@ from absl import logging
 from tensorboardX import SummaryWriter
 
 from MaxText import accelerators
+from MaxText.layers import attentions
 
 
 def training_flops_per_step(config) -> float:
@@ -31,6 +32,8 @@ def training_flops_per_step(config) -> float:
 
 
 def _dot_flops(eqn) -> float:
+  if eqn.primitive.name == "pallas_call":
+    return attentions.kernel_flops(eqn)
   (contracting, _), _ = eqn.params["dimension_numbers"]
   lhs = eqn.invars[0].aval
   return 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in contracting)
@@ -40,6 +43,10 @@ def _dot_bytes(eqn) -> float:
   return sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in (*eqn.invars, *eqn.outvars))
 
 
+# The matrix products: dots, and Pallas kernels (custom calls to XLA, which counts no FLOPs in them).
+_PRODUCTS = ("dot_general", "pallas_call")
+
+
 def _executed(jaxpr, cost) -> float:
   """cost(eqn) summed over the matrix products a jaxpr executes, all devices together: loop
   bodies times their trip counts, remat's recomputation included (it is in the traced backward
@@ -47,7 +54,7 @@ def _executed(jaxpr, cost) -> float:
   undercounts scanned layers and vocabulary tiles."""
   total = 0.0
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
+    if eqn.primitive.name in _PRODUCTS:
       total += cost(eqn)
       continue
     inner = [_executed(getattr(sub, "jaxpr", sub), cost) for value in eqn.params.values()
@@ -65,8 +72,14 @@ def _executed(jaxpr, cost) -> float:
 
 
 def matmul_flops(jaxpr) -> float:
-  """FLOPs of the matrix products a jaxpr executes (see _executed)."""
+  """FLOPs of the matrix products a jaxpr executes (see _executed), the flash attention kernels'
+  included (attentions.kernel_flops)."""
   return _executed(jaxpr, _dot_flops)
+
+
+def kernel_flops(jaxpr) -> float:
+  """The part of matmul_flops in Pallas kernels."""
+  return _executed(jaxpr, lambda eqn: _dot_flops(eqn) if eqn.primitive.name == "pallas_call" else 0.0)
 
 
 def matmul_bytes(jaxpr) -> float:

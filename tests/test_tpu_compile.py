@@ -78,6 +78,20 @@ def test_flash_attention_compiles_for_tpu_without_the_score_matrix(mesh):
   assert temp["flash"] < temp["dot_product"] - 4 * 2048**2 * 4 // math.prod(config.mesh_shape[2:])
 
 
+def test_the_flash_kernels_flops_are_counted_by_hand():
+  """Splash attention's pallas_calls are custom calls, not dots: counted from the kernels' shapes."""
+  config = tiny_config("attention=flash", "compile_topology=v5p-8", "max_target_length=1024",
+                       "per_device_batch_size=1", "remat_policy=full")
+  jaxpr = train_step.trace_train_step(train_step.build(config, sharding.create_mesh(config)), config).jaxpr
+  # Per layer, row and head: the forward kernel twice (the step's, and remat's recomputation in
+  # the backward, 2 matmuls each), the dq kernel (3) and the dk/dv kernel (4); of the 2 x 2
+  # (query, key) blocks of 512 the causal mask keeps 3 whole, 2 FLOPs per multiply-add.
+  per_kernel_matmul = 2 * 3 * 512 * 512 * config.head_dim
+  hand = config.base_num_decoder_layers * 4 * config.base_num_query_heads * per_kernel_matmul * (2 + 2 + 3 + 4)
+  assert metrics.kernel_flops(jaxpr) == hand
+  assert metrics.matmul_flops(jaxpr) > hand
+
+
 def test_dcn_axes_span_the_slices_of_a_multi_slice_compile():
   config = tiny_config("compile_topology=v5p-8", "compile_topology_num_slices=2", "dcn_data_parallelism=2")
   mesh = sharding.create_mesh(config)
