@@ -57,6 +57,18 @@ def test_an_offloaded_policy_holds_host_memory_its_on_device_twin_does_not(tpu_m
   assert tpu_memory["minimal_offloaded"]["host_bytes"] > 0
 
 
+def test_offloading_the_layer_inputs_moves_them_off_the_device():
+  """8 layers and a small vocabulary, so the saved layer inputs are a large part of the step."""
+  stats = {}
+  for policy in ("full", "input_offloaded"):
+    config = tiny_config("base_emb_dim=64", "max_target_length=512", "per_device_batch_size=4",
+                         "base_num_decoder_layers=8", "compile_topology=v5p-8", f"remat_policy={policy}")
+    stats[policy] = metrics.memory_stats(train_step.compile_train_step(
+        train_step.build(config, sharding.create_mesh(config)), config))
+  assert stats["full"]["host_bytes"] == 0 and stats["input_offloaded"]["host_bytes"] > 0
+  assert stats["input_offloaded"]["total_bytes"] < stats["full"]["total_bytes"]
+
+
 GEMMA2_ATTENTION = ("decoder_block=gemma2", "sliding_window_size=512", "attn_logits_soft_cap=50",
                     "query_pre_attn_scalar=16")
 
