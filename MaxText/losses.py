@@ -37,8 +37,9 @@ KERNEL = ("embed", "vocab")
 MODES = ("fused", "recompute")  # vocab_tiling_mode: see the module doc
 
 
-def _to_tiles(x, num_tiles):
-  """[B, T, ...] -> [num_tiles, B, ceil(T / num_tiles), ...], padding T with zeros."""
+def to_tiles(x, num_tiles):
+  """[B, T, ...] -> [num_tiles, B, ceil(T / num_tiles), ...], padding T with zeros; tile k
+  holds positions t with t % num_tiles == k."""
   batch, length = x.shape[:2]
   pad = -length % num_tiles
   x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
@@ -46,9 +47,14 @@ def _to_tiles(x, num_tiles):
   return jnp.moveaxis(x, 2, 0)
 
 
+def from_tiles(x):
+  """to_tiles' inverse for a length divisible by the tile count: [N, B, T / N, ...] -> [B, T, ...]."""
+  x = jnp.moveaxis(x, 0, 2)
+  return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
 def _tile_logits(hidden, kernel):
-  logits = jnp.einsum("btd,dv->btv", hidden, kernel, preferred_element_type=jnp.float32)
-  return nn.with_logical_constraint(logits, TILE_LOGITS)
+  return nn.with_logical_constraint(_head_matmul(hidden, kernel, transpose=False), TILE_LOGITS)
 
 
 def soft_cap(logits, cap: float):
@@ -117,12 +123,52 @@ def _kernel_grad(hidden, d_logits):
                        out_specs=spec(rows, cols), check_vma=False)(hidden, d_logits)
 
 
+def _head_matmul(x, kernel, transpose: bool):
+  """hidden [B, T, D] @ kernel [D, V] -> float32 logits [B, T, V], or with `transpose` the
+  logits' gradient [B, T, V] @ kernel^T -> float32 [B, T, D].
+
+  The kernel's rows are sharded (over the `embed` axes, FSDP's) and the tokens carry every
+  feature, so the product needs whole kernel rows; gathering the kernel at once would put all
+  of it, [D, V] (1 GiB in bfloat16 at llama3-8b), on every device. Here each device gathers its
+  vocabulary columns one chunk (the size of its own shard) at a time, so no device holds more
+  than its shard plus one chunk. The sums are the same; only their order may differ."""
+  spec = "btv,dv->btd" if transpose else "btd,dv->btv"
+  mesh = jax.sharding.get_abstract_mesh()
+  batch, length, act_embed = _mesh_axes(TILE_HIDDEN[1:])
+  vocab = _mesh_axes(TILE_LOGITS)[2]
+  rows, cols = _mesh_axes(KERNEL)
+  shards = math.prod(mesh.shape[a] for a in rows) if not mesh.empty else 1
+  if shards == 1 or act_embed or cols != vocab or set(vocab) & set(batch + length):
+    return jnp.einsum(spec, x, kernel, preferred_element_type=jnp.float32)  # a layout this scheme does not cover
+  spec_of = lambda *axes: PartitionSpec(*(a or None for a in axes))  # noqa: E731
+
+  def local(x, k):
+    width = k.shape[1]
+    chunk = -(-width // shards)
+    k = jnp.pad(k, [(0, 0), (0, chunk * shards - width)])
+    gathered = lambda c: jax.lax.all_gather(jax.lax.dynamic_slice_in_dim(k, c * chunk, chunk, axis=1), rows,  # noqa: E731
+                                            axis=0, tiled=True)  # [D, chunk]
+    if not transpose:
+      out = jax.lax.map(lambda c: jnp.einsum(spec, x, gathered(c), preferred_element_type=jnp.float32),
+                        jnp.arange(shards))  # [shards, B, T, chunk]
+      return jnp.moveaxis(out, 0, 2).reshape(*x.shape[:2], -1)[..., :width]
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, chunk * shards - width)])
+    add = lambda c, acc: acc + jnp.einsum(  # noqa: E731
+        spec, jax.lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis=2), gathered(c),
+        preferred_element_type=jnp.float32)
+    out = jax.lax.fori_loop(0, shards, add, jnp.zeros((*x.shape[:2], k.shape[0] * shards), jnp.float32))
+    return jax.lax.psum(out, vocab) if vocab else out
+
+  out_spec = spec_of(batch, length, ()) if transpose else spec_of(batch, length, vocab)
+  return jax.shard_map(local, in_specs=(spec_of(batch, length, vocab if transpose else ()), spec_of(rows, cols)),
+                       out_specs=out_spec, check_vma=False)(x, kernel)
+
+
 def _head_grads(hidden, kernel, d_logits):
   """The head matmul's gradients for the logits' gradient d_logits [B, T, V]: d_hidden
   [B, T, D] and d_kernel [D, V], both float32, d_kernel laid out as the kernel."""
   d_logits = d_logits.astype(kernel.dtype)
-  d_hidden = jnp.einsum("btv,dv->btd", d_logits, kernel, preferred_element_type=jnp.float32)
-  return d_hidden, _kernel_grad(hidden, d_logits)
+  return _head_matmul(d_logits, kernel, transpose=True), _kernel_grad(hidden, d_logits)
 
 
 def logits(hidden, kernel, cap: float):
@@ -226,9 +272,9 @@ def tiled_token_sums(hidden, kernel, targets, weights, num_tiles, z_loss_multipl
     raise ValueError(f"mode={mode!r}: must be one of {', '.join(MODES)}")
   if num_tiles < 1:
     raise ValueError(f"num_tiles={num_tiles}: must be >= 1")
-  h = nn.with_logical_constraint(_to_tiles(hidden, num_tiles), TILE_HIDDEN)
-  t = nn.with_logical_constraint(_to_tiles(targets, num_tiles), TILE_TOKENS)
-  w = nn.with_logical_constraint(_to_tiles(weights.astype(jnp.float32), num_tiles), TILE_TOKENS)
+  h = nn.with_logical_constraint(to_tiles(hidden, num_tiles), TILE_HIDDEN)
+  t = nn.with_logical_constraint(to_tiles(targets, num_tiles), TILE_TOKENS)
+  w = nn.with_logical_constraint(to_tiles(weights.astype(jnp.float32), num_tiles), TILE_TOKENS)
   sums = _tiled_sums(h, kernel, t, w, float(z_loss_multiplier), float(logits_soft_cap), mode)
   return sums[0], jax.lax.stop_gradient(sums[1]), jax.lax.stop_gradient(sums[2])
 

@@ -12,6 +12,7 @@ from absl import logging
 from tensorboardX import SummaryWriter
 
 from MaxText import accelerators
+from MaxText.layers import attentions
 
 
 def training_flops_per_step(config) -> float:
@@ -37,6 +38,10 @@ def training_flops_per_step(config) -> float:
 
 
 def _dot_flops(eqn) -> float:
+  if eqn.primitive.name == "pallas_call":
+    return attentions.kernel_flops(eqn)
+  if eqn.primitive.name == "ragged_dot_general":
+    return _ragged_dot_flops(eqn)
   (contracting, _), _ = eqn.params["dimension_numbers"]
   lhs = eqn.invars[0].aval
   return 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in contracting)
@@ -56,6 +61,10 @@ def _dot_bytes(eqn) -> float:
   return sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in (*eqn.invars, *eqn.outvars))
 
 
+# The matrix products: dots, and Pallas kernels (custom calls to XLA, which counts no FLOPs in them).
+_PRODUCTS = ("dot_general", "ragged_dot_general", "pallas_call")
+
+
 def _executed(jaxpr, cost) -> float:
   """cost(eqn) summed over the matrix products a jaxpr executes, all devices together: loop
   bodies times their trip counts, remat's recomputation included (it is in the traced backward
@@ -63,7 +72,7 @@ def _executed(jaxpr, cost) -> float:
   undercounts scanned layers and vocabulary tiles."""
   total = 0.0
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+    if eqn.primitive.name in _PRODUCTS:
       total += cost(eqn)
       continue
     inner = [_executed(getattr(sub, "jaxpr", sub), cost) for value in eqn.params.values()
@@ -81,9 +90,11 @@ def _executed(jaxpr, cost) -> float:
 
 
 def matmul_flops(jaxpr) -> float:
-  """FLOPs of the matrix products a jaxpr executes, grouped (ragged) ones included (see _executed)."""
-  return _executed(jaxpr, lambda eqn: _ragged_dot_flops(eqn) if eqn.primitive.name == "ragged_dot_general"
-                   else _dot_flops(eqn))
+
+
+def kernel_flops(jaxpr) -> float:
+  """The part of matmul_flops in Pallas kernels."""
+  return _executed(jaxpr, lambda eqn: _dot_flops(eqn) if eqn.primitive.name == "pallas_call" else 0.0)
 
 
 def matmul_bytes(jaxpr) -> float:

@@ -1,7 +1,7 @@
 """Memory planner: python -m MaxText.plan configs/base.yml [hbm_budget_gib=...] [key=value ...]
 
 Finds the fastest num_vocab_tiling x remat_policy x remat_layer_interval x per_device_batch_size
-(x gradient_accumulation_steps) whose train step fits hbm_budget_gib per device, for the devices
+(x mlp_chunks x gradient_accumulation_steps) whose train step fits hbm_budget_gib per device, for the devices
 train_compile compiles for: a TPU slice (compile_topology=v5p-64), or the visible devices
 (JAX_NUM_CPU_DEVICES=N simulates N). Every other key is held as given, and so is a search key
 given on the command line. Each candidate is the train step `train` runs, AOT-compiled: memory
@@ -18,6 +18,8 @@ compiled in parallel processes (plan_workers) when the devices are simulated CPU
 compile_topology. It prints every compile, the Pareto front of memory vs predicted tokens/s as
 Markdown and the fastest candidate that fits as a `python -m MaxText.train` line, and writes
 base_output_directory/run_name/plan/plan.{md,json,png}. Exit code 2 when nothing fits the budget.
+With max_target_length=auto it answers the longest sequence that fits: the search at each of
+plan_max_target_lengths, ascending, until one has no candidate that fits.
 MaxText.auto runs the same search for `auto` keys at the start of train and train_compile.
 """
 
@@ -40,6 +42,7 @@ from MaxText import accelerators, errors, metrics, pyconfig, remat, reports, sha
 SEARCH_KEYS = {
     "remat_policy": "plan_remat_policies",
     "remat_layer_interval": "plan_remat_layer_intervals",
+    "mlp_chunks": "plan_mlp_chunks",
     "gradient_accumulation_steps": "plan_gradient_accumulation_steps",
     "per_device_batch_size": "plan_per_device_batch_sizes",
     "num_vocab_tiling": "plan_num_vocab_tiling",
@@ -187,10 +190,12 @@ def _chain(argv: list, space: dict, budget: int, rates: tuple, verbose: bool, fi
   return records
 
 
-def search(argv: list, space: dict, budget: int, rates: tuple, workers: int, verbose: bool = False) -> list:
-  """Every candidate the pruned search compiled, as evaluate() records with `fits`."""
-  chains = [{"remat_policy": p, "remat_layer_interval": i, "gradient_accumulation_steps": g}
-            for p in space["remat_policy"] for i in space["remat_layer_interval"]
+def search(argv: list, space: dict, budget: int, rates: tuple, workers: int, verbose: bool = False,
+           fixed: dict | None = None) -> list:
+  """Every candidate the pruned search compiled, as evaluate() records with `fits`; `fixed`
+  settings go into every candidate's."""
+  chains = [{**(fixed or {}), "remat_policy": p, "remat_layer_interval": i, "mlp_chunks": c, "gradient_accumulation_steps": g}
+            for p in space["remat_policy"] for i in space["remat_layer_interval"] for c in space["mlp_chunks"]
             for g in space["gradient_accumulation_steps"]
             if not (p == "none" and i > 1 and len(space["remat_layer_interval"]) > 1)]  # none checkpoints no layer
   run = functools.partial(_chain, argv, space, budget, rates, verbose)
@@ -202,6 +207,20 @@ def search(argv: list, space: dict, budget: int, rates: tuple, workers: int, ver
   else:
     results = list(map(run, chains))
   return [r for chain in results for r in chain]
+
+
+def search_longest(argv: list, space: dict, budget: int, rates: tuple, workers: int, lengths: list) -> list:
+  """max_target_length=auto: the search at each of `lengths` (ascending) until one has no
+  candidate that fits; the records of the longest at which one does (each with its
+  max_target_length in its settings), or, when none fits even the shortest, the shortest's."""
+  longest = None
+  for length in lengths:
+    print(f"max_target_length={length}:", flush=True)
+    records = search(argv, space, budget, rates, workers, verbose=True, fixed={"max_target_length": length})
+    if not any(r["fits"] for r in records):
+      return longest or records
+    longest = records
+  return longest
 
 
 def choose(records: list, budget: int, how: str) -> dict:
@@ -223,6 +242,7 @@ def choose(records: list, budget: int, how: str) -> dict:
 def _name(settings: dict) -> str:
   name = f"{settings['remat_policy']} /{settings['remat_layer_interval']} tiles {settings['num_vocab_tiling']} " \
          f"batch {settings['per_device_batch_size']:g}"
+  name += f" mlp/{settings['mlp_chunks']}" if settings["mlp_chunks"] > 1 else ""
   return name + (f" x{settings['gradient_accumulation_steps']}" if settings["gradient_accumulation_steps"] > 1 else "")
 
 
@@ -243,7 +263,8 @@ def report(records: list, chosen: dict, budget: int, how: str, train_line: str) 
                                                                  if failed else "") + f"Chosen:\n\n    {train_line}")
   # MaxText's defaults: full remat on every layer, no tiling, the largest batch that fits.
   defaults = [r for r in fitting.values() if r["settings"]["remat_policy"] == "full" and r["settings"]["num_vocab_tiling"]
-              == 1 and r["settings"]["remat_layer_interval"] == 1 and r["settings"]["gradient_accumulation_steps"] == 1]
+              == 1 and r["settings"]["remat_layer_interval"] == 1 and r["settings"]["gradient_accumulation_steps"] == 1
+              and r["settings"]["mlp_chunks"] == 1]
   if defaults:
     default = max(defaults, key=lambda r: r["settings"]["per_device_batch_size"])
     markdown += (f"\n\nMaxText's defaults (remat_policy=full, 1 tile, the largest batch that fits among those compiled: "
@@ -271,7 +292,8 @@ def main(argv):
     raise errors.ConfigError("usage: python -m MaxText.plan <config.yml> [key=value ...]")
   given = {_key(a): a.partition("=")[2] for a in args[1:]}
   free = {k for k in SEARCH_KEYS if given.get(k, "auto") == "auto"}
-  fixed_argv = [a for a in args if _key(a) not in free]
+  longest = given.get("max_target_length") == "auto"  # the question: the longest sequence that fits
+  fixed_argv = [a for a in args if _key(a) not in free and not (longest and _key(a) == "max_target_length")]
   config = pyconfig.initialize(fixed_argv)
   device = sharding.run_devices(config.compile_topology, config.compile_topology_num_slices)[0]
   budget, how = budget_bytes(config, device)
@@ -281,19 +303,27 @@ def main(argv):
   workers = config.plan_workers or os.cpu_count() if config.compile_topology or device.platform == "cpu" else 1
   print(f"planning for {config.num_devices} x {device.device_kind}: budget {budget / 2**30:.2f} GiB per device "
         f"({how}); roofline {rates[0] / 1e12:.3g} TFLOP/s, {rates[1] / 1e9:.4g} GB/s ({rates[2]}); "
-        f"searching {', '.join(f'{k} {v}' for k, v in space.items() if len(v) > 1)} with {workers} worker(s)",
-        flush=True)
+        f"searching {', '.join(f'{k} {v}' for k, v in space.items() if len(v) > 1)} with {workers} worker(s)"
+        + (f", at max_target_length {list(config.plan_max_target_lengths)} up to the longest that fits" if longest
+           else ""), flush=True)
   start = time.perf_counter()
-  records = search(fixed_argv, space, budget, rates, workers, verbose=True)
+  if longest:
+    records = search_longest(fixed_argv, space, budget, rates, workers, list(config.plan_max_target_lengths))
+  else:
+    records = search(fixed_argv, space, budget, rates, workers, verbose=True)
   seconds = time.perf_counter() - start
   chosen = choose(records, budget, how)
   drop = set(SEARCH_KEYS) | set(SEARCH_KEYS.values()) | {"hbm_budget_gib", "plan_workers", "compile_topology",
-                                                           "compile_topology_num_slices", "memory_stats_file"}
+                                                           "compile_topology_num_slices", "memory_stats_file",
+                                                           "plan_max_target_lengths"}
+  drop |= {"max_target_length"} if longest else set()
   train_line = " ".join(["python -m MaxText.train", args[0], *[a for a in args[1:] if _key(a) not in drop],
                          *_assignments(chosen["settings"])])
   markdown, figure = report(records, chosen, budget, how, train_line)
   compiled = sum(r["status"] != "invalid" for r in records)
   markdown = f"{compiled} compiles in {seconds:.0f} s ({workers} worker(s)).\n\n" + markdown
+  if longest:
+    markdown = f"The longest sequence that fits: max_target_length={chosen['settings']['max_target_length']}.\n\n" + markdown
   print(markdown)
   reports.save(os.path.join(config.run_dir, "plan"), "plan", markdown,
               {"budget_bytes": budget, "budget": how, "roofline": {"peak_flops": rates[0], "bytes_per_second": rates[1],

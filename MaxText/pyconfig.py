@@ -211,6 +211,7 @@ def _validate_model(v: dict) -> None:
   if v["attention"] == "chunked":
     _require(v["attention_chunk_size"] >= 1 and v["max_target_length"] % v["attention_chunk_size"] == 0,
              "attention_chunk_size", f"must divide max_target_length={v['max_target_length']}", v)
+  _require(v["mlp_chunks"] >= 1, "mlp_chunks", "must be >= 1 (1: the MLP over the whole sequence)", v)
   _require(v["rope_max_timescale"] > 0, "rope_max_timescale", "must be > 0", v)
   _one_of(v, "rope_type", ("default", "llama3.1"))
   for key in ("final_logits_soft_cap", "attn_logits_soft_cap"):
@@ -229,6 +230,10 @@ def _validate_model(v: dict) -> None:
 
 
 def _validate_moe(v: dict) -> None:
+  # A chunk of the sequence applied alone would lose the router's statistics (sown per call) and
+  # cap experts per chunk instead of per sequence.
+  _require(v["mlp_chunks"] == 1 or not DECODER_BLOCKS[v["decoder_block"]]["moe"], "mlp_chunks",
+           f"must be 1 for a mixture of experts (decoder_block={v['decoder_block']})", v)
   for key in ("num_experts", "base_moe_mlp_dim"):
     _require(v[key] >= 1, key, "must be >= 1", v)
   _require(1 <= v["num_experts_per_tok"] <= v["num_experts"], "num_experts_per_tok",
@@ -329,7 +334,7 @@ def _validate_plan(v: dict) -> None:
   _require(v["hbm_budget_gib"] >= 0, "hbm_budget_gib", "must be >= 0 (0: the chip's HBM minus 10%)", v)
   _require(v["plan_workers"] >= 0, "plan_workers", "must be >= 0 (0: the CPU cores)", v)
   ladders = {"plan_num_vocab_tiling": int, "plan_remat_layer_intervals": int, "plan_gradient_accumulation_steps": int,
-             "plan_per_device_batch_sizes": (int, float)}
+             "plan_per_device_batch_sizes": (int, float), "plan_mlp_chunks": int, "plan_max_target_lengths": int}
   for key, kind in ladders.items():
     ok = all(isinstance(x, kind) and not isinstance(x, bool) and x > 0 for x in v[key])
     _require(bool(v[key]) and ok and list(v[key]) == sorted(set(v[key])), key,
@@ -352,6 +357,9 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   v.update(DECODER_BLOCKS[v["decoder_block"]])
   sharding.check_divisible(v)
   _check_context(v)
+  per_shard = v["max_target_length"] // sharding.logical_shards(v, "activation_length")
+  _require(per_shard % v["mlp_chunks"] == 0, "mlp_chunks",
+           f"must divide the {per_shard} tokens per sequence shard (max_target_length / context shards)", v)
   if v["learning_rate_schedule_steps"] == -1:
     v["learning_rate_schedule_steps"] = v["steps"]
   v["run_dir"] = os.path.join(v["base_output_directory"], v["run_name"])

@@ -25,7 +25,11 @@ POLICIES = {
     "save_out_proj": (("out_proj",), ()),
     "qkv_proj_offloaded": ((), _QKV),
     "minimal_offloaded": ((), _PROJECTIONS),
+    # The layer input is the scan carry: offloaded by name, the backward reads the host copy and
+    # the stack of carries never lives on the device.
+    "save_out_proj_input_offloaded": (("out_proj",), ("decoder_layer_input",)),
     "full": ((), ()),
+    "input_offloaded": ((), ("decoder_layer_input",)),
 }
 # What the planner and remat_policy=auto choose from; `custom` needs per-tensor choices of its own.
 SEARCHABLE_POLICIES = ("none",) + tuple(POLICIES)

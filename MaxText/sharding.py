@@ -117,6 +117,13 @@ def check_divisible(v: dict) -> None:
                         f"(set by ici_*/dcn_*_parallelism and logical_axis_rules)")
 
 
+def logical_shards(v: dict, name: str) -> int:
+  """How many shards the mesh splits logical axis `name` into (its first rule, ici x dcn)."""
+  shards = {axis: ici * dcn for axis, ici, dcn in zip(MESH_AXES, v["mesh_shape"], v["dcn_mesh_shape"])}
+  axes = next((axes for rule, axes in v["logical_axis_rules"] if rule == name), [])
+  return math.prod(shards[a] for a in (axes if isinstance(axes, list) else [] if axes is None else [axes]))
+
+
 def create_mesh(config) -> jax.sharding.Mesh:
   """The (data, fsdp, tensor, context, expert) mesh; with dcn_* sizes, a hybrid mesh whose dcn part
   spans slices (TPU) or processes (GPU, CPU) and whose ici part spans devices within one.

@@ -42,7 +42,7 @@ def main(argv):
   model_flops = metrics.training_flops_per_step(config)
   step_flops = metrics.matmul_flops(train_step.trace_train_step(trainer, config).jaxpr)
   peak = metrics.peak_tflops(device.device_kind)
-  print(f"FLOPs per step, all devices: model {model_flops:.4g}; matmuls as traced {step_flops:.4g} "
+  print(f"FLOPs per step, all devices: model {model_flops:.4g}; matmuls and attention kernels as traced {step_flops:.4g} "
         f"({step_flops / model_flops - 1:+.1%}: recomputation, and the causal mask's half of the attention products)")
   if peak:
     seconds = step_flops / config.num_devices / (peak * 1e12)

@@ -158,3 +158,19 @@ def test_matmul_bytes_count_operands_and_result_at_loop_trip_counts():
 
   jaxpr = jax.make_jaxpr(layers)(jnp.ones((8, 16), jnp.float32), jnp.ones((16, 16), jnp.float32)).jaxpr
   assert metrics.matmul_bytes(jaxpr) == 3 * 4 * (8 * 16 + 16 * 16 + 8 * 16)
+
+
+def test_the_longest_sequence_that_fits_is_searched_with_mlp_chunks():
+  """max_target_length=auto: lengths up the ladder until nothing fits; the budget is what 32
+  tokens need with full remat, so 32 is the answer and 64 the last length compiled."""
+  device = sharding.run_devices("", 1)[0]
+  rates = plan.roofline_rates(device)
+  fixed = {"remat_policy": "full", "per_device_batch_size": 2, "num_vocab_tiling": 1}
+  budget = plan.evaluate(_argv(), {**fixed, "max_target_length": 32}, rates)["total_bytes"]
+  argv = _argv("plan_remat_policies=[full]", "plan_remat_layer_intervals=[1]", "plan_per_device_batch_sizes=[2]",
+               "plan_num_vocab_tiling=[1]", "plan_mlp_chunks=[1,2]")
+  space = plan.search_space(pyconfig.initialize(argv), set(plan.SEARCH_KEYS))
+  records = plan.search_longest(argv, space, budget, rates, 1, [16, 32, 64, 128])
+  assert {r["settings"]["max_target_length"] for r in records} == {32}
+  assert {r["settings"]["mlp_chunks"] for r in records} == {1, 2}
+  assert plan.choose(records, budget, "test")["settings"]["max_target_length"] == 32

@@ -90,3 +90,12 @@ def test_interval_groups_are_scanned_not_unrolled(interval, groups):
   trainer, _ = trainer_and_state(config)
   lengths = scan_lengths(train_step.trace_train_step(trainer, config).jaxpr)
   assert lengths.count(groups) >= 2 and max(lengths) == groups, lengths
+
+
+@pytest.mark.parametrize("offloaded, on_device", [("input_offloaded", "full"),
+                                                  ("save_out_proj_input_offloaded", "save_out_proj")])
+def test_offloading_the_layer_input_changes_no_loss_or_gradient(gradients, offloaded, on_device):
+  _, want_loss, want_grads = gradients[on_device]
+  _, loss, grads = gradients[offloaded]
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-6, err_msg=offloaded)
+  assert_trees_close(grads, want_grads, rtol=1e-6, what=offloaded)

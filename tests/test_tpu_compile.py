@@ -57,6 +57,18 @@ def test_an_offloaded_policy_holds_host_memory_its_on_device_twin_does_not(tpu_m
   assert tpu_memory["minimal_offloaded"]["host_bytes"] > 0
 
 
+def test_offloading_the_layer_inputs_moves_them_off_the_device():
+  """8 layers and a small vocabulary, so the saved layer inputs are a large part of the step."""
+  stats = {}
+  for policy in ("full", "input_offloaded"):
+    config = tiny_config("base_emb_dim=64", "max_target_length=512", "per_device_batch_size=4",
+                         "base_num_decoder_layers=8", "compile_topology=v5p-8", f"remat_policy={policy}")
+    stats[policy] = metrics.memory_stats(train_step.compile_train_step(
+        train_step.build(config, sharding.create_mesh(config)), config))
+  assert stats["full"]["host_bytes"] == 0 and stats["input_offloaded"]["host_bytes"] > 0
+  assert stats["input_offloaded"]["total_bytes"] < stats["full"]["total_bytes"]
+
+
 GEMMA2_ATTENTION = ("decoder_block=gemma2", "sliding_window_size=512", "attn_logits_soft_cap=50",
                     "query_pre_attn_scalar=16")
 
@@ -75,6 +87,20 @@ def test_flash_attention_compiles_for_tpu_without_the_score_matrix(mesh):
     compiled = train_step.compile_train_step(train_step.build(config, sharding.create_mesh(config)), config)
     temp[attention] = metrics.memory_stats(compiled)["temp_bytes"]
   assert temp["flash"] < temp["dot_product"] - 4 * 2048**2 * 4 // math.prod(config.mesh_shape[2:])
+
+
+def test_the_flash_kernels_flops_are_counted_by_hand():
+  """Splash attention's pallas_calls are custom calls, not dots: counted from the kernels' shapes."""
+  config = tiny_config("attention=flash", "compile_topology=v5p-8", "max_target_length=1024",
+                       "per_device_batch_size=1", "remat_policy=full")
+  jaxpr = train_step.trace_train_step(train_step.build(config, sharding.create_mesh(config)), config).jaxpr
+  # Per layer, row and head: the forward kernel twice (the step's, and remat's recomputation in
+  # the backward, 2 matmuls each), the dq kernel (3) and the dk/dv kernel (4); of the 2 x 2
+  # (query, key) blocks of 512 the causal mask keeps 3 whole, 2 FLOPs per multiply-add.
+  per_kernel_matmul = 2 * 3 * 512 * 512 * config.head_dim
+  hand = config.base_num_decoder_layers * 4 * config.base_num_query_heads * per_kernel_matmul * (2 + 2 + 3 + 4)
+  assert metrics.kernel_flops(jaxpr) == hand
+  assert metrics.matmul_flops(jaxpr) > hand
 
 
 def test_dcn_axes_span_the_slices_of_a_multi_slice_compile():

@@ -1,6 +1,7 @@
 """Grouped-query causal self-attention with RoPE and document (segment) masking."""
 
 import functools
+import json
 
 import flax.linen as nn
 import jax
@@ -136,6 +137,53 @@ def flash_attention(q, k, v, segment_ids, platform, scale=None, soft_cap=0.0, wi
                                          jax.sharding.PartitionSpec(batch, None, kv_heads, None),
                                          jax.sharding.PartitionSpec(batch, None)),
                        out_specs=rows, check_vma=False)(q, k, v, segment_ids)
+
+
+# What train_compile counts for the flash kernels' pallas_calls, which are custom calls, not
+# dot_generals: pallas kernel name (prefix) -> (matmuls per (query, key) pair and head feature,
+# the axis of the queries holding the sequence, the kernel metadata's keys of its (query, key)
+# block sizes, or None where the metadata has none: then the exact causal half is counted, at
+# most a block's share of the row below what the kernel runs).
+# Splash's backward is a dq kernel (scores, dP, dQ) and a dk/dv kernel (scores, dV, dP, dK);
+# the Triton backward is one kernel doing both, 7 matmuls.
+FLASH_KERNEL_MATMULS = {
+    "splash_mha_fwd": (2, -2, ("block_q", "block_kv")),
+    "splash_mha_dq": (3, -2, ("block_q_dq", "block_kv_dq")),
+    "splash_mha_dkv": (4, -2, ("block_q_dkv", "block_kv_dkv")),
+    "mha_forward": (2, 1, None),
+    "mha_backward": (7, 1, None),
+}
+
+
+def causal_pairs(length: int, block_q: int, block_k: int) -> int:
+  """(query, key) pairs a causal flash kernel computes per row and head: every key block that
+  starts at or before a query block's last query, whole (masked inside, not skipped)."""
+  pairs = 0
+  for start in range(0, length, block_q):
+    last = min(start + block_q, length) - 1
+    pairs += (min(start + block_q, length) - start) * min((last // block_k + 1) * block_k, length)
+  return pairs
+
+
+def kernel_flops(eqn) -> float:
+  """FLOPs of a pallas_call of a flash kernel (FLASH_KERNEL_MATMULS), every kernel causal (a
+  sliding window's skipped blocks are counted); its own cost estimate for another kernel that
+  has one; else 0."""
+  name = eqn.params.get("name") or ""
+  kind = next((v for k, v in FLASH_KERNEL_MATMULS.items() if name.startswith(k)), None)
+  if kind is None:
+    estimate = eqn.params.get("cost_estimate")
+    return float(estimate.flops) if estimate is not None else 0.0
+  matmuls, axis, block_keys = kind
+  q = next(v.aval for v in eqn.invars if jnp.issubdtype(v.aval.dtype, jnp.floating))
+  length, head_dim = q.shape[axis], q.shape[-1]
+  rows = q.size // (length * head_dim)  # batch x heads
+  if block_keys:
+    meta = json.loads(eqn.params["metadata"]["xprof_metadata"])
+    pairs = causal_pairs(length, meta[block_keys[0]], meta[block_keys[1]])
+  else:
+    pairs = causal_pairs(length, 1, 1)
+  return 2.0 * matmuls * rows * head_dim * pairs
 
 
 def _layer_window(window, sliding, length):

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText import remat
+from MaxText import losses, remat
 from MaxText.layers.attentions import Attention
 from MaxText.layers.linears import MlpBlock
 from MaxText.layers.moe import MoeBlock
@@ -32,12 +32,48 @@ class DecoderLayer(nn.Module):
     if cfg.sandwich_norms:
       attn = rms_norm(cfg, "post_self_attention_norm")(attn)
     h = nn.with_logical_constraint(x + attn, BATCH_LENGTH_EMBED)
-    mlp_norm = "pre_ffw_norm" if cfg.sandwich_norms else "post_self_attention_norm"
-    block = MoeBlock(cfg, name="moe_block") if cfg.moe else MlpBlock(cfg, name="mlp")
-    mlp = block(rms_norm(cfg, mlp_norm)(h))
-    if cfg.sandwich_norms:
-      mlp = rms_norm(cfg, "post_ffw_norm")(mlp)
+    if cfg.mlp_chunks == 1 or self.is_initializing():
+      mlp = mlp_sublayer(cfg, h)
+    else:
+      mlp = "moe_block" if cfg.moe else "mlp"
+      names = (mlp, "pre_ffw_norm", "post_ffw_norm") if cfg.sandwich_norms else (mlp, "post_self_attention_norm")
+      mlp = tiled_mlp(cfg, {name: self.variables["params"][name] for name in names}, h)
     return nn.with_logical_constraint(h + mlp, BATCH_LENGTH_EMBED)
+
+
+def mlp_sublayer(cfg, h):
+  """The MLP's input norm, the MLP, and with sandwich_norms its output norm, created in the
+  calling module's scope under the DecoderLayer's names: called from a DecoderLayer or from
+  MlpSublayer (given the layer's parameters), they are the same parameters."""
+  mlp_norm = "pre_ffw_norm" if cfg.sandwich_norms else "post_self_attention_norm"
+  block = MoeBlock(cfg, name="moe_block") if cfg.moe else MlpBlock(cfg, name="mlp")
+  mlp = block(rms_norm(cfg, mlp_norm)(h))
+  return rms_norm(cfg, "post_ffw_norm")(mlp) if cfg.sandwich_norms else mlp
+
+
+class MlpSublayer(nn.Module):
+  """mlp_sublayer as a module of its own, to apply to one chunk inside jax.lax.map."""
+
+  config: object
+
+  @nn.compact
+  def __call__(self, h):
+    return mlp_sublayer(self.config, h)
+
+
+def tiled_mlp(cfg, params, h):
+  """mlp_sublayer over h [B, T, D] in cfg.mlp_chunks chunks of the sequence, one at a time,
+  each checkpointed: forward and backward hold one chunk's [B, T / chunks, mlp]
+  intermediate. Norms and MLP act on each token alone, so the result is the untiled one.
+  Chunk k holds positions t with t % chunks == k (as vocabulary tiles do), so under sequence
+  sharding every device works on every chunk. A chunk keeps what remat_policy keeps of the
+  MLP's named tensors (nothing under `none`, which checkpoints no layer), the rest recomputed."""
+  policy = None if cfg.remat_policy == "none" else remat.checkpoint_policy(cfg)
+  run = jax.checkpoint(lambda p, chunk: MlpSublayer(cfg).apply({"params": p}, chunk), policy=policy,
+                       prevent_cse=False)  # inside a loop, as in layer_class
+  chunks = nn.with_logical_constraint(losses.to_tiles(h, cfg.mlp_chunks), losses.TILE_HIDDEN)
+  out = jax.lax.map(lambda chunk: run(params, chunk), chunks)  # [chunks, B, T / chunks, D]
+  return losses.from_tiles(nn.with_logical_constraint(out, losses.TILE_HIDDEN))
 
 
 class ScannedDecoderLayer(DecoderLayer):

@@ -1,7 +1,9 @@
 """Token embedding and rotary position embedding (RoPE)."""
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 # std 1/sqrt(emb_dim): with the table tied to the output head, logits of a unit-RMS
 # hidden state then start with unit scale.
@@ -22,7 +24,52 @@ class Embed(nn.Module):
         (self.num_embeddings, self.features), self.weight_dtype)
 
   def __call__(self, tokens):
-    return jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)
+    return lookup(self.embedding, tokens).astype(self.dtype)
+
+
+def _mesh_axes(logical_name) -> tuple[str, ...]:
+  axes = nn.logical_to_mesh_axes((logical_name,))[0]
+  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def lookup(table, tokens):
+  """table [V, D] rows for tokens [B, T]: [B, T, D], laid out as the activations (batch, length).
+
+  Under a mesh the table stays sharded, its rows over the `vocab` axes and its columns over the
+  `embed` axes: a gather the partitioner is left to place would make the whole table (and, in
+  the backward, its whole gradient) on every chip. Here the token ids (4 bytes a token) are
+  gathered over the embed axes that shard the tokens, each device reads its own table block for
+  all of them (rows outside its vocabulary shard read as zero, summed over the vocab axes), and
+  an all-to-all returns each device its own tokens with every column. The backward is the
+  transpose: the table's gradient is a scatter-add into the device's own block."""
+  mesh = jax.sharding.get_abstract_mesh()
+  vocab, embed = _mesh_axes("vocab"), _mesh_axes("embed")
+  batch, length = _mesh_axes("activation_batch"), _mesh_axes("activation_length")
+  if mesh.empty or _mesh_axes("activation_embed") or not (vocab or embed) or set(vocab) & set(batch + length):
+    return jnp.take(table, tokens, axis=0)
+  token_dim = {**{a: 0 for a in batch}, **{a: 1 for a in length}}  # the token dimension each axis shards
+
+  def local(block, ids):
+    for axis in embed:  # major to minor, as the table's columns are laid out
+      if axis in token_dim:
+        ids = jax.lax.all_gather(ids, axis, axis=token_dim[axis], tiled=True)
+    rows = block.shape[0]
+    start = jax.lax.axis_index(vocab) * rows if vocab else 0
+    local_ids = ids - start
+    inside = (local_ids >= 0) & (local_ids < rows)
+    x = jnp.where(inside[..., None], jnp.take(block, jnp.clip(local_ids, 0, rows - 1), axis=0), 0)
+    if vocab:
+      x = jax.lax.psum(x, vocab)
+    for axis in reversed(embed):  # minor first: each step joins whole runs of columns
+      if axis in token_dim:
+        x = jax.lax.all_to_all(x, axis, split_axis=token_dim[axis], concat_axis=2, tiled=True)
+      else:
+        x = jax.lax.all_gather(x, axis, axis=2, tiled=True)
+    return x
+
+  spec = lambda *axes: PartitionSpec(*(a or None for a in axes))  # noqa: E731
+  return jax.shard_map(local, in_specs=(spec(vocab, embed), spec(batch, length)), out_specs=spec(batch, length, ()),
+                       check_vma=True)(table, tokens)
 
 
 def rope_timescales(cfg, head_dim: int):

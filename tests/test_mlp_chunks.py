@@ -1,0 +1,86 @@
+"""The sequence-tiled MLP (mlp_chunks): the untiled MLP's loss and gradients, under remat policies,
+both stack modes and a sequence-sharded mesh, with less temp memory."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from MaxText import losses, metrics, sharding, train_step
+from conftest import ROOT, SHARDED, assert_trees_close, fixed_batch, loss_gradients, tiny_config, trainer_and_state
+
+RTOL = 1e-6
+MODEL = ("max_target_length=32", "per_device_batch_size=2")
+# Scan and loop stacks, a policy that keeps the MLP's named tensors, no remat, every-other-layer
+# remat, and Gemma 2's norm after the MLP.
+VARIANTS = {
+    "full": ("remat_policy=full",),
+    "minimal, loop": ("remat_policy=minimal", "scan_layers=false"),
+    "none": ("remat_policy=none",),
+    "gemma2, save_out_proj, interval 2": ("decoder_block=gemma2", "remat_policy=save_out_proj",
+                                          "remat_layer_interval=2"),
+}
+
+
+def compiled_loss_and_grads(config, params, batch):
+  """(temp bytes of the compiled value_and_grad of the summed loss, loss, gradients)."""
+  trainer = train_step.build(config, sharding.create_mesh(config))
+  fn = jax.jit(jax.value_and_grad(lambda p, b: losses.batch_sums(trainer.model, config, p, b)[0]))
+  with sharding.activate(trainer.mesh, config):
+    args = (jax.device_put(params, trainer.state_sharding.params), train_step.device_batch(trainer, batch))
+    compiled = fn.lower(*args).compile()
+    loss, grads = compiled(*args)
+  return metrics.memory_stats(compiled)["temp_bytes"], float(loss), jax.device_get(grads)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_chunks_give_the_untiled_loss_and_gradients(variant):
+  reference = tiny_config(*MODEL, *VARIANTS[variant])
+  params = jax.device_get(trainer_and_state(reference)[1].params)
+  batch = fixed_batch(reference)
+  _, want_loss, want_grads = compiled_loss_and_grads(reference, params, batch)
+  _, loss, grads = compiled_loss_and_grads(tiny_config(*MODEL, *VARIANTS[variant], "mlp_chunks=4"), params, batch)
+  np.testing.assert_allclose(loss, want_loss, rtol=RTOL, err_msg=variant)
+  assert_trees_close(grads, want_grads, rtol=RTOL, what=variant)
+
+
+def test_chunks_hold_less_temp_memory_at_a_longer_length():
+  """A wide MLP at 512 tokens (attention chunked, so the MLP sets the peak): 8 chunks compile
+  to less temp memory than the whole sequence at once."""
+  long = ("max_target_length=512", "per_device_batch_size=2", "base_mlp_dim=1024", "attention=chunked",
+          "attention_chunk_size=64", "remat_policy=full")
+  reference = tiny_config(*long)
+  params = jax.device_get(trainer_and_state(reference)[1].params)
+  batch = fixed_batch(reference)
+  whole = compiled_loss_and_grads(reference, params, batch)[0]
+  chunked = compiled_loss_and_grads(tiny_config(*long, "mlp_chunks=8"), params, batch)[0]
+  # One layer's [2, 512, 1024] float32 intermediate is 4 MiB; 8 chunks hold an eighth of it.
+  assert chunked < whole - 2 * 2**20, (chunked, whole)
+
+
+MESH_SCRIPT = """
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from conftest import SHARDED, loss_gradients, tiny_config
+grads = loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=1", "ici_fsdp_parallelism=2",
+                                   "ici_context_parallelism=4", "context_parallel_load_balance=false", "mlp_chunks=4"))
+np.savez({out!r}, **grads)
+"""
+
+
+def test_chunks_under_a_sequence_sharded_mesh_give_one_devices_gradients(tmp_path):
+  """8 simulated devices, fsdp 2 x context 4, 4 chunks of the 4 positions each shard holds,
+  against one device without chunks."""
+  out = str(tmp_path / "grads.npz")
+  env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8"}
+  result = subprocess.run([sys.executable, "-c", MESH_SCRIPT.format(tests=str(ROOT / "tests"), out=out)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert result.returncode == 0, result.stderr[-4000:]
+  got = np.load(out)
+  want = loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=8"))
+  assert sorted(got.files) == sorted(want)
+  assert_trees_close({k: got[k] for k in want}, want, rtol=1e-5)
