@@ -90,6 +90,9 @@ def _executed(jaxpr, cost) -> float:
 
 
 def matmul_flops(jaxpr) -> float:
+  """FLOPs of the matrix products a jaxpr executes (see _executed), grouped (ragged) ones and the
+  flash attention kernels' (attentions.kernel_flops) included."""
+  return _executed(jaxpr, _dot_flops)
 
 
 def kernel_flops(jaxpr) -> float:
