@@ -53,7 +53,8 @@ def test_balanced_order_pairs_chunk_i_with_its_mirror():
 @pytest.mark.parametrize("overrides, message", [
     (("ici_context_parallelism=4", "ici_fsdp_parallelism=2", "max_target_length=36"),
      "max_target_length=36: must be divisible by 2 x context parallelism = 8"),
-    (("ici_context_parallelism=3", "ici_fsdp_parallelism=1"), "ici_context_parallelism = 3: must equal the 8 devices"),
+    (("ici_context_parallelism=3", "ici_fsdp_parallelism=1"),
+     "ici_context_parallelism\\*ici_expert_parallelism = 3: must equal the 8 devices"),
     (("compile_topology=v5p-8", "ici_context_parallelism=4", "ici_fsdp_parallelism=2", "attention=flash",
       "max_target_length=128"),
      "attention='flash': with context parallelism \\(4 shards\\) must be one of dot_product, chunked"),
