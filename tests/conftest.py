@@ -50,6 +50,16 @@ def run_cli(module, *args, env=None, cwd=None, timeout=600):
                         capture_output=True, text=True, env=full_env, cwd=cwd or ROOT, timeout=timeout)
 
 
+def run_on_eight_devices(script, out, timeout=900):
+  """python tests/<script> OUT with 8 simulated CPU devices (a device count is fixed when JAX
+  starts, so in a process of its own); returns OUT, where the script wrote its results."""
+  result = subprocess.run([sys.executable, str(ROOT / "tests" / script), str(out)],
+                          env={**os.environ, "JAX_NUM_CPU_DEVICES": "8"}, capture_output=True, text=True,
+                          timeout=timeout)
+  assert result.returncode == 0, result.stderr[-4000:]
+  return out
+
+
 def model_inputs(config, seed=0, batch=None):
   """Random tokens with two packed documents per row: (tokens, positions, segment_ids)."""
   import numpy as np

@@ -1,27 +1,18 @@
 """Context parallelism: both strategies, balanced or not, on 2 to 8 context shards, give the
 one-device loss and gradients on packed documents, with GQA and Gemma 2's window and soft cap."""
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 from MaxText import errors
 from MaxText.layers import context_parallel
-from conftest import CONTEXT_MODELS, CONTEXT_VARIANTS, ROOT, assert_trees_close, loss_gradients, packed_batch, \
-    run_cli, tiny_config
+from conftest import CONTEXT_MODELS, CONTEXT_VARIANTS, assert_trees_close, loss_gradients, packed_batch, run_cli, \
+    run_on_eight_devices, tiny_config
 
 
 @pytest.fixture(scope="module")
 def context_results(tmp_path_factory):
-  out = tmp_path_factory.mktemp("context")
-  env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8"}
-  result = subprocess.run([sys.executable, str(ROOT / "tests" / "context_runs.py"), str(out)], env=env,
-                          capture_output=True, text=True, timeout=900)
-  assert result.returncode == 0, result.stderr[-4000:]
-  return out
+  return run_on_eight_devices("context_runs.py", tmp_path_factory.mktemp("context"))
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,6 @@ numpy, memory settings that leave the model unchanged, bad input, and training e
 import functools
 import json
 import math
-import os
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -19,7 +16,7 @@ from MaxText import errors, losses, metrics, sharding, train, train_step
 from MaxText.layers import moe
 from MaxText.layers.models import Transformer
 import moe_mesh_runs
-from conftest import ROOT, assert_trees_close, fixed_batch, run_cli, tiny_config, trainer_and_state
+from conftest import assert_trees_close, fixed_batch, run_cli, run_on_eight_devices, tiny_config, trainer_and_state
 
 # 4 experts, top 2, expert width 24 over TINY (width 32, 16 tokens, 4 rows).
 MOE = ("decoder_block=qwen3_moe", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=24")
@@ -215,11 +212,7 @@ def test_training_runs_end_to_end_and_logs_the_router(tmp_path, family):
 
 @pytest.fixture(scope="module")
 def expert_mesh_results(tmp_path_factory):
-  out = tmp_path_factory.mktemp("expert_meshes")
-  result = subprocess.run([sys.executable, str(ROOT / "tests" / "moe_mesh_runs.py"), str(out)],
-                          env={**os.environ, "JAX_NUM_CPU_DEVICES": "8"}, capture_output=True, text=True, timeout=900)
-  assert result.returncode == 0, result.stderr[-4000:]
-  return out
+  return run_on_eight_devices("moe_mesh_runs.py", tmp_path_factory.mktemp("expert_meshes"))
 
 
 @functools.cache

@@ -1,24 +1,18 @@
 """Meshes of 8 simulated devices give the single-device losses, with and without vocab tiling."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from MaxText import train
-from conftest import MESHES, ROOT, SHARDED, assert_trees_close, loss_gradients, metrics_losses, tiny_config
+from conftest import MESHES, SHARDED, assert_trees_close, loss_gradients, metrics_losses, run_on_eight_devices, \
+    tiny_config
 
 
 @pytest.fixture(scope="module")
 def mesh_results(tmp_path_factory):
-  out = tmp_path_factory.mktemp("meshes")
-  env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8"}
-  result = subprocess.run([sys.executable, str(ROOT / "tests" / "mesh_runs.py"), str(out)], env=env,
-                          capture_output=True, text=True, timeout=900)
-  assert result.returncode == 0, result.stderr[-4000:]
+  out = run_on_eight_devices("mesh_runs.py", tmp_path_factory.mktemp("meshes"))
   with open(out / "results.json") as f:
     return {**json.load(f), "dir": out}
 
