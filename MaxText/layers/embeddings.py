@@ -48,6 +48,7 @@ def lookup(table, tokens):
   if mesh.empty or _mesh_axes("activation_embed") or not (vocab or embed) or set(vocab) & set(batch + length):
     return jnp.take(table, tokens, axis=0)
   token_dim = {**{a: 0 for a in batch}, **{a: 1 for a in length}}  # the token dimension each axis shards
+  vocab_size = table.shape[0]
 
   def local(block, ids):
     for axis in embed:  # major to minor, as the table's columns are laid out
@@ -60,6 +61,9 @@ def lookup(table, tokens):
     x = jnp.where(inside[..., None], jnp.take(block, jnp.clip(local_ids, 0, rows - 1), axis=0), 0)
     if vocab:
       x = jax.lax.psum(x, vocab)
+    # An id outside the vocabulary reads NaN, as jnp.take does without a mesh: a bad batch
+    # shows as a non-finite loss, the same under every layout, not as a silent zero row.
+    x = jnp.where(((ids >= 0) & (ids < vocab_size))[..., None], x, jnp.nan)
     for axis in reversed(embed):  # minor first: each step joins whole runs of columns
       if axis in token_dim:
         x = jax.lax.all_to_all(x, axis, split_axis=token_dim[axis], concat_axis=2, tiled=True)
