@@ -171,7 +171,7 @@ def layout(config) -> list:
     entries += [((*moe, "gate", "kernel"), layer + router, layers, (dim, config.num_experts), 1),
                 ((*moe, "wi_0"), layer + gate, experts, (dim, hidden), 1),
                 ((*moe, "wi_1"), layer + up, experts, (dim, hidden), 1),
-                ((*moe, "wo"), layer + down, experts, (hidden, dim), 1)]
+                ((*moe, "wo"), layer + down, experts, (dim, hidden), 0)]  # [out, in], as Hugging Face keeps it
   else:
     mlp = ("decoder", "layers", "mlp")
     entries += [((*mlp, "wi_0", "kernel"), layer + "mlp.gate_proj.weight", layers, (dim, config.base_mlp_dim), 1),
