@@ -46,7 +46,11 @@ def _leaf_checksum(x):
     unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
     bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
   weights = 2 * jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) + 1
-  return jnp.stack([bits.sum(dtype=jnp.uint32), (bits * weights).sum(dtype=jnp.uint32)])
+  # One reduction with two outputs, so XLA fuses bits and weights into it: two separate sums
+  # materialise both as uint32 arrays, twice x's size each when x is bfloat16.
+  total, weighted = jax.lax.reduce((bits, bits * weights), (jnp.uint32(0), jnp.uint32(0)),
+                                   lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(x.ndim)))
+  return jnp.stack([total, weighted])
 
 
 _tree_checksums = jax.jit(lambda tree: jax.tree.map(_leaf_checksum, tree))
