@@ -410,3 +410,11 @@ def test_a_garbage_run_tokenizer_is_one_line_for_train_and_decode(tmp_path, refe
   with pytest.raises(errors.ConfigError, match=message):
     decode.generate(config)
   assert (run / "tokenizer.json").read_text() == "{not a tokenizer"
+
+
+def test_checksums_need_no_temporary_the_size_of_the_array():
+  """A bfloat16 parameter's checksums compile to one fused pass (converters and saves hold a
+  parameter at a time; its uint32 bits and weights materialised would be 4 times its size)."""
+  array = jax.ShapeDtypeStruct((4096, 1024), jax.numpy.bfloat16)
+  stats = checkpointing._tree_checksums.lower({"a": array}).compile().memory_analysis()
+  assert stats.temp_size_in_bytes < array.size * array.dtype.itemsize / 8
