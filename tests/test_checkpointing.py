@@ -65,6 +65,19 @@ def test_a_stopped_run_resumes_exactly(tmp_path, reference, text_cache):
   assert resumed == reference[1]  # float equality, every step
 
 
+def test_a_mixture_of_experts_run_resumes_exactly(tmp_path, text_cache):
+  """A stopped MoE run (router and experts in the checkpoint, the router's losses in the loss)
+  resumes to the losses of an uninterrupted one, float equal."""
+  moe = ("decoder_block=qwen3_moe", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=24", "steps=4")
+  whole, whole_metrics = train(tmp_path, "moe_whole", text_cache, *moe)
+  assert whole.returncode == 0, whole.stderr[-3000:]
+  first, metrics_file = train(tmp_path, "moe", text_cache, *moe[:-1], "steps=2")
+  second, _ = train(tmp_path, "moe", text_cache, *moe)
+  assert first.returncode == 0 and second.returncode == 0, second.stderr[-3000:]
+  assert "resuming from checkpoint step 2" in second.stderr
+  assert losses(metrics_file) == losses(whole_metrics) and sorted(losses(metrics_file)) == [1, 2, 3, 4]
+
+
 def signal_mid_run(tmp_path, text_cache, run_name, signum):
   """Starts a 12-step run, sends `signum` once 5 steps are logged: (exit code, stderr, metrics file)."""
   metrics_file = tmp_path / f"{run_name}.jsonl"
