@@ -149,9 +149,12 @@ def _head_matmul(x, kernel, transpose: bool):
     gathered = lambda c: jax.lax.all_gather(jax.lax.dynamic_slice_in_dim(k, c * chunk, chunk, axis=1), rows,  # noqa: E731
                                             axis=0, tiled=True)  # [D, chunk]
     if not transpose:
-      out = jax.lax.map(lambda c: jnp.einsum(spec, x, gathered(c), preferred_element_type=jnp.float32),
-                        jnp.arange(shards))  # [shards, B, T, chunk]
-      return jnp.moveaxis(out, 0, 2).reshape(*x.shape[:2], -1)[..., :width]
+      # Each chunk's logits written in place into the [B, T, V] result: stacking them as
+      # [shards, B, T, chunk] and moving the axis made a second logits-sized float32 buffer.
+      put = lambda c, out: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+          out, jnp.einsum(spec, x, gathered(c), preferred_element_type=jnp.float32), c * chunk, axis=2)
+      out = jax.lax.fori_loop(0, shards, put, jnp.zeros((*x.shape[:2], chunk * shards), jnp.float32))
+      return out[..., :width]
     x = jnp.pad(x, [(0, 0), (0, 0), (0, chunk * shards - width)])
     add = lambda c, acc: acc + jnp.einsum(  # noqa: E731
         spec, jax.lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis=2), gathered(c),
