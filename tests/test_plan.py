@@ -141,6 +141,28 @@ def test_auto_trains_exactly_as_the_setting_it_chose_given_explicitly(tmp_path, 
   assert metrics_losses(tmp_path / "auto.jsonl") == metrics_losses(tmp_path / "explicit.jsonl")
 
 
+def test_a_mixture_of_experts_is_planned_by_its_active_flops_and_trains_as_its_choice(tmp_path, caplog):
+  moe = ("decoder_block=qwen3_moe", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=24",
+         "router_z_loss_weight=0.001")
+  search = ("plan_remat_policies=[none,full]", "plan_remat_layer_intervals=[1]", "plan_per_device_batch_sizes=[2]",
+            "plan_num_vocab_tiling=[1]")
+  config = pyconfig.initialize(_argv(*moe, *search))
+  rates = plan.roofline_rates(sharding.run_devices("", 1)[0])
+  records = plan.search(_argv(*moe, *search), plan.search_space(config, {"remat_policy"}), 2**40, rates, workers=1)
+  # Model FLOPs count the routed experts only, and the step's traced FLOPs count the grouped
+  # matmuls: without recomputation the two agree up to attention's masked half, never below 1.
+  by_policy = {r["settings"]["remat_policy"]: r["recompute_ratio"] for r in records}
+  assert by_policy["full"] > by_policy["none"] >= 1.0
+  common = (*moe, *search, "steps=3", f"base_output_directory={tmp_path}")
+  caplog.set_level("INFO")
+  train.train(auto.initialize(_argv(*common, "remat_policy=auto", "run_name=auto",
+                                    f"metrics_file={tmp_path}/auto.jsonl")))
+  settings = json.loads((tmp_path / "auto" / auto.CACHE_FILE).read_text())["settings"]
+  train.train(pyconfig.initialize(_argv(*common, *plan._assignments(settings), "run_name=explicit",
+                                        f"metrics_file={tmp_path}/explicit.jsonl")))
+  assert metrics_losses(tmp_path / "auto.jsonl") == metrics_losses(tmp_path / "explicit.jsonl")
+
+
 @pytest.mark.parametrize("override, message", [
     ("plan_num_vocab_tiling=[4,1]", "plan_num_vocab_tiling=[4, 1]: must be a non-empty ascending list"),
     ("plan_per_device_batch_sizes=[]", "non-empty ascending list"),
