@@ -65,17 +65,21 @@ def _dot_bytes(eqn) -> float:
 _PRODUCTS = ("dot_general", "ragged_dot_general", "pallas_call")
 
 
-def _executed(jaxpr, cost) -> float:
-  """cost(eqn) summed over the matrix products a jaxpr executes, all devices together: loop
-  bodies times their trip counts, remat's recomputation included (it is in the traced backward
-  pass), the larger branch of a cond. XLA's cost analysis counts a loop body once, which
-  undercounts scanned layers and vocabulary tiles."""
+def _executed(jaxpr, cost, axis_sizes=None) -> float:
+  """cost(eqn, axis_sizes) summed over the equations a jaxpr executes (None: not counted, its
+  sub-jaxprs are), all devices together:
+  loop bodies times their trip counts, remat's recomputation included (it is in the traced
+  backward pass), the larger branch of a cond. XLA's cost analysis counts a loop body once,
+  which undercounts scanned layers and vocabulary tiles. axis_sizes: {mesh axis: size} of the
+  enclosing shard_map, for collectives."""
   total = 0.0
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name in _PRODUCTS:
-      total += cost(eqn)
+    own = cost(eqn, axis_sizes)
+    if own is not None:
+      total += own
       continue
-    inner = [_executed(getattr(sub, "jaxpr", sub), cost) for value in eqn.params.values()
+    sizes = dict(eqn.params["mesh"].shape) if eqn.primitive.name == "shard_map" else axis_sizes
+    inner = [_executed(getattr(sub, "jaxpr", sub), cost, sizes) for value in eqn.params.values()
              for sub in (value if isinstance(value, (tuple, list)) else (value,))
              if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))]
     if eqn.primitive.name == "scan":
@@ -89,21 +93,49 @@ def _executed(jaxpr, cost) -> float:
   return total
 
 
+def _products(cost):
+  """cost restricted to the matrix products."""
+  return lambda eqn, _: cost(eqn) if eqn.primitive.name in _PRODUCTS else None
+
+
 def matmul_flops(jaxpr) -> float:
   """FLOPs of the matrix products a jaxpr executes (see _executed), grouped (ragged) ones and the
   flash attention kernels' (attentions.kernel_flops) included."""
-  return _executed(jaxpr, _dot_flops)
+  return _executed(jaxpr, _products(_dot_flops))
 
 
 def kernel_flops(jaxpr) -> float:
   """The part of matmul_flops in Pallas kernels."""
-  return _executed(jaxpr, lambda eqn: _dot_flops(eqn) if eqn.primitive.name == "pallas_call" else 0.0)
+  return _executed(jaxpr, _products(lambda eqn: _dot_flops(eqn) if eqn.primitive.name == "pallas_call" else 0.0))
 
 
 def matmul_bytes(jaxpr) -> float:
   """Bytes the matrix products a jaxpr executes read and write, each operand and result once
   (see _executed): the memory traffic of the matmuls, fusion aside."""
-  return _executed(jaxpr, _dot_bytes)
+  return _executed(jaxpr, _products(_dot_bytes))
+
+
+# Bytes one device sends per byte of its operand in a collective over n devices, by the ring
+# algorithms: an all-gather forwards n - 1 shards, an all-reduce reduce-scatters then gathers.
+_SENT_PER_BYTE = {"ppermute": lambda n: 1.0, "all_gather": lambda n: n - 1.0, "reduce_scatter": lambda n: (n - 1) / n,
+                  "all_to_all": lambda n: (n - 1) / n, "psum": lambda n: 2 * (n - 1) / n,
+                  "psum_invariant": lambda n: 2 * (n - 1) / n}
+
+
+def _sent_bytes(eqn, axis_sizes) -> float | None:
+  if eqn.primitive.name not in _SENT_PER_BYTE:
+    return None
+  axes = eqn.params.get("axis_name", eqn.params.get("axes"))
+  n = math.prod(axis_sizes[a] for a in ((axes,) if isinstance(axes, str) else axes))
+  operand = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.invars)
+  return _SENT_PER_BYTE[eqn.primitive.name](n) * operand
+
+
+def collective_bytes(jaxpr) -> float:
+  """Bytes sent by the collectives a jaxpr calls inside shard_map (context parallelism's
+  gathers or ring, expert parallelism's exchange), all devices together, at loop trip counts.
+  The partitioner's own collectives (FSDP's weight gathers) are not in a jaxpr."""
+  return _executed(jaxpr, _sent_bytes)
 
 
 def peak_tflops(device_kind: str) -> float | None:

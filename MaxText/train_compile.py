@@ -40,7 +40,9 @@ def main(argv):
   print("largest arrays with a vocabulary dimension, per device:")
   print("\n".join(f"  {shape:28s} {size / 2**20:12,.1f} MiB" for shape, size in vocab_arrays))
   model_flops = metrics.training_flops_per_step(config)
-  step_flops = metrics.matmul_flops(train_step.trace_train_step(trainer, config).jaxpr)
+  traced = train_step.trace_train_step(trainer, config).jaxpr
+  step_flops = metrics.matmul_flops(traced)
+  sent = metrics.collective_bytes(traced) / config.num_devices
   peak = metrics.peak_tflops(device.device_kind)
   print(f"FLOPs per step, all devices: model {model_flops:.4g}; matmuls and attention kernels as traced {step_flops:.4g} "
         f"({step_flops / model_flops - 1:+.1%}: recomputation, and the causal mask's half of the attention products)")
@@ -48,10 +50,14 @@ def main(argv):
     seconds = step_flops / config.num_devices / (peak * 1e12)
     print(f"at the {device.device_kind} peak of {peak:g} TFLOP/s: a step takes at least {seconds:.3g} s, "
           f"MFU at most {model_flops / step_flops:.1%}")
+  if sent:
+    print(f"collectives called in shard_map (context and expert parallelism; the partitioner's own, such as "
+          f"FSDP's gathers, not counted): {sent / 2**30:.3f} GiB sent per device per step")
   problem = metrics.fit_message(stats, device)
   if config.memory_stats_file:
     metrics.write_json(config.memory_stats_file, {**stats, "fits": problem is None, "device_memory_bytes": limit,
                                                  "model_flops_per_step": model_flops, "traced_flops_per_step": step_flops,
+                                                 "collective_bytes_per_device": sent,
                                                  "largest_vocab_arrays": vocab_arrays})
   if problem:
     print(f"error: {problem}", file=sys.stderr)

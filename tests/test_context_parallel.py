@@ -1,10 +1,13 @@
 """Context parallelism: both strategies, balanced or not, on 2 to 8 context shards, give the
 one-device loss and gradients on packed documents, with GQA and Gemma 2's window and soft cap."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from MaxText import errors
+from MaxText import errors, metrics
 from MaxText.layers import context_parallel
 from conftest import CONTEXT_MODELS, CONTEXT_VARIANTS, assert_trees_close, loss_gradients, packed_batch, run_cli, \
     run_on_eight_devices, tiny_config
@@ -63,3 +66,21 @@ def test_renamed_sequence_key_exits_2_with_one_line():
   result = run_cli("train_compile", "dcn_sequence_parallelism=2")
   assert result.returncode == 2
   assert result.stderr.strip().count("\n") == 0 and "dcn_context_parallelism" in result.stderr
+
+
+def test_collective_bytes_count_what_each_ring_algorithm_sends_at_loop_trip_counts():
+  mesh = jax.sharding.AbstractMesh((4, 2), ("c", "t"))
+  ring = [(i, (i + 1) % 4) for i in range(4)]
+
+  def body(x):  # one device's block: f32[8] = 32 bytes
+    def step(h, _):
+      return jax.lax.ppermute(h, "c", ring), None
+    y = jax.lax.scan(step, x, None, length=3)[0]
+    g = jax.lax.all_gather(y, "c", tiled=True)  # f32[32]
+    return jax.lax.psum_scatter(g, "c", tiled=True) + jax.lax.psum(y, ("c", "t")) + jax.lax.all_to_all(y, "c", 0, 0, tiled=True)
+
+  f = jax.shard_map(body, mesh=mesh, in_specs=P(("c", "t")), out_specs=P(("c", "t")))
+  x = jax.ShapeDtypeStruct((64,), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, P(("c", "t"))))
+  jaxpr = jax.make_jaxpr(f)(x).jaxpr
+  per_device = 3 * 32 + 3 * 32 + 3 / 4 * 128 + 2 * 7 / 8 * 32 + 3 / 4 * 32
+  assert metrics.collective_bytes(jaxpr) == 8 * per_device
