@@ -1,7 +1,8 @@
 """Memory planner: python -m MaxText.plan configs/base.yml [hbm_budget_gib=...] [key=value ...]
 
 Finds the fastest num_vocab_tiling x remat_policy x remat_layer_interval x per_device_batch_size
-(x mlp_chunks x gradient_accumulation_steps) whose train step fits hbm_budget_gib per device, for the devices
+(x mlp_chunks x gradient_accumulation_steps x ici_context_parallelism x context_parallel_strategy)
+whose train step fits hbm_budget_gib per device, for the devices
 train_compile compiles for: a TPU slice (compile_topology=v5p-64), or the visible devices
 (JAX_NUM_CPU_DEVICES=N simulates N). Every other key is held as given, and so is a search key
 given on the command line. Each candidate is the train step `train` runs, AOT-compiled: memory
@@ -10,8 +11,8 @@ trip counts, FLOPs from the traced step (recomputation included). Its predicted 
 roofline per device, max(FLOPs / peak FLOP/s, bytes / HBM bandwidth), from the chip table (on
 CPU, both rates are measured once at start-up).
 
-The search walks, for each remat_policy x remat_layer_interval x gradient_accumulation_steps,
-up the plan_per_device_batch_sizes ladder; at each batch size, up plan_num_vocab_tiling until the
+The search walks, for each context setting x remat_policy x remat_layer_interval x mlp_chunks x
+gradient_accumulation_steps, up the plan_per_device_batch_sizes ladder; at each batch size, up plan_num_vocab_tiling until the
 step fits or one more tile count saves less than 1% (the layers, not the loss head, set the peak
 from there); a setting that fits at no tile count is not tried at a larger batch. Settings are
 compiled in parallel processes (plan_workers) when the devices are simulated CPUs or a
@@ -43,6 +44,8 @@ SEARCH_KEYS = {
     "remat_policy": "plan_remat_policies",
     "remat_layer_interval": "plan_remat_layer_intervals",
     "mlp_chunks": "plan_mlp_chunks",
+    "ici_context_parallelism": "plan_context_parallelism",
+    "context_parallel_strategy": "plan_context_parallel_strategies",
     "gradient_accumulation_steps": "plan_gradient_accumulation_steps",
     "per_device_batch_size": "plan_per_device_batch_sizes",
     "num_vocab_tiling": "plan_num_vocab_tiling",
@@ -113,6 +116,8 @@ def search_space(config, free) -> dict:
     values = list(getattr(config, plan_key)) if key in free else [getattr(config, key)]
     if key == "remat_policy" and not values:
       values = list(remat.SEARCHABLE_POLICIES)
+    if key in ("ici_context_parallelism", "context_parallel_strategy") and not values:
+      values = [getattr(config, key)]
     if key == "remat_layer_interval":
       values = [i for i in values if i <= config.base_num_decoder_layers]
       if not values:
@@ -194,7 +199,14 @@ def search(argv: list, space: dict, budget: int, rates: tuple, workers: int, ver
            fixed: dict | None = None) -> list:
   """Every candidate the pruned search compiled, as evaluate() records with `fits`; `fixed`
   settings go into every candidate's."""
-  chains = [{**(fixed or {}), "remat_policy": p, "remat_layer_interval": i, "mlp_chunks": c, "gradient_accumulation_steps": g}
+  strategies = space["context_parallel_strategy"]
+  # The context keys appear in the candidates' settings (and the train line) only when searched.
+  searched = len(space["ici_context_parallelism"]) > 1 or len(strategies) > 1
+  contexts = [{"ici_context_parallelism": x, "context_parallel_strategy": s} if searched else {}
+              for x in space["ici_context_parallelism"] for s in (strategies if x > 1 else strategies[:1])]
+  chains = [{**(fixed or {}), **context, "remat_policy": p, "remat_layer_interval": i, "mlp_chunks": c,
+             "gradient_accumulation_steps": g}
+            for context in contexts
             for p in space["remat_policy"] for i in space["remat_layer_interval"] for c in space["mlp_chunks"]
             for g in space["gradient_accumulation_steps"]
             if not (p == "none" and i > 1 and len(space["remat_layer_interval"]) > 1)]  # none checkpoints no layer
@@ -243,6 +255,8 @@ def _name(settings: dict) -> str:
   name = f"{settings['remat_policy']} /{settings['remat_layer_interval']} tiles {settings['num_vocab_tiling']} " \
          f"batch {settings['per_device_batch_size']:g}"
   name += f" mlp/{settings['mlp_chunks']}" if settings["mlp_chunks"] > 1 else ""
+  context = settings.get("ici_context_parallelism", 1)
+  name += f" context {context} {settings['context_parallel_strategy']}" if context > 1 else ""
   return name + (f" x{settings['gradient_accumulation_steps']}" if settings["gradient_accumulation_steps"] > 1 else "")
 
 

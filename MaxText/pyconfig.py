@@ -341,6 +341,11 @@ def _validate_plan(v: dict) -> None:
              "must be a non-empty ascending list of distinct positive numbers", v)
   _require(all(p in remat.SEARCHABLE_POLICIES for p in v["plan_remat_policies"]), "plan_remat_policies",
            f"must list names from {', '.join(remat.SEARCHABLE_POLICIES)} ([]: all of them)", v)
+  _require(all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v["plan_context_parallelism"])
+           and list(v["plan_context_parallelism"]) == sorted(set(v["plan_context_parallelism"])),
+           "plan_context_parallelism", "must be an ascending list of distinct positive numbers ([]: as configured)", v)
+  _require(all(s in STRATEGIES for s in v["plan_context_parallel_strategies"]), "plan_context_parallel_strategies",
+           f"must list names from {', '.join(STRATEGIES)} ([]: as configured)", v)
 
 
 def _derive(v: dict, num_devices: int, num_granules: int) -> None:
