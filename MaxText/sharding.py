@@ -132,7 +132,11 @@ def create_mesh(config) -> jax.sharding.Mesh:
   axis_types = (AxisType.Auto,) * len(MESH_AXES)
   devices = run_devices(config.compile_topology, config.compile_topology_num_slices)
   if math.prod(config.dcn_mesh_shape) == 1:
-    return jax.make_mesh(config.mesh_shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    try:
+      return jax.make_mesh(config.mesh_shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    except NotImplementedError:  # an axis no product of the physical ones (expert 8 on a 4x4x4 v5p-128): split one
+      devices = mesh_utils.create_device_mesh(config.mesh_shape, devices, allow_split_physical_axes=True)
+      return jax.sharding.Mesh(devices, MESH_AXES, axis_types=axis_types)
   devices = mesh_utils.create_hybrid_device_mesh(config.mesh_shape, config.dcn_mesh_shape, devices,
                                                  process_is_granule=devices[0].platform != "tpu")
   return jax.sharding.Mesh(devices, MESH_AXES, axis_types=axis_types)

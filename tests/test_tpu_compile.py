@@ -113,6 +113,17 @@ def test_dcn_axes_span_the_slices_of_a_multi_slice_compile():
   assert stats["total_bytes"] > 0
 
 
+def test_a_mesh_axis_no_product_of_the_physical_axes_splits_one():
+  """expert 8 x fsdp 8 on a v5p-128, whose chips are a 4 x 4 x 4 torus: 8 is no product of the
+  torus's axes, so one is split; every chip is in the mesh once."""
+  config = tiny_config("compile_topology=v5p-128", "ici_fsdp_parallelism=-1", "ici_expert_parallelism=8",
+                       "decoder_block=qwen3_moe", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=16",
+                       "base_emb_dim=64")
+  mesh = sharding.create_mesh(config)
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1, "context": 1, "expert": 8}
+  assert len({d.id for d in mesh.devices.flat}) == 64
+
+
 def test_train_compile_reports_against_the_chip_and_exits_1_when_it_does_not_fit(tmp_path):
   stats_file = tmp_path / "fits.json"
   result = run_cli("train_compile", *TINY, "compile_topology=v5p-8", f"memory_stats_file={stats_file}")
