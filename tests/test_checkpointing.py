@@ -1,7 +1,10 @@
 """Checkpoints: exact resume (stopped or SIGKILLed), atomic saves, clear errors, nothing lost."""
 
+import asyncio
+import gc
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -217,6 +220,34 @@ def damage(step_dir, how):
     data = bytearray(largest.read_bytes())
     data[len(data) // 2] ^= 0x10
     largest.write_bytes(data)
+
+
+def test_reads_that_fail_after_orbax_closed_its_event_loop_print_no_traceback(caplog):
+  """Which abandoned reads fail before a restore gives up is a race: here two fail, the first is
+  raised, and the second's task, never awaited, is collected after its loop closed."""
+  checkpointing._silence_abandoned_reads()
+
+  async def read():
+    raise ValueError("DATA_LOSS")
+
+  async def restore():
+    first, second = asyncio.ensure_future(read()), asyncio.ensure_future(read())
+    await asyncio.sleep(0)  # both fail; the restore raises the first and abandons the second
+    await first
+
+  def fail_on(loop, close):
+    with pytest.raises(ValueError):
+      loop.run_until_complete(restore())
+    if close:
+      loop.close()
+    gc.collect()
+
+  fail_on(asyncio.new_event_loop(), close=True)
+  assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+  open_loop = asyncio.new_event_loop()
+  fail_on(open_loop, close=False)  # an open loop still reports it
+  assert any("never retrieved" in r.getMessage() for r in caplog.records)
+  open_loop.close()
 
 
 @pytest.mark.parametrize("how, why", [("garbage", "cannot be restored"), ("unreadable data", "cannot be restored"),
