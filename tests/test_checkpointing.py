@@ -70,7 +70,7 @@ def test_a_stopped_run_resumes_exactly(tmp_path, reference, text_cache):
 
 def test_a_mixture_of_experts_run_resumes_exactly(tmp_path, text_cache):
   """A stopped MoE run (router and experts in the checkpoint, the router's losses in the loss)
-  resumes to the losses of an uninterrupted one, float equal."""
+  resumes to the losses of an uninterrupted one, float equal, and decode continues a prompt from it."""
   moe = ("decoder_block=qwen3_moe", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=24", "steps=4")
   whole, whole_metrics = train(tmp_path, "moe_whole", text_cache, *moe)
   assert whole.returncode == 0, whole.stderr[-3000:]
@@ -79,6 +79,10 @@ def test_a_mixture_of_experts_run_resumes_exactly(tmp_path, text_cache):
   assert first.returncode == 0 and second.returncode == 0, second.stderr[-3000:]
   assert "resuming from checkpoint step 2" in second.stderr
   assert losses(metrics_file) == losses(whole_metrics) and sorted(losses(metrics_file)) == [1, 2, 3, 4]
+  decoded = run_cli("decode", *RUN, text_cache, *moe, f"base_output_directory={tmp_path}", "run_name=moe",
+                    "prompt=ROMEO:", "max_decode_length=6")
+  assert decoded.returncode == 0, decoded.stderr[-3000:]
+  assert decoded.stdout.startswith("ROMEO:") and len(decoded.stdout.strip()) > len("ROMEO:")
 
 
 def signal_mid_run(tmp_path, text_cache, run_name, signum):
