@@ -122,20 +122,41 @@ _SENT_PER_BYTE = {"ppermute": lambda n: 1.0, "all_gather": lambda n: n - 1.0, "r
                   "psum_invariant": lambda n: 2 * (n - 1) / n}
 
 
-def _sent_bytes(eqn, axis_sizes) -> float | None:
+def _axes_of(eqn) -> str:
+  """The mesh axes a collective runs over, joined by "+" ("context", "fsdp+context+expert")."""
+  axes = eqn.params.get("axis_name", eqn.params.get("axes"))
+  return "+".join((axes,) if isinstance(axes, str) else axes)
+
+
+def _sent_bytes(eqn, axis_sizes, over: str) -> float | None:
+  """Bytes one device sends in collective `eqn` if it runs over the axes `over`, 0 if over
+  others, None if it is no collective."""
   if eqn.primitive.name not in _SENT_PER_BYTE:
     return None
-  axes = eqn.params.get("axis_name", eqn.params.get("axes"))
-  n = math.prod(axis_sizes[a] for a in ((axes,) if isinstance(axes, str) else axes))
+  if _axes_of(eqn) != over:
+    return 0.0
+  n = math.prod(axis_sizes[a] for a in over.split("+"))
   operand = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.invars)
   return _SENT_PER_BYTE[eqn.primitive.name](n) * operand
 
 
-def collective_bytes(jaxpr) -> float:
-  """Bytes sent by the collectives a jaxpr calls inside shard_map (context parallelism's
-  gathers or ring, expert parallelism's exchange), all devices together, at loop trip counts.
-  The partitioner's own collectives (FSDP's weight gathers) are not in a jaxpr."""
-  return _executed(jaxpr, _sent_bytes)
+def collective_bytes(jaxpr) -> dict:
+  """{mesh axes joined by "+": bytes sent over them, where any} by the collectives a jaxpr calls
+  inside shard_map (context parallelism's gathers or ring over "context", expert parallelism's
+  exchange, the sharded vocabulary arrays' gathers over every batch axis), all devices
+  together, at loop trip counts. The partitioner's own collectives (FSDP's weight gathers) are
+  not in a jaxpr."""
+  groups = set()
+
+  def collect(eqn, _):
+    if eqn.primitive.name not in _SENT_PER_BYTE:
+      return None
+    groups.add(_axes_of(eqn))
+    return 0.0
+
+  _executed(jaxpr, collect)
+  sent = {over: _executed(jaxpr, lambda eqn, sizes, over=over: _sent_bytes(eqn, sizes, over)) for over in sorted(groups)}
+  return {over: bytes_ for over, bytes_ in sent.items() if bytes_}  # axes of size 1 send nothing
 
 
 def peak_tflops(device_kind: str) -> float | None:

@@ -42,7 +42,7 @@ def main(argv):
   model_flops = metrics.training_flops_per_step(config)
   traced = train_step.trace_train_step(trainer, config).jaxpr
   step_flops = metrics.matmul_flops(traced)
-  sent = metrics.collective_bytes(traced) / config.num_devices
+  sent = {axes: sent / config.num_devices for axes, sent in metrics.collective_bytes(traced).items()}
   peak = metrics.peak_tflops(device.device_kind)
   print(f"FLOPs per step, all devices: model {model_flops:.4g}; matmuls and attention kernels as traced {step_flops:.4g} "
         f"({step_flops / model_flops - 1:+.1%}: recomputation, and the causal mask's half of the attention products)")
@@ -51,8 +51,9 @@ def main(argv):
     print(f"at the {device.device_kind} peak of {peak:g} TFLOP/s: a step takes at least {seconds:.3g} s, "
           f"MFU at most {model_flops / step_flops:.1%}")
   if sent:
-    print(f"collectives called in shard_map (context and expert parallelism; the partitioner's own, such as "
-          f"FSDP's gathers, not counted): {sent / 2**30:.3f} GiB sent per device per step")
+    print("collectives called in shard_map, GiB sent per device per step, by the mesh axes they run over (the "
+          "partitioner's own, such as FSDP's gathers, not counted): "
+          + ", ".join(f"{axes} {bytes_ / 2**30:.3f}" for axes, bytes_ in sent.items()))
   problem = metrics.fit_message(stats, device)
   if config.memory_stats_file:
     metrics.write_json(config.memory_stats_file, {**stats, "fits": problem is None, "device_memory_bytes": limit,

@@ -82,5 +82,6 @@ def test_collective_bytes_count_what_each_ring_algorithm_sends_at_loop_trip_coun
   f = jax.shard_map(body, mesh=mesh, in_specs=P(("c", "t")), out_specs=P(("c", "t")))
   x = jax.ShapeDtypeStruct((64,), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, P(("c", "t"))))
   jaxpr = jax.make_jaxpr(f)(x).jaxpr
-  per_device = 3 * 32 + 3 * 32 + 3 / 4 * 128 + 2 * 7 / 8 * 32 + 3 / 4 * 32
-  assert metrics.collective_bytes(jaxpr) == 8 * per_device
+  # Over "c": the ring's 3 ppermutes, the all-gather, the reduce-scatter, the all-to-all; over both axes, the psum.
+  per_device = {"c": 3 * 32 + 3 * 32 + 3 / 4 * 128 + 3 / 4 * 32, "c+t": 2 * 7 / 8 * 32}
+  assert metrics.collective_bytes(jaxpr) == {axes: 8 * sent for axes, sent in per_device.items()}

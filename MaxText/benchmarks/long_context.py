@@ -9,7 +9,8 @@ and with input_offloaded, and the all-gather with full at 64k. Each cell is what
     num_vocab_tiling=16 attention=chunked attention_chunk_size=512 mlp_chunks=16 \\
     max_target_length=L context_parallel_strategy=S remat_policy=P
 prints: GiB per chip on device and on host, the step at the chip's peak and the MFU bound from
-the traced FLOPs, and the bytes each chip sends in the context axis's collectives.
+the traced FLOPs, and the bytes each chip sends in the context axis's collectives and in all those
+called in shard_map (the sharded vocabulary arrays' gathers over every batch axis among them).
 
 CPU (long_context_cpu.*, measured): the default model at 1024 tokens per sequence on 4 simulated
 devices, 4 sequences per step: each device holding whole sequences (fsdp 4, attention not split)
@@ -57,17 +58,19 @@ def tpu_table(output_dir: str) -> None:
     r = results[name] = common.compiled_memory_on(None, *LLAMA3_8B, f"max_target_length={length}",
                                                   f"context_parallel_strategy={strategy}", f"remat_policy={policy}")
     if "error" in r:
-      rows.append([f"{length:,}", strategy, policy, common.gib_or_refusal(r, "total_bytes"), "", "", "", ""])
+      rows.append([f"{length:,}", strategy, policy, common.gib_or_refusal(r, "total_bytes"), "", "", "", "", ""])
     else:
       seconds = r["traced_flops_per_step"] / 64 / peak
       rows.append([f"{length:,}", strategy, policy, reports.gib(r["total_bytes"]), reports.gib(r["host_bytes"]),
                    f"{seconds:.3g} s", f"{r['model_flops_per_step'] / r['traced_flops_per_step']:.1%}",
-                   reports.gib(int(r["collective_bytes_per_device"]))])
+                   reports.gib(int(r["collective_bytes_per_device"].get("context", 0))),
+                   reports.gib(int(sum(r["collective_bytes_per_device"].values())))])
     print(f"{name}: {rows[-1][3:]}", flush=True)
   markdown = ("## llama3-8b on v5p-128, fsdp 4 x context 16, 16 tiles, chunked attention per shard, mlp_chunks 16 "
               "(TPU compiler, compile only)\n\n"
               + reports.markdown_table(["tokens per sequence", "strategy", "remat_policy", "device GiB/chip",
-                                        "host GiB/chip", "step at peak", "MFU bound", "context collectives GiB/chip"],
+                                        "host GiB/chip", "step at peak", "MFU bound", "context-axis collectives GiB/chip",
+                                        "all shard_map collectives GiB/chip"],
                                        rows))
   print(markdown)
   figure, axis = plt.subplots(figsize=(8, 5))
