@@ -217,4 +217,6 @@ CONTEXT_VARIANTS = {  # name -> (model, overrides)
     "gemma2 context=4 fsdp=2 ring": ("gemma2", (*_C4F2, _RING)),
     "gemma2 context=4 fsdp=2 all_gather unbalanced chunked": ("gemma2", (*_C4F2, _UNBALANCED, "attention=chunked",
                                                                          "attention_chunk_size=4")),
+    # 2 query chunks x 2 key blocks per ring step (8 tokens a shard).
+    "context=4 fsdp=2 ring chunked": ("llama", (*_C4F2, _RING, "attention=chunked", "attention_chunk_size=4")),
 }

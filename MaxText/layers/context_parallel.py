@@ -97,6 +97,28 @@ def _merge(out, lse, block_out, block_lse):
   return out, new_lse
 
 
+def _over_key_blocks(kernel, block_size):
+  """kernel over the keys in blocks of block_size, merged by logsumexp, each block recomputed
+  in the backward: one [Tq, block_size] score block live at a time, not [Tq, Tk] (Tk: the
+  shard's own keys for the ring, the whole sequence's for the all-gather)."""
+
+  def blocked(q, k, v, q_index, k_index, q_segments, k_segments, window):
+    num_blocks = k.shape[1] // block_size
+    if num_blocks <= 1:
+      return kernel(q, k, v, q_index, k_index, q_segments, k_segments, window)
+    split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], num_blocks, -1, *x.shape[2:]), 1, 0)  # [B, Tk, ...]
+    blocks = (split(k), split(v), k_index.reshape(num_blocks, -1), split(k_segments))
+    attend = lambda block: kernel(q, block[0], block[1], q_index, block[2], q_segments, block[3], window)
+
+    def step(carry, block):
+      return _merge(*carry, *attend(block)), None
+
+    first = attend(jax.tree.map(lambda x: x[0], blocks))
+    return jax.lax.scan(jax.checkpoint(step), first, jax.tree.map(lambda x: x[1:], blocks))[0]
+
+  return blocked
+
+
 def all_gather_attention(block, q, k, v, q_index, segments, window, num_shards):
   """Each shard gathers every shard's keys, values, segment ids and token indices, then
   attends its own queries to them: simple, and the whole sequence's keys and values are on
@@ -175,7 +197,8 @@ def ring_attention(block, q, k, v, q_index, segments, window, num_shards):
 SHARD_KERNELS = {
     "dot_product": lambda cfg, local_length, **options: functools.partial(dot_block, **options),
     "chunked": lambda cfg, local_length, **options: _in_chunks(
-        functools.partial(dot_block, **options), local_length // min(cfg.attention_chunk_size, local_length)),
+        _over_key_blocks(functools.partial(dot_block, **options), cfg.attention_chunk_size),
+        local_length // min(cfg.attention_chunk_size, local_length)),
 }
 
 
