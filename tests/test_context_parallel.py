@@ -1,6 +1,8 @@
 """Context parallelism: both strategies, balanced or not, on 2 to 8 context shards, give the
 one-device loss and gradients on packed documents, with GQA and Gemma 2's window and soft cap."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,3 +87,16 @@ def test_collective_bytes_count_what_each_ring_algorithm_sends_at_loop_trip_coun
   # Over "c": the ring's 3 ppermutes, the all-gather, the reduce-scatter, the all-to-all; over both axes, the psum.
   per_device = {"c": 3 * 32 + 3 * 32 + 3 / 4 * 128 + 3 / 4 * 32, "c+t": 2 * 7 / 8 * 32}
   assert metrics.collective_bytes(jaxpr) == {axes: 8 * sent for axes, sent in per_device.items()}
+
+
+@pytest.mark.parametrize("block_size", [10, 14, 17, 70])
+def test_key_blocks_merge_to_the_whole_block(block_size):
+  """A shard's queries against 70 keys in blocks (10 and 14 divide them; 17 does not and 70 is
+  one block, both taken at once) equal the block kernel over all 70 keys, values and logsumexps."""
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (1, 10, 4, 8))
+  k, v = (jax.random.normal(key, (1, 70, 2, 8)) for key in keys[1:])
+  args = (q, k, v, jnp.arange(60, 70), jnp.arange(70), jnp.ones((1, 10), jnp.int32),
+          jnp.repeat(jnp.arange(2), 35)[None], 24)  # queries in the second of two documents, a 24-token window
+  kernel = functools.partial(context_parallel.dot_block, scale=0.3, cap=lambda s: s)
+  assert_trees_close(context_parallel._over_key_blocks(kernel, block_size)(*args), kernel(*args), rtol=1e-6)

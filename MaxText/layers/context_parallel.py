@@ -100,11 +100,12 @@ def _merge(out, lse, block_out, block_lse):
 def _over_key_blocks(kernel, block_size):
   """kernel over the keys in blocks of block_size, merged by logsumexp, each block recomputed
   in the backward: one [Tq, block_size] score block live at a time, not [Tq, Tk] (Tk: the
-  shard's own keys for the ring, the whole sequence's for the all-gather)."""
+  shard's own keys for the ring, the whole sequence's for the all-gather). Keys that are not
+  a multiple of block_size (a chunk longer than a shard) are taken at once."""
 
   def blocked(q, k, v, q_index, k_index, q_segments, k_segments, window):
     num_blocks = k.shape[1] // block_size
-    if num_blocks <= 1:
+    if num_blocks <= 1 or k.shape[1] % block_size:
       return kernel(q, k, v, q_index, k_index, q_segments, k_segments, window)
     split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], num_blocks, -1, *x.shape[2:]), 1, 0)  # [B, Tk, ...]
     blocks = (split(k), split(v), k_index.reshape(num_blocks, -1), split(k_segments))
