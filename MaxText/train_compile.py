@@ -42,7 +42,7 @@ def main(argv):
   model_flops = metrics.training_flops_per_step(config)
   traced = train_step.trace_train_step(trainer, config).jaxpr
   step_flops = metrics.matmul_flops(traced)
-  sent = {axes: sent / config.num_devices for axes, sent in metrics.collective_bytes(traced).items()}
+  sent = {axes: bytes_ / config.num_devices for axes, bytes_ in metrics.collective_bytes(traced).items()}
   peak = metrics.peak_tflops(device.device_kind)
   print(f"FLOPs per step, all devices: model {model_flops:.4g}; matmuls and attention kernels as traced {step_flops:.4g} "
         f"({step_flops / model_flops - 1:+.1%}: recomputation, and the causal mask's half of the attention products)")
