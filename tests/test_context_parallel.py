@@ -100,3 +100,29 @@ def test_key_blocks_merge_to_the_whole_block(block_size):
           jnp.repeat(jnp.arange(2), 35)[None], 24)  # queries in the second of two documents, a 24-token window
   kernel = functools.partial(context_parallel.dot_block, scale=0.3, cap=lambda s: s)
   assert_trees_close(context_parallel._over_key_blocks(kernel, block_size)(*args), kernel(*args), rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_chunks,block_size", [(1, 70), (2, 10), (5, 14), (2, 17)])
+def test_block_gradients_equal_autodiff_of_the_block_share(num_chunks, block_size):
+  """The ring's backward per block (probabilities from the final logsumexp L, the flash
+  backward), over query chunks and key blocks, equals jax.vjp of the block's share of the
+  attention, exp(lse_b - L) x its context and exp(lse_b - L), with L held fixed: a soft cap,
+  a window and two documents, GQA."""
+  keys = jax.random.split(jax.random.key(1), 6)
+  q = jax.random.normal(keys[0], (1, 10, 4, 8))
+  k, v = (jax.random.normal(key, (1, 70, 2, 8)) for key in keys[1:3])
+  index = (jnp.arange(60, 70), jnp.arange(70), jnp.ones((1, 10), jnp.int32), jnp.repeat(jnp.arange(2), 35)[None], 24)
+  options = dict(scale=0.3, cap=lambda s: 5.0 * jnp.tanh(s / 5.0))
+  _, block_lse = context_parallel.dot_block(q, k, v, *index, **options)
+  lse = block_lse + jax.random.uniform(keys[3], block_lse.shape)  # other blocks' keys add to L
+  d_out, d_lse = jax.random.normal(keys[4], q.shape), jax.random.normal(keys[5], block_lse.shape)
+
+  def share(q, k, v):
+    out, block_lse = context_parallel.dot_block(q, k, v, *index, **options)
+    weight = jnp.exp(block_lse - lse)
+    return out * weight[..., None], weight
+
+  expected = jax.vjp(share, q, k, v)[1]((d_out, d_lse))
+  grads = context_parallel._grads_in_blocks(functools.partial(context_parallel.dot_block_grads, **options),
+                                            num_chunks, block_size)
+  assert_trees_close(grads(q, k, v, *index, lse, d_out, d_lse), expected, rtol=1e-5)

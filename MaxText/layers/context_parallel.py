@@ -15,6 +15,7 @@ gives every shard the same work. The batch is permuted into that order once, bef
 """
 
 import functools
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -53,12 +54,10 @@ def _token_index(length: int, num_shards: int, balanced: bool):
   return jnp.asarray(order.reshape(num_shards, -1), jnp.int32)[jax.lax.axis_index(AXIS)]
 
 
-def dot_block(q, k, v, q_index, k_index, q_segments, k_segments, window, scale, cap):
-  """q [B, Tq, N, H] against one key/value block [B, Tk, K, H] (GQA: K divides N), its scores
-  through `cap` (losses.soft_cap's, the identity without one), masked by
-  token indices (causal, within `window`) and segment ids: (context normalised over the
-  block [B, Tq, N, H] float32, logsumexp of its scores [B, Tq, N] float32). A row that sees
-  no key of the block gets logsumexp ~ -1e30, so it weighs nothing in the merge."""
+def _scores(q, k, q_index, k_index, q_segments, k_segments, window, scale, cap):
+  """Masked scores [B, K, G, Tq, Tk] float32 of q [B, Tq, N, H] (N = K x G query heads, GQA)
+  against keys [B, Tk, K, H], through `cap`, masked by token indices (causal, within `window`)
+  and segment ids."""
   batch, length, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
@@ -66,7 +65,22 @@ def dot_block(q, k, v, q_index, k_index, q_segments, k_segments, window, scale, 
   distance = q_index[:, None] - k_index[None, :]
   allowed = distance >= 0 if window is None else (distance >= 0) & (distance < window)
   allowed = allowed[None] & (q_segments[:, :, None] == k_segments[:, None, :])  # [B, Tq, Tk]
-  scores = jnp.where(allowed[:, None, None], scores, _MASKED)
+  return jnp.where(allowed[:, None, None], scores, _MASKED)
+
+
+def _by_kv_head(x, kv_heads):
+  """[B, Tq, N, ...] -> [B, K, G, Tq, ...], the scores' layout."""
+  x = x.reshape(x.shape[0], x.shape[1], kv_heads, -1, *x.shape[3:])
+  return jnp.moveaxis(x, 1, 3)
+
+
+def dot_block(q, k, v, q_index, k_index, q_segments, k_segments, window, scale, cap):
+  """q [B, Tq, N, H] against one key/value block [B, Tk, K, H] (GQA: K divides N), scored as
+  _scores does: (context normalised over the block [B, Tq, N, H] float32, logsumexp of its
+  scores [B, Tq, N] float32). A row that sees no key of the block gets logsumexp ~ -1e30, so
+  it weighs nothing in the merge."""
+  batch, length, heads, head_dim = q.shape
+  scores = _scores(q, k, q_index, k_index, q_segments, k_segments, window, scale, cap)
   lse = jax.nn.logsumexp(scores, axis=-1)
   probs = jnp.exp(scores - lse[..., None]).astype(v.dtype)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=jnp.float32)
@@ -74,18 +88,49 @@ def dot_block(q, k, v, q_index, k_index, q_segments, k_segments, window, scale, 
   return out.reshape(batch, length, heads, head_dim), lse
 
 
+def dot_block_grads(q, k, v, q_index, k_index, q_segments, k_segments, window, lse, d_out, d_lse, scale, cap):
+  """The gradients (dq, dk, dv, float32) of one block's share of the whole attention,
+  sum over its keys s of exp(S_s - lse) v_s, for the cotangents d_out [B, Tq, N, H] of the
+  whole context and d_lse [B, Tq, N] of its logsumexp `lse` [B, Tq, N], lse held fixed. As
+  flash attention's backward: the probabilities come from the final logsumexp, so the block's
+  scores are computed once (not its forward and then again under autodiff)."""
+  kv_heads = k.shape[2]
+  scores, scores_vjp = jax.vjp(
+      lambda q, k: _scores(q, k, q_index, k_index, q_segments, k_segments, window, scale, cap), q, k)
+  probs = jnp.exp(scores - _by_kv_head(lse, kv_heads)[..., None])  # 0 where masked
+  d_out = _by_kv_head(d_out, kv_heads).astype(v.dtype)  # [B, K, G, Tq, H]
+  dv = jnp.einsum("bkgts,bkgth->bskh", probs.astype(v.dtype), d_out, preferred_element_type=jnp.float32)
+  d_probs = jnp.einsum("bkgth,bskh->bkgts", d_out, v, preferred_element_type=jnp.float32)
+  dq, dk = scores_vjp(probs * (d_probs + _by_kv_head(d_lse, kv_heads)[..., None]))
+  return dq.astype(jnp.float32), dk.astype(jnp.float32), dv
+
+
+def _split(x, n):
+  """[B, T, ...] -> [n, B, T / n, ...]: n contiguous pieces of the sequence."""
+  return jnp.moveaxis(x.reshape(x.shape[0], n, -1, *x.shape[2:]), 1, 0)
+
+
+def _join(x):
+  """_split's inverse."""
+  return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+
+
+def _zeros(x):
+  """A float32 gradient accumulator shaped as x."""
+  return jnp.zeros(x.shape, jnp.float32)
+
+
 def _in_chunks(kernel, num_chunks):
-  """kernel over the queries in num_chunks chunks, each recomputed in the backward: one
-  chunk's [Tq / num_chunks, Tk] scores live at a time."""
+  """kernel over the queries in num_chunks chunks, one at a time: one chunk's
+  [Tq / num_chunks, Tk] scores live at a time. Forward only: the strategies' backward is
+  ShardKernel.grads."""
   if num_chunks == 1:
     return kernel
 
   def chunked(q, k, v, q_index, k_index, q_segments, k_segments, window):
-    split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], num_chunks, -1, *x.shape[2:]), 1, 0)
-    step = jax.checkpoint(lambda args: kernel(args[0], k, v, args[1], k_index, args[2], k_segments, window))
-    out, lse = jax.lax.map(step, (split(q), q_index.reshape(num_chunks, -1), split(q_segments)))
-    join = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
-    return join(out), join(lse)
+    step = lambda args: kernel(args[0], k, v, args[1], k_index, args[2], k_segments, window)
+    out, lse = jax.lax.map(step, (_split(q, num_chunks), q_index.reshape(num_chunks, -1), _split(q_segments, num_chunks)))
+    return _join(out), _join(lse)
 
   return chunked
 
@@ -97,57 +142,40 @@ def _merge(out, lse, block_out, block_lse):
   return out, new_lse
 
 
+def _key_blocks(k, block_size) -> int:
+  """How many blocks of block_size the keys k [B, Tk, ...] are taken in: 1 (at once) where
+  block_size does not divide Tk (a chunk longer than a shard)."""
+  return k.shape[1] // block_size if k.shape[1] % block_size == 0 else 1
+
+
 def _over_key_blocks(kernel, block_size):
-  """kernel over the keys in blocks of block_size, merged by logsumexp, each block recomputed
-  in the backward: one [Tq, block_size] score block live at a time, not [Tq, Tk] (Tk: the
-  shard's own keys for the ring, the whole sequence's for the all-gather). Keys that are not
-  a multiple of block_size (a chunk longer than a shard) are taken at once."""
+  """kernel over the keys in blocks of block_size, merged by logsumexp: one [Tq, block_size]
+  score block live at a time, not [Tq, Tk] (Tk: the shard's own keys for the ring, the whole
+  sequence's for the all-gather). Forward only, as _in_chunks."""
 
   def blocked(q, k, v, q_index, k_index, q_segments, k_segments, window):
-    num_blocks = k.shape[1] // block_size
-    if num_blocks <= 1 or k.shape[1] % block_size:
+    num_blocks = _key_blocks(k, block_size)
+    if num_blocks == 1:
       return kernel(q, k, v, q_index, k_index, q_segments, k_segments, window)
-    split = lambda x: jnp.moveaxis(x.reshape(x.shape[0], num_blocks, -1, *x.shape[2:]), 1, 0)  # [B, Tk, ...]
-    blocks = (split(k), split(v), k_index.reshape(num_blocks, -1), split(k_segments))
+    blocks = (_split(k, num_blocks), _split(v, num_blocks), k_index.reshape(num_blocks, -1), _split(k_segments, num_blocks))
     attend = lambda block: kernel(q, block[0], block[1], q_index, block[2], q_segments, block[3], window)
 
     def step(carry, block):
       return _merge(*carry, *attend(block)), None
 
     first = attend(jax.tree.map(lambda x: x[0], blocks))
-    return jax.lax.scan(jax.checkpoint(step), first, jax.tree.map(lambda x: x[1:], blocks))[0]
+    return jax.lax.scan(step, first, jax.tree.map(lambda x: x[1:], blocks))[0]
 
   return blocked
 
 
-def all_gather_attention(block, q, k, v, q_index, segments, window, num_shards):
-  """Each shard gathers every shard's keys, values, segment ids and token indices, then
-  attends its own queries to them: simple, and the whole sequence's keys and values are on
-  every chip for the layer."""
-  gather = lambda x: jax.lax.all_gather(x, AXIS, axis=1 if x.ndim > 1 else 0, tiled=True)
-  out, _ = block(q, gather(k), gather(v), q_index, gather(q_index), segments, gather(segments), window)
-  return out.astype(q.dtype)
-
-
-def ring_attention(block, q, k, v, q_index, segments, window, num_shards):
-  """Key/value blocks travel around the ring of context shards (C steps, C - 1 ppermutes);
-  each shard merges its queries' attention to every block by logsumexp. The backward runs the
-  ring again, each block's key/value gradient travelling with it back to its shard, so no
-  step's block is kept for it: only q, the own block, the output and its logsumexp are."""
-  shift = [(i, (i + 1) % num_shards) for i in range(num_shards)]
-  rotate = lambda xs: jax.tree.map(lambda x: jax.lax.ppermute(x, AXIS, shift), xs)
-
-  def forward(q, k, v, q_index, segments, window):
-    out, lse = block(q, k, v, q_index, q_index, segments, segments, window)
-
-    def step(carry, _):
-      out, lse, kv = carry
-      kv = rotate(kv)
-      out, lse = _merge(out, lse, *block(q, kv[0], kv[1], q_index, kv[3], segments, kv[2], window))
-      return (out, lse, kv), None
-
-    (out, lse, _), _ = jax.lax.scan(step, (out, lse, (k, v, segments, q_index)), length=num_shards - 1)
-    return out, lse
+def _with_flash_backward(forward, backward):
+  """Attention (q, k, v, q_index, segments, window) -> context in q's dtype, whose forward
+  (the same arguments -> (context, logsumexp), float32) keeps only its inputs, the context and
+  its logsumexp L, and whose backward is backward(the same arguments, L, d_out, d_lse) ->
+  (dq, dk, dv). The context is sum over blocks b of exp(S_b - L) V_b: its gradient is each
+  block's with L held fixed, for the cotangents (d_out, -rowsum(d_out * out)), the second for
+  L's dependence on S_b (ShardKernel.grads), so no block's scores are kept or computed twice."""
 
   # The indices, segment ids and window are arguments, not closed over: custom_vjp may not
   # close over values traced in shard_map.
@@ -160,46 +188,121 @@ def ring_attention(block, q, k, v, q_index, segments, window, num_shards):
     return out.astype(q.dtype), (q, k, v, q_index, segments, window, out, lse)
 
   def attend_bwd(residuals, d_out):
-    # out = sum over blocks b of exp(S_b - L) V_b with L the logsumexp of all scores: its
-    # gradient through the block's (exp(S_b - L) V_b, rowsum exp(S_b - L)) with L held fixed
-    # takes cotangents (d_out, -rowsum(d_out * out)), the second for L's dependence on S_b.
     q, k, v, q_index, segments, window, out, lse = residuals
     d_out = d_out.astype(jnp.float32)
-    d_lse = -jnp.sum(d_out * out, axis=-1)
-
-    def block_terms(q, k, v, k_index, k_segments):
-      block_out, block_lse = block(q, k, v, q_index, k_index, segments, k_segments, window)
-      weight = jnp.exp(block_lse - lse)
-      return block_out * weight[..., None], weight
-
-    def step(carry, _):
-      dq, kv, dk, dv = carry
-      _, vjp = jax.vjp(lambda q, k, v: block_terms(q, k, v, kv[3], kv[2]), q, kv[0], kv[1])
-      dq_b, dk_b, dv_b = vjp((d_out, d_lse))
-      dk, dv = dk + dk_b.astype(dk.dtype), dv + dv_b.astype(dv.dtype)
-      kv, dk, dv = rotate((kv, dk, dv))
-      return (dq + dq_b.astype(dq.dtype), kv, dk, dv), None
-
-    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-    (dq, _, dk, dv), _ = jax.lax.scan(step, (zeros(q), (k, v, segments, q_index), zeros(k), zeros(v)),
-                                      length=num_shards)
+    dq, dk, dv = backward(q, k, v, q_index, segments, window, lse, d_out, -jnp.sum(d_out * out, axis=-1))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
   attend.defvjp(attend_fwd, attend_bwd)
-  return attend(q, k, v, q_index, segments, window)
+  return attend
 
 
-# attention= -> (config, this shard's tokens, scale=, cap=) -> its block kernel (q, k, v,
-# q_index, k_index, q_segments, k_segments, window) -> (normalised context, logsumexp), on every
-# platform. The ring merges blocks by their logsumexp, which neither Pallas kernel of
-# attentions.FLASH_KERNELS returns with a gradient (splash's save_residuals has no VJP), and
-# the Triton kernel takes no mask offsets; attention=flash is refused here until an entry has
-# them (pyconfig takes the allowed values from these keys).
+def all_gather_attention(block, q, k, v, q_index, segments, window, num_shards):
+  """Each shard gathers every shard's keys, values, segment ids and token indices, then
+  attends its own queries to them: simple, and the whole sequence's keys and values are on
+  every chip for the layer. The backward gathers them again and reduce-scatters their
+  gradients back to their shards."""
+  gather = lambda x: jax.lax.all_gather(x, AXIS, axis=1 if x.ndim > 1 else 0, tiled=True)
+
+  def forward(q, k, v, q_index, segments, window):
+    return block.attend(q, gather(k), gather(v), q_index, gather(q_index), segments, gather(segments), window)
+
+  def backward(q, k, v, q_index, segments, window, lse, d_out, d_lse):
+    dq, dk, dv = block.grads(q, gather(k), gather(v), q_index, gather(q_index), segments, gather(segments), window,
+                             lse, d_out, d_lse)
+    scatter = lambda x: jax.lax.psum_scatter(x, AXIS, scatter_dimension=1, tiled=True)
+    return dq, scatter(dk), scatter(dv)
+
+  return _with_flash_backward(forward, backward)(q, k, v, q_index, segments, window)
+
+
+def ring_attention(block, q, k, v, q_index, segments, window, num_shards):
+  """Key/value blocks travel around the ring of context shards (C steps, C - 1 ppermutes);
+  each shard merges its queries' attention to every block by logsumexp. The backward runs the
+  ring again, each block's key/value gradient travelling with it back to its shard, so no
+  step's block is kept for it: only q, the own block, the output and its logsumexp are."""
+  shift = [(i, (i + 1) % num_shards) for i in range(num_shards)]
+  rotate = lambda xs: jax.tree.map(lambda x: jax.lax.ppermute(x, AXIS, shift), xs)
+
+  def forward(q, k, v, q_index, segments, window):
+    out, lse = block.attend(q, k, v, q_index, q_index, segments, segments, window)
+
+    def step(carry, _):
+      out, lse, kv = carry
+      kv = rotate(kv)
+      out, lse = _merge(out, lse, *block.attend(q, kv[0], kv[1], q_index, kv[3], segments, kv[2], window))
+      return (out, lse, kv), None
+
+    (out, lse, _), _ = jax.lax.scan(step, (out, lse, (k, v, segments, q_index)), length=num_shards - 1)
+    return out, lse
+
+  def backward(q, k, v, q_index, segments, window, lse, d_out, d_lse):
+    def step(carry, _):
+      dq, kv, dk, dv = carry
+      dq_b, dk_b, dv_b = block.grads(q, kv[0], kv[1], q_index, kv[3], segments, kv[2], window, lse, d_out, d_lse)
+      kv, dk, dv = rotate((kv, dk + dk_b, dv + dv_b))
+      return (dq + dq_b, kv, dk, dv), None
+
+    (dq, _, dk, dv), _ = jax.lax.scan(step, (_zeros(q), (k, v, segments, q_index), _zeros(k), _zeros(v)),
+                                      length=num_shards)
+    return dq, dk, dv
+
+  return _with_flash_backward(forward, backward)(q, k, v, q_index, segments, window)
+
+
+def _grads_in_blocks(grads, num_chunks, block_size):
+  """grads (dot_block_grads') over the queries in num_chunks chunks and the keys in blocks of
+  block_size, as _in_chunks(_over_key_blocks(...)) splits the forward: one
+  [Tq / num_chunks, block_size] score block live at a time."""
+
+  def blocked(q, k, v, q_index, k_index, q_segments, k_segments, window, lse, d_out, d_lse):
+    num_blocks = _key_blocks(k, block_size)
+    blocks = (_split(k, num_blocks), _split(v, num_blocks), k_index.reshape(num_blocks, -1), _split(k_segments, num_blocks))
+    chunks = (_split(q, num_chunks), q_index.reshape(num_chunks, -1), _split(q_segments, num_chunks),
+              _split(lse, num_chunks), _split(d_out, num_chunks), _split(d_lse, num_chunks))
+
+    def per_chunk(dkv, chunk):
+      q, q_index, q_segments, lse, d_out, d_lse = chunk
+
+      def per_block(dq, block):
+        k, v, k_index, k_segments = block
+        dq_b, dk, dv = grads(q, k, v, q_index, k_index, q_segments, k_segments, window, lse, d_out, d_lse)
+        return dq + dq_b, (dk, dv)
+
+      dq, (dk, dv) = jax.lax.scan(per_block, _zeros(q), blocks)
+      return (dkv[0] + _join(dk), dkv[1] + _join(dv)), dq
+
+    (dk, dv), dq = jax.lax.scan(per_chunk, (_zeros(k), _zeros(v)), chunks)
+    return _join(dq), dk, dv
+
+  return blocked
+
+
+class ShardKernel(NamedTuple):
+  """A block kernel: attend (q, k, v, q_index, k_index, q_segments, k_segments, window) ->
+  (normalised context, logsumexp); grads (the same, then lse, d_out, d_lse) -> (dq, dk, dv),
+  dot_block_grads' contract, for the strategies' backward (_with_flash_backward)."""
+  attend: Callable
+  grads: Callable
+
+
+def _chunked(cfg, local_length, **options) -> ShardKernel:
+  """attention=chunked: dot_block over attention_chunk_size queries and keys at a time."""
+  chunks = local_length // min(cfg.attention_chunk_size, local_length)
+  return ShardKernel(
+      _in_chunks(_over_key_blocks(functools.partial(dot_block, **options), cfg.attention_chunk_size), chunks),
+      _grads_in_blocks(functools.partial(dot_block_grads, **options), chunks, cfg.attention_chunk_size))
+
+
+# attention= -> (config, this shard's tokens, scale=, cap=) -> its ShardKernel, on every
+# platform. Both strategies need each block's logsumexp and a backward from the final one,
+# which neither Pallas kernel of attentions.FLASH_KERNELS gives (splash's save_residuals has
+# no VJP, and the Triton kernel takes no mask offsets); attention=flash is refused here until
+# an entry has them (pyconfig takes the allowed values from these keys).
 SHARD_KERNELS = {
-    "dot_product": lambda cfg, local_length, **options: functools.partial(dot_block, **options),
-    "chunked": lambda cfg, local_length, **options: _in_chunks(
-        _over_key_blocks(functools.partial(dot_block, **options), cfg.attention_chunk_size),
-        local_length // min(cfg.attention_chunk_size, local_length)),
+    "dot_product": lambda cfg, local_length, **options: ShardKernel(
+        functools.partial(dot_block, **options), functools.partial(dot_block_grads, **options)),
+    "chunked": _chunked,
 }
 
 
