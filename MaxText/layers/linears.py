@@ -9,15 +9,22 @@ from jax.ad_checkpoint import checkpoint_name
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
-def kernel_init(num_in_axes: int):
-  """Truncated normal with std 1/sqrt(fan_in), fan_in = product of the first num_in_axes dims."""
-  return lambda key, shape, dtype: nn.initializers.variance_scaling(
-      1.0, "fan_in", "truncated_normal", in_axis=tuple(range(num_in_axes)),
-      out_axis=tuple(range(num_in_axes, len(shape))))(key, shape, dtype)
+def kernel_init(num_in_axes: int, in_last: bool = False):
+  """Truncated normal with std 1/sqrt(fan_in), fan_in = product of the num_in_axes input dims:
+  the first ones, or the last ones with in_last."""
+
+  def init(key, shape, dtype):
+    axes = tuple(range(len(shape)))
+    inputs, outputs = (axes[-num_in_axes:], axes[:-num_in_axes]) if in_last else (axes[:num_in_axes], axes[num_in_axes:])
+    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=inputs,
+                                            out_axis=outputs)(key, shape, dtype)
+
+  return init
 
 
 class DenseGeneral(nn.Module):
-  """x contracted over its trailing `num_in_axes` dims with a kernel [*in, *features], no bias.
+  """x contracted over its trailing `num_in_axes` dims with a kernel [*in, *features], or
+  [*features, *in] with in_last, no bias.
 
   (flax's own DenseGeneral initialises a flattened 2-D kernel, which cannot carry the
   per-dimension logical axis names that sharding needs.)
@@ -28,21 +35,23 @@ class DenseGeneral(nn.Module):
   dtype: jnp.dtype
   weight_dtype: jnp.dtype
   num_in_axes: int = 1
+  in_last: bool = False
 
   @nn.compact
   def __call__(self, x):
-    n = self.num_in_axes
-    shape = x.shape[-n:] + tuple(self.features)
-    kernel = self.param("kernel", nn.with_logical_partitioning(kernel_init(n), self.kernel_axes),
+    n, features = self.num_in_axes, tuple(self.features)
+    shape = features + x.shape[-n:] if self.in_last else x.shape[-n:] + features
+    kernel = self.param("kernel", nn.with_logical_partitioning(kernel_init(n, self.in_last), self.kernel_axes),
                         shape, self.weight_dtype)
-    contract = (tuple(range(x.ndim - n, x.ndim)), tuple(range(n)))
+    kernel_in = range(len(features), len(shape)) if self.in_last else range(n)
+    contract = (tuple(range(x.ndim - n, x.ndim)), tuple(kernel_in))
     return jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
 
 
-def dense(features, kernel_axes, config, name, num_in_axes=1):
+def dense(features, kernel_axes, config, name, num_in_axes=1, in_last=False):
   features = features if isinstance(features, tuple) else (features,)
   return DenseGeneral(features, kernel_axes, jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype),
-                      num_in_axes, name=name)
+                      num_in_axes, in_last, name=name)
 
 
 class MlpBlock(nn.Module):
@@ -57,5 +66,5 @@ class MlpBlock(nn.Module):
     up = checkpoint_name(dense(cfg.base_mlp_dim, ("embed", "mlp"), cfg, "wi_1")(x), "mlpwi_1")
     h = nn.with_logical_constraint(ACTIVATIONS[cfg.mlp_activation](gate) * up,
                                    ("activation_batch", "activation_length", "activation_mlp"))
-    out = dense(cfg.base_emb_dim, ("mlp", "embed"), cfg, "wo")(h)
+    out = dense(cfg.base_emb_dim, ("embed", "mlp"), cfg, "wo", in_last=True)(h)
     return checkpoint_name(out, "mlpwo")
