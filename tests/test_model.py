@@ -42,7 +42,7 @@ def reference_attention(x, params, positions, segments, config):
   probs = np.exp(scores - scores.max(-1, keepdims=True))
   probs /= probs.sum(-1, keepdims=True)
   context = np.einsum("bhqk,bkhd->bqhd", probs, v)
-  return np.einsum("bqhd,ohd->bqo", context, params["out"]["kernel"])
+  return np.einsum("bqhd,hdo->bqo", context, params["out"]["kernel"])
 
 
 def test_attention_matches_numpy_reference_with_gqa_causal_and_segments():

@@ -147,9 +147,8 @@ def check_shape(config, hf: dict, hf_path: str) -> None:
 def layout(config) -> list:
   """(path in this project's parameter tree, Hugging Face name, the stacked dimensions, this
   project's shape of one of the stacked tensors, input axes of a linear weight or 0 for a
-  tensor in Hugging Face's order, its trailing dimensions maybe split). Hugging Face keeps
-  linear weights [out, in]; here they are [in..., out...] kernels, except the projections back
-  to the model's width (attention's out, the MLP's and the experts' wo), which are [out, in...]
+  tensor copied as it is). Hugging Face keeps linear weights [out, in]; here they are
+  [in..., out...] kernels, except the MLP's and the experts' wo, which are [out, in] as there
   (layers/linears.DenseGeneral's in_last); per-layer weights (names with {i}) are stacked on a
   leading layer axis, and experts' weights (names with {e} too) on an expert axis after it."""
   dim, heads, kv_heads, head_dim = (config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads,
@@ -162,7 +161,7 @@ def layout(config) -> list:
       ((*attention, "query", "kernel"), layer + "self_attn.q_proj.weight", layers, (dim, heads, head_dim), 1),
       ((*attention, "key", "kernel"), layer + "self_attn.k_proj.weight", layers, (dim, kv_heads, head_dim), 1),
       ((*attention, "value", "kernel"), layer + "self_attn.v_proj.weight", layers, (dim, kv_heads, head_dim), 1),
-      ((*attention, "out", "kernel"), layer + "self_attn.o_proj.weight", layers, (dim, heads, head_dim), 0),
+      ((*attention, "out", "kernel"), layer + "self_attn.o_proj.weight", layers, (heads, head_dim, dim), 2),
       (("decoder", "layers", "pre_self_attention_norm", "scale"), layer + "input_layernorm.weight", layers, (dim,), 0),
       (("decoder", "layers", "post_self_attention_norm", "scale"), layer + "post_attention_layernorm.weight", layers,
        (dim,), 0),
@@ -200,9 +199,7 @@ def hf_names(config, entry) -> list:
 
 def hf_shape(entry) -> tuple:
   _, _, _, shape, in_axes = entry
-  if in_axes:
-    return math.prod(shape[in_axes:]), math.prod(shape[:in_axes])
-  return (shape[0], math.prod(shape[1:])) if len(shape) > 1 else shape
+  return (math.prod(shape[in_axes:]), math.prod(shape[:in_axes])) if in_axes else shape
 
 
 def to_param(config, entry, read, dtype) -> np.ndarray:
@@ -214,14 +211,14 @@ def to_param(config, entry, read, dtype) -> np.ndarray:
     tensor = read(name)
     if out is None:
       out = np.empty(stack + shape, dtype or tensor.dtype)
-    out[index] = (tensor.T if in_axes else tensor).reshape(shape)
+    out[index] = tensor.T.reshape(shape) if in_axes else tensor
   return out
 
 
 def to_hf_tensors(config, entry, param) -> dict:
   """The inverse of to_param: {Hugging Face name: tensor} of one parameter."""
   _, _, stack, shape, in_axes = entry
-  convert = (lambda w: w.reshape(math.prod(shape[:in_axes]), -1).T) if in_axes else (lambda w: w.reshape(hf_shape(entry)))
+  convert = (lambda w: w.reshape(math.prod(shape[:in_axes]), -1).T) if in_axes else (lambda w: w)
   values = param.reshape(-1, *shape)
   return {name: np.ascontiguousarray(convert(value)) for name, value in zip(hf_names(config, entry), values)}
 

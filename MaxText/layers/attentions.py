@@ -237,5 +237,5 @@ class Attention(nn.Module):
     else:
       context = ATTENTIONS[cfg.attention](q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding)
     context = checkpoint_name(nn.with_logical_constraint(context, BATCH_LENGTH_HEADS), "attention_out")
-    out = dense(cfg.base_emb_dim, ("embed", "heads", "kv"), cfg, "out", num_in_axes=2, in_last=True)(context)
+    out = dense(cfg.base_emb_dim, ("heads", "kv", "embed"), cfg, "out", num_in_axes=2)(context)
     return checkpoint_name(out, "out_proj")
