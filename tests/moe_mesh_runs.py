@@ -1,5 +1,5 @@
-"""The MoE model's loss and gradients under every expert-parallel test mesh; run with
-JAX_NUM_CPU_DEVICES=8.
+"""The MoE model's loss and gradients under every expert-parallel test mesh (and one with the
+GPU's grouped matmul); run with JAX_NUM_CPU_DEVICES=8.
 
 python tests/moe_mesh_runs.py OUT_DIR writes OUT_DIR/<mesh>.npz: the summed training loss
 ("loss") and its gradients (by parameter path) at the initial parameters on fixed_batch.
@@ -13,6 +13,7 @@ import numpy as np
 
 from conftest import fixed_batch, tiny_config, trainer_and_state
 from MaxText import losses, sharding, train_step
+from MaxText.layers import moe
 
 # 8 experts of width 24, top 2, over TINY: every mesh below divides it with one row per device.
 MOE = ("decoder_block=qwen3_moe", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=24",
@@ -26,6 +27,9 @@ EXPERT_MESHES = {
     # Dropping: the capacity is per sequence, and each device's experts see whole sequences.
     "expert=8, capacity 1": ("ici_expert_parallelism=8", "ici_fsdp_parallelism=1", "capacity_factor=1.0"),
 }
+# The GPU's grouped matmul (tokamax, its XLA fallback on CPU) under its own backward, on the mesh
+# whose weight gradients are summed over most axes.
+TOKAMAX_MESHES = {"expert=2 tensor=2 data=2, tokamax": EXPERT_MESHES["expert=2 tensor=2 data=2"]}
 
 
 def loss_and_gradients(config):
@@ -39,7 +43,9 @@ def loss_and_gradients(config):
 
 
 def main(out):
-  for name, overrides in EXPERT_MESHES.items():
+  for name, overrides in {**EXPERT_MESHES, **TOKAMAX_MESHES}.items():
+    if name in TOKAMAX_MESHES:
+      moe.RAGGED_DOT_GENERAL["cpu"] = moe._tokamax_ragged_dot_general
     loss, grads = loss_and_gradients(tiny_config(*MOE, *overrides))
     np.savez(os.path.join(out, f"{name}.npz"), loss=loss, **grads)
 

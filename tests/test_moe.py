@@ -53,7 +53,10 @@ def outputs_loss_grads(fn, params, x):
   return fn(params, x), value, grads
 
 
-def test_dropless_layer_equals_every_expert_on_every_token():
+@pytest.mark.parametrize("grouped_matmul", ["xla", "tokamax"])
+def test_dropless_layer_equals_every_expert_on_every_token(grouped_matmul, monkeypatch):
+  if grouped_matmul == "tokamax":  # the GPU's: on CPU tokamax runs its XLA fallback under its own backward
+    monkeypatch.setitem(moe.RAGGED_DOT_GENERAL, "cpu", moe._tokamax_ragged_dot_general)
   cfg = tiny_config(*MOE, num_devices=1)
   block, params, x = layer_and_inputs(cfg)
   got = outputs_loss_grads(lambda p, x: block.apply({"params": p}, x), params, x)
@@ -222,9 +225,10 @@ def one_device_loss_and_gradients(*overrides):
       tiny_config(*moe_mesh_runs.MOE, "per_device_batch_size=8", *overrides, num_devices=1))
 
 
-@pytest.mark.parametrize("mesh", list(moe_mesh_runs.EXPERT_MESHES))
+@pytest.mark.parametrize("mesh", [*moe_mesh_runs.EXPERT_MESHES, *moe_mesh_runs.TOKAMAX_MESHES])
 def test_expert_parallel_meshes_equal_one_device(expert_mesh_results, mesh):
-  routing = [o for o in moe_mesh_runs.EXPERT_MESHES[mesh] if o.startswith("capacity_factor")]
+  overrides = {**moe_mesh_runs.EXPERT_MESHES, **moe_mesh_runs.TOKAMAX_MESHES}[mesh]
+  routing = [o for o in overrides if o.startswith("capacity_factor")]
   want_loss, want_grads = one_device_loss_and_gradients(*routing)
   got = dict(np.load(expert_mesh_results / f"{mesh}.npz"))
   np.testing.assert_allclose(got.pop("loss"), want_loss, rtol=RTOL, err_msg=mesh)

@@ -65,6 +65,65 @@ def _einsum(a, w, axis):
   return jnp.einsum("eci,eio->eco" if axis == 1 else "eci,eoi->eco", a, w)
 
 
+def _as_cotangent_of(x, like):
+  """x, a per-shard cotangent, as like's: its dtype, summed over the manual mesh axes (shard_map)
+  x varies over and like does not (like is the same on each of their shards, so its cotangent
+  is the sum of theirs, as JAX's own transpose makes it), marked varying over those like does."""
+  varying = lambda y: jax.typeof(y).manual_axis_type.varying  # noqa: E731
+  summed, missing = tuple(sorted(varying(x) - varying(like))), tuple(sorted(varying(like) - varying(x)))
+  x = (jax.lax.psum(x, summed) if summed else x).astype(like.dtype)
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _zero_past_groups(x, group_sizes):
+  """Rows past the groups are 0, as jax.lax.ragged_dot defines them (under expert parallelism
+  they are the copies for other devices' experts); a kernel need not write them."""
+  return jnp.where((jnp.arange(x.shape[0]) < jnp.sum(group_sizes))[:, None], x, 0)
+
+
+@jax.custom_vjp
+def _tokamax_ragged_dot(a, w, group_sizes):
+  """[M, K] x [E, K, N] -> [M, N], row groups of group_sizes by expert, with tokamax's kernels.
+  Their own backward returns a kernel contracted on its last axis transposed, and without the
+  manual axes it varies over (tokamax 0.0.17, Mosaic GPU): this one calls the kernels forward
+  only (dA = dOut . W^T grouped; dW = A^T . dOut per group) and makes them cotangents of A and W."""
+  import tokamax  # noqa: PLC0415 (heavy, and only the GPU uses it)
+  return _zero_past_groups(tokamax.ragged_dot(a, w, group_sizes), group_sizes)
+
+
+def _tokamax_ragged_dot_fwd(a, w, group_sizes):
+  return _tokamax_ragged_dot(a, w, group_sizes), (a, w, group_sizes)
+
+
+def _tokamax_ragged_dot_bwd(residuals, d_out):
+  import tokamax  # noqa: PLC0415
+  a, w, group_sizes = residuals
+  rhs_transposed = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+                                                     rhs_group_dimensions=[0])
+  per_group = jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+                                                rhs_group_dimensions=[])
+  d_a = _zero_past_groups(tokamax.ragged_dot_general(d_out, w, group_sizes, rhs_transposed), group_sizes)
+  d_w = tokamax.ragged_dot_general(a, d_out, group_sizes, per_group)
+  return _as_cotangent_of(d_a, a), _as_cotangent_of(d_w, w), None
+
+
+_tokamax_ragged_dot.defvjp(_tokamax_ragged_dot_fwd, _tokamax_ragged_dot_bwd)
+
+
+def _tokamax_ragged_dot_general(a, w, group_sizes, dims):
+  """GPU: XLA:GPU (jax 0.11) expands a ragged dot into a dense matmul over every expert, which
+  needs 414 GiB for 2 layers of qwen3-30b-a3b at 32k tokens; tokamax's kernels (Mosaic GPU on
+  Hopper, else Triton) multiply the groups alone. A kernel [E, out, in] is handed over as
+  [E, in, out], its transpose differentiated by JAX."""
+  (_, (w_in,)), _ = dims.dot_dimension_numbers
+  return _tokamax_ragged_dot(a, jnp.swapaxes(w, 1, 2) if w_in == 2 else w, group_sizes)
+
+
+# The grouped matmul per platform; elsewhere XLA's (libtpu: a grouped-matmul kernel; XLA:CPU, for
+# tests, a dense product).
+RAGGED_DOT_GENERAL = {"gpu": _tokamax_ragged_dot_general}
+
+
 def _dropless_copies(x, experts, wi_0, wi_1, wo, cfg):
   """Every copy's expert output [N * k, D], in (token, choice) order: sorted by expert, grouped
   matmuls, unsorted. `experts` are this shard's expert indices; a copy outside [0, local
@@ -79,7 +138,7 @@ def _dropless_copies(x, experts, wi_0, wi_1, wo, cfg):
   def matmul(a, w, axis):
     dims = jax.lax.RaggedDotDimensionNumbers((([1], [axis]), ([], [])), lhs_ragged_dimensions=[0],
                                              rhs_group_dimensions=[0])
-    return jax.lax.ragged_dot_general(a, w, group_sizes, dims)
+    return RAGGED_DOT_GENERAL.get(cfg.platform, jax.lax.ragged_dot_general)(a, w, group_sizes, dims)
 
   out = _swiglu(tokens, wi_0, wi_1, wo, matmul, cfg.mlp_activation)  # rows past the groups: 0
   return jnp.take(out, jnp.argsort(order), axis=0)
