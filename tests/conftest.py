@@ -4,9 +4,12 @@ This process sees one CPU device; tests that need a device mesh start subprocess
 JAX_NUM_CPU_DEVICES set.
 """
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,15 @@ import pytest
 # tiny models and change no result's IEEE semantics. Set before JAX starts, inherited by
 # the subprocesses the tests launch.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+# And it compiles the same programs again and again: a run and its resume, a mesh's training
+# run and its HLO, one tiny model in many tests. One persistent compilation cache for the run,
+# fresh each time, serves the repeats (an executable from it has the same HLO, stack-frame
+# metadata aside).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # subprocesses that import this file share it
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_compilation_cache_")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 from MaxText import pyconfig
 
