@@ -155,9 +155,11 @@ def main():
                             "--warmup", str(args.warmup), "--steps", str(args.steps)],
                            capture_output=True, text=True)
     line = next((l for l in child.stdout.splitlines() if l.startswith("RESULT ")), None)
-    results[name] = json.loads(line[len("RESULT "):]) if line else {"error": child.stderr.strip().splitlines()[-1]
-                                                                     if child.stderr.strip() else "no result"}
-    if not line:
+    if line:
+      results[name] = json.loads(line[len("RESULT "):])
+    else:  # the exception's line, not JAX's note on filtered frames printed after it
+      lines = child.stderr.strip().splitlines() or ["no result"]
+      results[name] = {"error": next((l for l in reversed(lines) if "Error" in l), lines[-1]).strip()}
       print(child.stderr[-3000:], flush=True)
     print(json.dumps(results[name]), flush=True)
     order = [n for n, _ in SETTINGS[args.target]]
