@@ -63,7 +63,24 @@ def checksums(tree) -> dict[str, list[int]]:
           for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]}
 
 
-def _mismatch(recorded: dict, restored: dict) -> str | None:
+class SliceChecksums:
+  """checksums() of one array taken a slice at a time along its first axis, in order: each
+  slice's position weights continue where the last slice's ended, so the result is the array's."""
+
+  def __init__(self):
+    self.total = self.weighted = self.position = 0
+
+  def add(self, x) -> None:
+    total, weighted = (int(v) for v in jax.device_get(_tree_checksums(x)))
+    self.weighted = (self.weighted + weighted + 2 * self.position * total) % 2**32
+    self.total = (self.total + total) % 2**32
+    self.position += x.size
+
+  def value(self) -> list[int]:
+    return [self.total, self.weighted]
+
+
+def mismatch(recorded: dict, restored: dict) -> str | None:
   bad = [key for key, value in restored.items() if recorded.get(key) != value]
   return f"{len(bad)} of {len(restored)} arrays differ from their checksums at save (first: {bad[0]})" if bad else None
 
@@ -80,6 +97,16 @@ def write_checksums(step_dir: str, sums: dict) -> None:
 def _step_dir(path: str) -> str:
   """The step directory of checkpoint `path` (a step directory or its parameters item)."""
   return os.path.dirname(os.path.abspath(parameters_item(path)))
+
+
+def recorded_checksums(path: str) -> dict | None:
+  """{parameter key path: checksums} recorded with checkpoint `path` (a step directory or its
+  parameters item) at save, None if it has none."""
+  recorded = os.path.join(_step_dir(path), "checksums")
+  if not os.path.isdir(recorded):
+    return None
+  recorded = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(recorded)
+  return {key.removeprefix(".params"): value for key, value in recorded.items() if key.startswith(".params")}
 
 
 def check_verified(path: str, trust: bool) -> None:
@@ -222,7 +249,7 @@ def _restore_verified(manager, step: int, abstract_state, state_sharding, data_i
     logging.warning("checkpoint %s has no checksums: restored unverified (trust_unverified_checkpoints=true)",
                     manager.directory / str(step))
     return restored.state, None
-  problem = _mismatch(restored.checksums, checksums(restored.state))
+  problem = mismatch(restored.checksums, checksums(restored.state))
   return (None, problem) if problem else (restored.state, None)
 
 
@@ -296,13 +323,10 @@ def load_parameters(path: str, abstract_params, params_sharding):
         partial_restore=True))
   except Exception as e:  # as above
     raise CheckpointError(f"load_parameters_path={path!r}: cannot restore parameters: {first_line(e)}") from None
-  recorded = os.path.join(_step_dir(path), "checksums")
-  if os.path.isdir(recorded):
-    recorded = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(recorded)
-    problem = _mismatch({key.removeprefix(".params"): value for key, value in recorded.items()},
-                        checksums(restored["params"]))
-    if problem:
-      raise CheckpointError(f"load_parameters_path={path!r}: {problem}")
+  recorded = recorded_checksums(path)
+  problem = recorded is not None and mismatch(recorded, checksums(restored["params"]))
+  if problem:
+    raise CheckpointError(f"load_parameters_path={path!r}: {problem}")
   return restored["params"]
 
 

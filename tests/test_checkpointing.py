@@ -286,6 +286,23 @@ def test_when_no_checkpoint_is_good_the_run_stops_with_one_line_and_moves_nothin
   assert tree_digest(run / "checkpoints") == before and not (run / "damaged_checkpoints").exists()
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jax.numpy.bfloat16])
+def test_checksums_taken_a_slice_at_a_time_are_the_whole_arrays(dtype):
+  """The converters checksum a parameter a layer at a time; the sums wrap (uint32) and the
+  position weights continue across slices, so the result is checksums() of the whole array,
+  and a slice fed out of order is not."""
+  x = np.random.default_rng(0).standard_normal((5, 7, 33)).astype(dtype)
+  whole = checkpointing.checksums({"x": x})["['x']"]
+  running = checkpointing.SliceChecksums()
+  for k in range(x.shape[0]):
+    running.add(x[k])
+  assert running.value() == whole
+  swapped = checkpointing.SliceChecksums()
+  for k in [1, 0, 2, 3, 4]:
+    swapped.add(x[k])
+  assert swapped.value()[0] == whole[0] and swapped.value()[1] != whole[1]
+
+
 def test_parameters_that_differ_from_their_checksums_are_refused(tmp_path, reference, text_cache):
   """load_parameters_path reads the parameters only: a recorded parameter checksum off by one
   stands for a flipped bit in that parameter (the bit flipped above lands in the optimizer state)."""

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from etils import epath
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -173,6 +174,43 @@ def test_export_shards_above_the_shard_size_and_the_shards_import_again(tmp_path
   assert jax.tree.all(jax.tree.map(np.array_equal, restore(again), restore(converted)))
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_both_converters_hold_one_layer_of_a_stacked_parameter_at_a_time(tmp_path, family, monkeypatch):
+  """to_maxtext builds, and to_huggingface reads, every stacked parameter a layer at a time (a
+  stacked expert projection can exceed a host's memory); the checkpoint stores one layer per
+  chunk, and a run's restore of it and the export are the parameters of the whole-array path."""
+  built, exported = [], []
+  to_param, to_hf_tensors = mapping.to_param, mapping.to_hf_tensors
+
+  def building(config, entry, *args):
+    param = to_param(config, entry, *args)
+    built.append((entry, param.shape))
+    return param
+
+  def exporting(config, entry, param, layer):
+    exported.append((entry, param.shape))
+    return to_hf_tensors(config, entry, param, layer)
+
+  monkeypatch.setattr(mapping, "to_param", building)
+  monkeypatch.setattr(mapping, "to_hf_tensors", exporting)
+  converted = to_maxtext.convert(to_maxtext.resolve_config(
+      [BASE_YML, f"hf_model_path={ASSETS / family}", f"base_output_directory={tmp_path}", "run_name=a"]))
+  config = pyconfig.initialize([BASE_YML, mapping.NO_DATA, f"load_parameters_path={converted}",
+                                f"hf_output_path={tmp_path / 'hf'}"])
+  to_huggingface.convert(config)
+  layers = config.base_num_decoder_layers
+  for calls in built, exported:
+    stacked = [(entry, shape) for entry, shape in calls if entry[2]]
+    assert len(stacked) == layers * len({entry[1] for entry, _ in stacked}) > 0
+    assert all(shape == entry[2][1:] + entry[3] for entry, shape in stacked)
+    assert all(shape == entry[3] for entry, shape in calls if not entry[2])
+  metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(f"{converted}/state")).tree["params"]
+  assert metadata["decoder"]["layers"]["self_attention"]["query"]["kernel"].storage.chunk_shape[0] == 1
+  assert jax.tree.all(jax.tree.map(np.array_equal, restore(converted), imported_params(config, ASSETS / family)))
+  original, tensors = load_file(ASSETS / family / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+  assert sorted(tensors) == sorted(original) and all(np.array_equal(tensors[n], original[n]) for n in original)
+
+
 def restore(checkpoint):
   return ocp.PyTreeCheckpointer().restore(f"{checkpoint}/state")["params"]
 
@@ -234,6 +272,11 @@ def add_tensor(hf, name):
   save_file({**tensors, name: np.zeros(32, np.float32)}, hf / "model.safetensors")
 
 
+def retype_tensor(hf, name):
+  tensors = load_file(hf / "model.safetensors")
+  save_file({**tensors, name: tensors[name].astype(np.int32)}, hf / "model.safetensors")
+
+
 def split_and_lose_a_shard(hf):
   tensors = load_file(hf / "model.safetensors")
   (hf / "model.safetensors").unlink()
@@ -257,8 +300,10 @@ def split_and_lose_a_shard(hf):
      "tensor model.layers.2.self_attn.k_proj.weight has shape (31, 32), expected (32, 32)"),
     (lambda hf: add_tensor(hf, "model.layers.0.self_attn.q_proj.bias"),
      "tensor model.layers.0.self_attn.q_proj.bias is not part of a LlamaForCausalLM of this shape"),
+    (lambda hf: retype_tensor(hf, "model.layers.1.mlp.down_proj.weight"),
+     "tensor model.layers.1.mlp.down_proj.weight is I32, expected one of F64, F32, F16, BF16"),
 ], ids=["no directory", "no config.json", "no safetensors", "a lost shard", "architecture", "missing tensor",
-        "mis-shaped tensor", "extra tensor"])
+        "mis-shaped tensor", "extra tensor", "integer tensor"])
 def test_a_bad_hugging_face_directory_names_what_is_wrong_and_writes_nothing(tmp_path, damage, message):
   hf = tmp_path / "hf"
   shutil.copytree(ASSETS / "llama", hf)

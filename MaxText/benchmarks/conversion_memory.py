@@ -1,17 +1,19 @@
-"""Peak memory of the Hugging Face converters on a 1B model:
+"""Peak memory of the Hugging Face converters on a dense and a mixture-of-experts model:
 python -m MaxText.benchmarks.conversion_memory [--output_dir DIR] [--work_dir DIR]
 
-Writes a random Llama 3.2 1B-shaped Hugging Face directory in bfloat16 (numpy + safetensors,
-sharded as the Hub's are), then runs, each in a child process whose peak resident memory
-(ru_maxrss from wait4) is taken, forked from this small process: the converters' imports alone (the baseline), `to_maxtext`,
-and `to_huggingface` with the default 5 GB shards (one file here) and with 1 GB shards. The
-model's bytes, the checkpoint's bytes on disk and the largest parameter (stacked over layers)
-are the scales to read the peaks against. Needs about 10 GB of disk under --work_dir.
+For each model, writes a random Hugging Face directory of its shape in bfloat16 (numpy +
+safetensors, sharded as the Hub's are), then runs, each in a child process whose peak resident
+memory (ru_maxrss from wait4) is taken, forked from this small process: the converters' imports
+alone (the baseline), `to_maxtext`, and `to_huggingface` with the default 5 GB shards and with 1
+GB shards. The scales to read the peaks against: the model's bytes, its largest parameter
+(stacked over layers, and experts) and one layer of that, the most the converters hold of a
+parameter at a time. Needs about 30 GB of disk under --work_dir.
 """
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,15 +31,20 @@ from MaxText import pyconfig, reports  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 from MaxText.checkpoint_conversion import mapping  # noqa: E402
 
-MODEL = "model_name=llama3.2-1b"
+# The MoE cut to 4 of its 48 layers: its stacked expert projections, 1.5 GiB each, are still
+# the largest parameters, and the disk holds the model five times.
+MODELS = {"llama3.2-1b": ("Llama 3.2 1B", ["model_name=llama3.2-1b"]),
+          "qwen3-30b-a3b, 4 layers": ("Qwen3-30B-A3B, 4 of 48 layers", ["model_name=qwen3-30b-a3b",
+                                                                        "base_num_decoder_layers=4"])}
 HUB_SHARD_BYTES = 2 * 10**9
 
 
-def sizes(config) -> tuple[int, int]:
-  """(bytes of all tensors, bytes of the largest parameter, stacked over layers) in bfloat16."""
-  parameters = [int(np.prod(mapping.hf_shape(entry))) * 2 * len(mapping.hf_names(config, entry))
-                for entry in mapping.layout(config)]
-  return sum(parameters), max(parameters)
+def sizes(config) -> tuple[int, int, int]:
+  """(bytes of all tensors, of the largest parameter, of one layer of it) in bfloat16."""
+  parameters = [(int(np.prod(mapping.hf_shape(entry))) * 2 * len(mapping.hf_names(config, entry)),
+                 entry[2][0] if entry[2] else 1) for entry in mapping.layout(config)]
+  largest, layers = max(parameters)
+  return sum(nbytes for nbytes, _ in parameters), largest, largest // layers
 
 
 def write_random_model(config, path: str) -> None:
@@ -82,58 +89,74 @@ def disk_bytes(path: str) -> int:
   return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
+def measure(config, work: str) -> dict:
+  """{step: (peak resident bytes, wall seconds)}, the checkpoint's bytes on disk, exported files."""
+  hf = os.path.join(work, "hf")
+  # In a child: a child's peak counts the memory of the process it was forked from (Linux
+  # keeps the high-water mark across exec), so this process never holds the model.
+  peak_rss(["-m", "MaxText.benchmarks.conversion_memory", f"--write_model={hf}", *config])
+  checkpoint = os.path.join(work, "run", "imported", "checkpoints", "0")
+  steps = {
+      "imports only (baseline)": ["-c", "import jax; jax.devices(); from MaxText.checkpoint_conversion import "
+                                  "to_maxtext, to_huggingface"],
+      "to_maxtext": ["-m", "MaxText.checkpoint_conversion.to_maxtext", common.BASE_YML, f"hf_model_path={hf}",
+                     f"base_output_directory={work}/run", "run_name=imported"],
+      "to_huggingface (5 GB shards)": ["-m", "MaxText.checkpoint_conversion.to_huggingface", common.BASE_YML,
+                                       f"load_parameters_path={checkpoint}", f"hf_output_path={work}/out5"],
+      "to_huggingface (1 GB shards)": ["-c", "import sys; from MaxText import pyconfig; from MaxText."
+                                       "checkpoint_conversion import mapping, to_huggingface; to_huggingface."
+                                       "convert(pyconfig.initialize(sys.argv[1:]), max_shard_bytes=10**9)",
+                                       common.BASE_YML, mapping.NO_DATA, f"load_parameters_path={checkpoint}",
+                                       f"hf_output_path={work}/out1"],
+  }
+  results = {}
+  for name, step in steps.items():
+    results[name] = peak_rss(step)
+    if name == "to_maxtext":
+      shutil.rmtree(hf)  # the disk holds the model in two forms at a time
+    elif name.startswith("to_huggingface"):
+      shutil.rmtree(step[-1].partition("=")[2])
+  return {"peak_rss": results, "checkpoint_bytes": disk_bytes(checkpoint)}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--output_dir", default="outputs/benchmarks")
   parser.add_argument("--work_dir", default=None, help="where the model copies go (default: a temporary directory)")
   parser.add_argument("--write_model", help=argparse.SUPPRESS)  # the child that writes the random model
-  args = parser.parse_args()
-  config = pyconfig.initialize([common.BASE_YML, MODEL, mapping.NO_DATA])
+  args, model_args = parser.parse_known_args()
   if args.write_model:
-    write_random_model(config, args.write_model)
+    write_random_model(pyconfig.initialize([common.BASE_YML, *model_args, mapping.NO_DATA]), args.write_model)
     return
-  model_bytes, largest = sizes(config)
-  with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
-    hf = os.path.join(work, "hf")
-    # In a child: a child's peak counts the memory of the process it was forked from (Linux
-    # keeps the high-water mark across exec), so this process never holds the model.
-    peak_rss(["-m", "MaxText.benchmarks.conversion_memory", f"--write_model={hf}"])
-    checkpoint = os.path.join(work, "run", "imported", "checkpoints", "0")
-    steps = {
-        "imports only (baseline)": ["-c", "import jax; jax.devices(); from MaxText.checkpoint_conversion import "
-                                    "to_maxtext, to_huggingface"],
-        "to_maxtext": ["-m", "MaxText.checkpoint_conversion.to_maxtext", common.BASE_YML, f"hf_model_path={hf}",
-                       f"base_output_directory={work}/run", "run_name=imported"],
-        "to_huggingface (5 GB shards)": ["-m", "MaxText.checkpoint_conversion.to_huggingface", common.BASE_YML,
-                                         f"load_parameters_path={checkpoint}", f"hf_output_path={work}/out5"],
-        "to_huggingface (1 GB shards)": ["-c", "import sys; from MaxText import pyconfig; from MaxText."
-                                         "checkpoint_conversion import mapping, to_huggingface; to_huggingface."
-                                         "convert(pyconfig.initialize(sys.argv[1:]), max_shard_bytes=10**9)",
-                                         common.BASE_YML, mapping.NO_DATA, f"load_parameters_path={checkpoint}",
-                                         f"hf_output_path={work}/out1"],
-    }
-    results = {name: peak_rss(step) for name, step in steps.items()}
-    checkpoint_bytes = disk_bytes(checkpoint)
-    files = {"to_huggingface (5 GB shards)": len(os.listdir(f"{work}/out5")) - 1,
-             "to_huggingface (1 GB shards)": len(os.listdir(f"{work}/out1")) - 2}
-  baseline = results["imports only (baseline)"][0]
-  rows = [[name, reports.gib(rss), reports.gib(rss - baseline), f"{(rss - baseline) / model_bytes:.2f}",
-           f"{seconds:.0f}"] for name, (rss, seconds) in results.items()]
-  markdown = (f"Llama 3.2 1B shape, bfloat16: model {reports.gib(model_bytes)} GiB, checkpoint "
-              f"{reports.gib(checkpoint_bytes)} GiB on disk, largest parameter {reports.gib(largest)} GiB; "
-              f"exported files: {files}.\n\n" +
-              reports.markdown_table(["step", "peak RSS GiB", "above baseline GiB", "above baseline / model",
-                                     "wall s"], rows))
+  rows, data = [], {}
+  for model, (title, model_args) in MODELS.items():
+    model_bytes, largest, layer = sizes(pyconfig.initialize([common.BASE_YML, *model_args, mapping.NO_DATA]))
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
+      measured = measure(model_args, work)
+    data[model] = {"model_bytes": model_bytes, "largest_parameter_bytes": largest, "largest_layer_bytes": layer,
+                   "checkpoint_bytes": measured["checkpoint_bytes"],
+                   "peak_rss_bytes": {k: v[0] for k, v in measured["peak_rss"].items()},
+                   "wall_seconds": {k: v[1] for k, v in measured["peak_rss"].items()}}
+    baseline = measured["peak_rss"]["imports only (baseline)"][0]
+    rows += [[title, reports.gib(model_bytes), reports.gib(largest), reports.gib(layer), name, reports.gib(rss),
+              reports.gib(rss - baseline), f"{(rss - baseline) / layer:.1f}", f"{seconds:.0f}"]
+             for name, (rss, seconds) in measured["peak_rss"].items()]
+  markdown = ("bfloat16, random weights; GiB. A stacked parameter is held a layer at a time, so the peak "
+              "above the imports follows the largest layer, not the model or its largest parameter.\n\n" +
+              reports.markdown_table(["model", "model", "largest parameter", "one layer of it", "step", "peak RSS",
+                                      "above baseline", "above baseline / layer", "wall s"], rows))
   print(markdown)
-  figure, axis = plt.subplots(figsize=(7, 2.8))
-  axis.barh(list(results), [rss / 2**30 for rss, _ in results.values()], color="tab:blue")
-  axis.axvline(model_bytes / 2**30, color="tab:red", linestyle="--", label="model bytes")
-  axis.set_xlabel("peak RSS, GiB")
-  axis.legend()
-  reports.save(args.output_dir, "conversion_memory", markdown,
-              {"model_bytes": model_bytes, "checkpoint_bytes": checkpoint_bytes, "largest_parameter_bytes": largest,
-               "files": files, "peak_rss_bytes": {k: v[0] for k, v in results.items()},
-               "wall_seconds": {k: v[1] for k, v in results.items()}}, figure)
+  figure, axes = plt.subplots(1, len(MODELS), figsize=(11, 2.8), sharey=True)
+  for axis, (model, (title, _)) in zip(axes, MODELS.items()):
+    peaks = data[model]["peak_rss_bytes"]
+    axis.barh(list(peaks), [rss / 2**30 for rss in peaks.values()], color="tab:blue")
+    axis.axvline(data[model]["largest_parameter_bytes"] / 2**30, color="tab:red", linestyle="--",
+                 label="largest parameter")
+    axis.set_title(title, fontsize=9)
+    axis.set_xlabel("peak RSS, GiB")
+    axis.legend(fontsize=8)
+  figure.tight_layout()
+  reports.save(args.output_dir, "conversion_memory", markdown, data, figure)
 
 
 if __name__ == "__main__":

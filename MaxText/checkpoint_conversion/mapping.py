@@ -12,6 +12,7 @@ import json
 import math
 import os
 
+import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
@@ -202,12 +203,22 @@ def hf_shape(entry) -> tuple:
   return (math.prod(shape[in_axes:]), math.prod(shape[:in_axes])) if in_axes else shape
 
 
-def to_param(config, entry, read, dtype) -> np.ndarray:
-  """One parameter of this project (layers, experts stacked) from its Hugging Face tensors,
-  read one at a time with read(name); dtype None keeps theirs."""
-  _, _, stack, shape, in_axes = entry
+def _layer(config, entry, layer) -> tuple:
+  """(stacked dimensions, Hugging Face names) of the entry, or of its slice [layer]."""
+  stack, names = entry[2], hf_names(config, entry)
+  if layer is None:
+    return stack, names
+  per_layer = len(names) // stack[0]
+  return stack[1:], names[layer * per_layer:(layer + 1) * per_layer]
+
+
+def to_param(config, entry, read, dtype, layer=None) -> np.ndarray:
+  """One parameter of this project (layers, experts stacked), or its slice [layer], from its
+  Hugging Face tensors, read one at a time with read(name); dtype None keeps theirs."""
+  _, _, _, shape, in_axes = entry
+  stack, names = _layer(config, entry, layer)
   out = None
-  for index, name in zip(itertools.product(*map(range, stack)), hf_names(config, entry)):
+  for index, name in zip(itertools.product(*map(range, stack)), names):
     tensor = read(name)
     if out is None:
       out = np.empty(stack + shape, dtype or tensor.dtype)
@@ -215,12 +226,12 @@ def to_param(config, entry, read, dtype) -> np.ndarray:
   return out
 
 
-def to_hf_tensors(config, entry, param) -> dict:
-  """The inverse of to_param: {Hugging Face name: tensor} of one parameter."""
-  _, _, stack, shape, in_axes = entry
+def to_hf_tensors(config, entry, param, layer=None) -> dict:
+  """The inverse of to_param: {Hugging Face name: tensor} of one parameter or of its slice [layer]."""
+  _, _, _, shape, in_axes = entry
   convert = (lambda w: w.reshape(math.prod(shape[:in_axes]), -1).T) if in_axes else (lambda w: w)
   values = param.reshape(-1, *shape)
-  return {name: np.ascontiguousarray(convert(value)) for name, value in zip(hf_names(config, entry), values)}
+  return {name: np.ascontiguousarray(convert(value)) for name, value in zip(_layer(config, entry, layer)[1], values)}
 
 
 def hf_config(config, dtype: str) -> dict:
@@ -277,7 +288,7 @@ def read_config(hf_path: str) -> dict:
 
 
 def tensor_index(hf_path: str) -> dict:
-  """{name: (file, shape)} of a Hugging Face model directory's tensors, sharded
+  """{name: (file, shape, dtype)} of a Hugging Face model directory's tensors, sharded
   (model.safetensors.index.json) or not, from the files' headers."""
   index = os.path.join(hf_path, "model.safetensors.index.json")
   if os.path.isfile(index):
@@ -296,11 +307,20 @@ def tensor_index(hf_path: str) -> dict:
   for file in files:
     try:
       with safe_open(file, framework="numpy") as handle:
-        tensors.update({name: (file, tuple(handle.get_slice(name).get_shape())) for name in handle.keys()})
+        for name in handle.keys():
+          header = handle.get_slice(name)
+          tensors[name] = (file, tuple(header.get_shape()), header.get_dtype())
     except Exception as e:  # safetensors raises its own error types for truncated or foreign files
       raise errors.ConfigError(f"hf_model_path={hf_path!r}: {os.path.basename(file)} is not a readable "
                                f"safetensors file ({errors.first_line(e)})") from None
   return tensors
+
+
+DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}  # safetensors' names
+
+
+def tensor_dtype(tensors: dict, name: str) -> np.dtype:
+  return np.dtype(DTYPES[tensors[name][2]])
 
 
 def read_tensor(tensors: dict, name: str) -> np.ndarray:
@@ -321,6 +341,9 @@ def check_tensors(config, tensors: dict, hf_path: str) -> None:
     found = tensors[name][1]
     if found != tuple(shape):
       raise errors.ConfigError(f"hf_model_path={hf_path!r}: tensor {name} has shape {found}, expected {shape}")
+    if tensors[name][2] not in DTYPES:
+      raise errors.ConfigError(f"hf_model_path={hf_path!r}: tensor {name} is {tensors[name][2]}, expected one of "
+                               f"{', '.join(DTYPES)}")
   tied_head = {"lm_head.weight"} if config.logits_via_embedding else set()
   extra = [n for n in tensors if n not in wanted and n not in tied_head and not n.endswith(IGNORED_SUFFIXES)]
   if extra:

@@ -7,8 +7,8 @@ The model keys are those saved with the checkpoint (to_maxtext's model.yml, or t
 of the run that trained it), or given. Writes config.json and model.safetensors, or above
 5 GB shards model-0000K-of-0000N.safetensors with model.safetensors.index.json, as
 transformers' save_pretrained does, so AutoModelForCausalLM.from_pretrained(DIR) loads it.
-One parameter is restored at a time and each shard is written once full: memory holds one
-parameter and one shard. The directory is written aside and renamed when complete.
+Parameters are read a layer at a time (sliced.py) and each shard is written once full: memory
+holds one layer of one parameter and one shard. The directory is written aside and renamed when complete.
 """
 
 import json
@@ -16,7 +16,6 @@ import os
 import shutil
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -24,7 +23,7 @@ from etils import epath
 from safetensors.numpy import save_file
 
 from MaxText import checkpointing, errors, pyconfig, run_control
-from MaxText.checkpoint_conversion import mapping
+from MaxText.checkpoint_conversion import mapping, sliced
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained shards at "5GB"
 
@@ -69,16 +68,25 @@ def _shards(config, stored: dict, max_shard_bytes: int) -> list:
   return shards
 
 
-def _restore(config, entry, shape, dtype) -> np.ndarray:
-  """One parameter of the checkpoint, in `dtype`."""
-  abstract = jax.ShapeDtypeStruct(shape, dtype)
-  tree, shardings = abstract, jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  for key in reversed(entry[0]):
-    tree, shardings = {key: tree}, {key: shardings}
-  param = checkpointing.load_parameters(config.load_parameters_path, tree, shardings)
-  for key in entry[0]:
-    param = param[key]
-  return np.asarray(param)
+def _layers(config, entry, dtype):
+  """The entry's parameter a layer at a time (all of it if not stacked), as (layer, values in
+  `dtype`); its checksums are checked once the last has been read."""
+  path = config.load_parameters_path
+  try:
+    store = sliced.open_array(checkpointing.parameters_item(path), ("params", *entry[0]))
+    running = checkpointing.SliceChecksums()
+    for layer in range(store.shape[0]) if entry[2] else [None]:
+      value = (store[layer] if entry[2] else store).read().result()
+      running.add(value)
+      yield layer, value.astype(dtype)
+  except Exception as e:  # orbax and tensorstore raise many types for a damaged checkpoint
+    raise checkpointing.CheckpointError(f"load_parameters_path={path!r}: cannot restore parameters: "
+                                        f"{errors.first_line(e)}") from None
+  recorded = checkpointing.recorded_checksums(path)
+  key = "".join(f"[{key!r}]" for key in entry[0])
+  problem = recorded is not None and checkpointing.mismatch(recorded, {key: running.value()})
+  if problem:
+    raise checkpointing.CheckpointError(f"load_parameters_path={path!r}: {problem}")
 
 
 def _write(config, stored: dict, shards: dict, directory: str) -> None:
@@ -86,16 +94,16 @@ def _write(config, stored: dict, shards: dict, directory: str) -> None:
   file_of = {name: file for file, names in shards.items() for name in names}
   pending, total = {file: {} for file in shards}, 0
   for entry in mapping.layout(config):
-    param = _restore(config, entry, *stored[entry[0]])
-    for name, tensor in mapping.to_hf_tensors(config, entry, param).items():
-      shard = pending[file_of[name]]
-      shard[name] = tensor
-      total += tensor.nbytes
-      if len(shard) == len(shards[file_of[name]]):
-        save_file(shard, os.path.join(directory, file_of[name]), metadata={"format": "pt"})
-        os.chmod(os.path.join(directory, file_of[name]), 0o644)  # safetensors makes 0600 files; a model is to share
-        shard.clear()
-    del param
+    for layer, param in _layers(config, entry, stored[entry[0]][1]):
+      for name, tensor in mapping.to_hf_tensors(config, entry, param, layer).items():
+        shard = pending[file_of[name]]
+        shard[name] = tensor
+        total += tensor.nbytes
+        if len(shard) == len(shards[file_of[name]]):
+          save_file(shard, os.path.join(directory, file_of[name]), metadata={"format": "pt"})
+          os.chmod(os.path.join(directory, file_of[name]), 0o644)  # safetensors makes 0600 files; a model is to share
+          shard.clear()
+      del param
   if len(shards) > 1:
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
       json.dump({"metadata": {"total_size": total}, "weight_map": file_of}, f, indent=2)

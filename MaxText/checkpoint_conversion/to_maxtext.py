@@ -7,8 +7,8 @@ writes OUT/R/checkpoints/0 (orbax, layers stacked as every run stores them) with
 the resolved model keys, beside the arrays; `load_parameters_path=OUT/R/checkpoints/0` then
 starts a run (of another run_name) or a decode from it, with those keys. Without model_name
 every model key comes from config.json; with it, config.json must agree (a mismatch is one
-line naming the key). Tensors are read, converted and saved one parameter at a time (orbax
-partial saves), into a directory renamed into place only when complete.
+line naming the key). Tensors are read, converted and saved one layer of one parameter at a
+time (sliced.py), into a directory renamed into place only when complete.
 """
 
 import os
@@ -17,10 +17,9 @@ import sys
 
 import jax.numpy as jnp
 import yaml
-from orbax.checkpoint.experimental import v1 as ocp
 
 from MaxText import checkpointing, errors, pyconfig, run_control
-from MaxText.checkpoint_conversion import mapping
+from MaxText.checkpoint_conversion import mapping, sliced
 
 
 def resolve_config(argv):
@@ -40,18 +39,25 @@ def resolve_config(argv):
 
 
 def _write(config, tensors: dict, dtype, path: str) -> None:
-  """The checkpoint, one parameter at a time, its checksums (as a run's, so every reader
-  verifies it), then model.yml."""
-  sums = {}
+  """The checkpoint, each parameter a layer at a time as it is written (sliced.save), its
+  checksums (as a run's, so every reader verifies it), then model.yml."""
+  tree, sums = {}, {}
   for entry in mapping.layout(config):
-    tree = mapping.to_param(config, entry, lambda name: mapping.read_tensor(tensors, name), dtype)
-    for key in reversed(entry[0]):
-      tree = {key: tree}
-    sums.update({f".params{key}": value for key, value in checkpointing.checksums(tree).items()})
-    ocp.partial.save(path, {"params": tree})
-    del tree  # before the next parameter is built: one in memory at a time
-  ocp.partial.finalize(path)
-  checkpointing.write_checksums(path, sums)
+    keys, _, stack, shape, _ = entry
+    running = sums[".params" + "".join(f"[{key!r}]" for key in keys)] = checkpointing.SliceChecksums()
+
+    def read(layer, entry=entry, running=running):
+      value = mapping.to_param(config, entry, lambda name: mapping.read_tensor(tensors, name), dtype, layer)
+      running.add(value)
+      return value
+
+    node = tree
+    for key in keys[:-1]:
+      node = node.setdefault(key, {})
+    node[keys[-1]] = sliced.Slices(stack + shape, dtype or mapping.tensor_dtype(tensors, mapping.hf_names(config, entry)[0]),
+                                   bool(stack), read)
+  sliced.save(path, {"params": tree})
+  checkpointing.write_checksums(path, {key: running.value() for key, running in sums.items()})
   with open(os.path.join(path, pyconfig.MODEL_KEYS_FILE), "w") as f:
     yaml.safe_dump({key: getattr(config, key) for key in pyconfig.MODEL_KEYS}, f, sort_keys=False)
 
