@@ -15,6 +15,7 @@ older one restores and matches, and the run resumes from that one; nothing is de
 
 import asyncio
 import functools
+import math
 import os
 import shutil
 
@@ -70,11 +71,16 @@ class SliceChecksums:
   def __init__(self):
     self.total = self.weighted = self.position = 0
 
+  BLOCK = 2**24  # elements: a host array is summed in blocks of rows, each copied to the device alone
+
   def add(self, x) -> None:
-    total, weighted = (int(v) for v in jax.device_get(_tree_checksums(x)))
-    self.weighted = (self.weighted + weighted + 2 * self.position * total) % 2**32
-    self.total = (self.total + total) % 2**32
-    self.position += x.size
+    rows = max(1, self.BLOCK // max(1, math.prod(x.shape[1:])))
+    for start in range(0, x.shape[0], rows):
+      block = x[start:start + rows]
+      total, weighted = (int(v) for v in jax.device_get(_tree_checksums(block)))
+      self.weighted = (self.weighted + weighted + 2 * self.position * total) % 2**32
+      self.total = (self.total + total) % 2**32
+      self.position += block.size
 
   def value(self) -> list[int]:
     return [self.total, self.weighted]

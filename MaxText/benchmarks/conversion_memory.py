@@ -7,7 +7,7 @@ memory (ru_maxrss from wait4) is taken, forked from this small process: the conv
 alone (the baseline), `to_maxtext`, and `to_huggingface` with the default 5 GB shards and with 1
 GB shards. The scales to read the peaks against: the model's bytes, its largest parameter
 (stacked over layers, and experts) and one layer of that, the most the converters hold of a
-parameter at a time. Needs about 30 GB of disk under --work_dir.
+parameter at a time. Needs about 25 GB of disk under --work_dir; 15-20 minutes.
 """
 
 import argparse
@@ -31,11 +31,12 @@ from MaxText import pyconfig, reports  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 from MaxText.checkpoint_conversion import mapping  # noqa: E402
 
-# The MoE cut to 4 of its 48 layers: its stacked expert projections, 1.5 GiB each, are still
-# the largest parameters, and the disk holds the model five times.
-MODELS = {"llama3.2-1b": ("Llama 3.2 1B", ["model_name=llama3.2-1b"]),
-          "qwen3-30b-a3b, 4 layers": ("Qwen3-30B-A3B, 4 of 48 layers", ["model_name=qwen3-30b-a3b",
-                                                                        "base_num_decoder_layers=4"])}
+# The MoE cut to 4 and 8 of its 48 layers: its stacked expert projections (1.5 and 3 GiB)
+# are the largest parameters, and the peaks show what grows with the layers.
+MODELS = {"llama3.2-1b": ("Llama 3.2 1B", ["model_name=llama3.2-1b"])}
+MODELS.update({f"qwen3-30b-a3b, {n} layers": (f"Qwen3-30B-A3B, {n} of 48 layers", ["model_name=qwen3-30b-a3b",
+                                                                                 f"base_num_decoder_layers={n}"])
+               for n in (4, 8)})
 HUB_SHARD_BYTES = 2 * 10**9
 
 
@@ -146,7 +147,7 @@ def main():
               reports.markdown_table(["model", "model", "largest parameter", "one layer of it", "step", "peak RSS",
                                       "above baseline", "above baseline / layer", "wall s"], rows))
   print(markdown)
-  figure, axes = plt.subplots(1, len(MODELS), figsize=(11, 2.8), sharey=True)
+  figure, axes = plt.subplots(1, len(MODELS), figsize=(14, 2.8), sharey=True)
   for axis, (model, (title, _)) in zip(axes, MODELS.items()):
     peaks = data[model]["peak_rss_bytes"]
     axis.barh(list(peaks), [rss / 2**30 for rss in peaks.values()], color="tab:blue")

@@ -217,6 +217,9 @@ def to_param(config, entry, read, dtype, layer=None) -> np.ndarray:
   Hugging Face tensors, read one at a time with read(name); dtype None keeps theirs."""
   _, _, _, shape, in_axes = entry
   stack, names = _layer(config, entry, layer)
+  if not stack:  # one tensor: no copy of it, unless to another dtype
+    tensor = read(names[0])
+    return (tensor.T.reshape(shape) if in_axes else tensor).astype(dtype or tensor.dtype, copy=False)
   out = None
   for index, name in zip(itertools.product(*map(range, stack)), names):
     tensor = read(name)

@@ -24,11 +24,12 @@ from orbax.checkpoint._src.serialization import ocdbt_utils, tensorstore_utils
 
 @dataclasses.dataclass(frozen=True)
 class Slices:
-  """An array of `shape` and `dtype` that exists a slice at a time: stacked, read(k) is its
-  [k] along the first (layer) axis, produced when it is written; otherwise read(None) is all of it."""
+  """An array of `shape` and `dtype` that exists a slice at a time: with stacked axes (layers,
+  then experts), read(k) is its [k] along the first, produced when it is written, and each
+  chunk on disk is one element of the stacked axes; without, read(None) is all of it."""
   shape: tuple
   dtype: np.dtype
-  stacked: bool
+  stacked: int  # how many leading axes are stacked
   read: Callable
 
 
@@ -43,13 +44,14 @@ class _Handler(type_handlers.NumpyHandler):
       await info.await_path_creation()
       spec = tensorstore_utils.build_array_write_spec(
           info=info, arg=arg, global_shape=value.shape,
-          local_shape=(1, *value.shape[1:]) if value.stacked else value.shape, dtype=value.dtype,
+          local_shape=(1,) * value.stacked + value.shape[value.stacked:], dtype=value.dtype,
           use_ocdbt=info.is_ocdbt_checkpoint,
           process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint),
           metadata_key=self._metadata_key).json
       store = await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
       for k in range(value.shape[0]) if value.stacked else [None]:
-        await (store[k] if value.stacked else store).write(value.read(k))
+        # Nothing touches a slice once handed over: tensorstore may keep it instead of a copy.
+        await (store[k] if value.stacked else store).write(value.read(k), can_reference_source_data_indefinitely=True)
 
   async def serialize(self, values, infos, args=None):
     args = args or [ocp.SaveArgs()] * len(values)

@@ -55,7 +55,7 @@ def _write(config, tensors: dict, dtype, path: str) -> None:
     for key in keys[:-1]:
       node = node.setdefault(key, {})
     node[keys[-1]] = sliced.Slices(stack + shape, dtype or mapping.tensor_dtype(tensors, mapping.hf_names(config, entry)[0]),
-                                   bool(stack), read)
+                                   len(stack), read)
   sliced.save(path, {"params": tree})
   checkpointing.write_checksums(path, {key: running.value() for key, running in sums.items()})
   with open(os.path.join(path, pyconfig.MODEL_KEYS_FILE), "w") as f:
