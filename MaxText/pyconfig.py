@@ -230,8 +230,7 @@ def _validate_model(v: dict) -> None:
 
 
 def _validate_moe(v: dict) -> None:
-  # A chunk of the sequence applied alone would lose the router's statistics (sown per call) and
-  # cap experts per chunk instead of per sequence.
+  # mlp_chunks slices a dense MLP's hidden units; the experts' are routed per token.
   _require(v["mlp_chunks"] == 1 or not DECODER_BLOCKS[v["decoder_block"]]["moe"], "mlp_chunks",
            f"must be 1 for a mixture of experts (decoder_block={v['decoder_block']})", v)
   for key in ("num_experts", "base_moe_mlp_dim"):
@@ -362,9 +361,7 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   v.update(DECODER_BLOCKS[v["decoder_block"]])
   sharding.check_divisible(v)
   _check_context(v)
-  per_shard = v["max_target_length"] // sharding.logical_shards(v, "activation_length")
-  _require(per_shard % v["mlp_chunks"] == 0, "mlp_chunks",
-           f"must divide the {per_shard} tokens per sequence shard (max_target_length / context shards)", v)
+  _require(v["base_mlp_dim"] % v["mlp_chunks"] == 0, "mlp_chunks", f"must divide base_mlp_dim={v['base_mlp_dim']}", v)
   if v["learning_rate_schedule_steps"] == -1:
     v["learning_rate_schedule_steps"] = v["steps"]
   v["run_dir"] = os.path.join(v["base_output_directory"], v["run_name"])

@@ -126,8 +126,7 @@ def test_bad_values_name_the_key(override, key):
     (("ici_fsdp_parallelism=8", "base_emb_dim=36", "head_dim=8"), "base_emb_dim=36: .* fsdp \\(8\\)"),
     (("ici_tensor_parallelism=8", "ici_fsdp_parallelism=1", "base_num_query_heads=8", "base_num_kv_heads=8",
       "vocab_size=300"), "vocab_size=300: .* tensor \\(8\\)"),
-    (("ici_context_parallelism=4", "ici_fsdp_parallelism=2", "context_parallel_load_balance=false", "mlp_chunks=8"),
-     "mlp_chunks=8: must divide the 4 tokens per sequence shard"),
+    (("mlp_chunks=128",), "mlp_chunks=128: must divide base_mlp_dim=64"),
     (("decoder_block=mixtral", "mlp_chunks=2"), "mlp_chunks=2: must be 1 for a mixture of experts"),
 ])
 def test_a_mesh_that_does_not_divide_a_dimension_is_a_config_error(overrides, message):
@@ -148,7 +147,7 @@ def test_missing_config_file():
     pyconfig.initialize(["configs/no_such.yml"], num_devices=1)
 
 
-@pytest.mark.parametrize("args", [("no_such_key=1",), ("per_device_batch_size=-1",), ("mlp_chunks=3",)])
+@pytest.mark.parametrize("args", [("no_such_key=1",), ("per_device_batch_size=-1",), ("mlp_chunks=5",)])
 def test_cli_config_error_is_one_line_exit_2_and_writes_nothing(tmp_path, args):
   out = tmp_path / "outputs"
   result = run_cli("train", f"base_output_directory={out}", *args)

@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText import losses, remat
+from MaxText import remat
 from MaxText.layers.attentions import Attention
-from MaxText.layers.linears import MlpBlock
+from MaxText.layers.linears import ACTIVATIONS, MlpBlock
 from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import rms_norm
 
@@ -35,45 +35,50 @@ class DecoderLayer(nn.Module):
     if cfg.mlp_chunks == 1 or self.is_initializing():
       mlp = mlp_sublayer(cfg, h)
     else:
-      mlp = "moe_block" if cfg.moe else "mlp"
-      names = (mlp, "pre_ffw_norm", "post_ffw_norm") if cfg.sandwich_norms else (mlp, "post_self_attention_norm")
-      mlp = tiled_mlp(cfg, {name: self.variables["params"][name] for name in names}, h)
+      mlp = mlp_sublayer(cfg, h, lambda x: sliced_mlp(cfg, self.variables["params"]["mlp"], x))
     return nn.with_logical_constraint(h + mlp, BATCH_LENGTH_EMBED)
 
 
-def mlp_sublayer(cfg, h):
-  """The MLP's input norm, the MLP, and with sandwich_norms its output norm, created in the
-  calling module's scope under the DecoderLayer's names: called from a DecoderLayer or from
-  MlpSublayer (given the layer's parameters), they are the same parameters."""
+def mlp_sublayer(cfg, h, block=None):
+  """The MLP's input norm, the MLP (or `block` in its place), and with sandwich_norms its
+  output norm."""
   mlp_norm = "pre_ffw_norm" if cfg.sandwich_norms else "post_self_attention_norm"
-  block = MoeBlock(cfg, name="moe_block") if cfg.moe else MlpBlock(cfg, name="mlp")
+  block = block or (MoeBlock(cfg, name="moe_block") if cfg.moe else MlpBlock(cfg, name="mlp"))
   mlp = block(rms_norm(cfg, mlp_norm)(h))
   return rms_norm(cfg, "post_ffw_norm")(mlp) if cfg.sandwich_norms else mlp
 
 
-class MlpSublayer(nn.Module):
-  """mlp_sublayer as a module of its own, to apply to one chunk inside jax.lax.map."""
+def sliced_mlp(cfg, params, x):
+  """MlpBlock (its `params`) on x [B, T, D] in cfg.mlp_chunks slices of its hidden units, one
+  at a time in a scan, each checkpointed: forward and backward hold one slice's [B, T, mlp /
+  chunks] intermediate and, under FSDP, gather one slice of each kernel, not all of it. The
+  hidden units act independently until wo sums over them, so the output is the slices' sum,
+  taken in float32: the untiled MLP's up to the order of that sum. Slice k holds the units u
+  with u % chunks == k, so a kernel sharded over its hidden units (tensor parallelism) splits
+  into slices sharded the same way, with no data moved."""
+  chunks, dtype, act = cfg.mlp_chunks, jnp.dtype(cfg.dtype), ACTIVATIONS[cfg.mlp_activation]
 
-  config: object
+  def split(kernel):  # [D, mlp] -> [chunks, D, mlp / chunks], slice k holding units k, k + chunks, ...
+    kernel = jnp.moveaxis(kernel.reshape(kernel.shape[0], -1, chunks), 2, 0)
+    return nn.with_logical_constraint(kernel, (None, "embed", "mlp"))
 
-  @nn.compact
-  def __call__(self, h):
-    return mlp_sublayer(self.config, h)
+  def add_slice(total, kernels):
+    wi_0, wi_1, wo = (kernel.astype(dtype) for kernel in kernels)
+    gate = checkpoint_name(jnp.einsum("btd,dm->btm", x, wi_0), "mlpwi_0")
+    up = checkpoint_name(jnp.einsum("btd,dm->btm", x, wi_1), "mlpwi_1")
+    h = nn.with_logical_constraint(act(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
+    return total + jnp.einsum("btm,dm->btd", h, wo, preferred_element_type=jnp.float32), None
 
-
-def tiled_mlp(cfg, params, h):
-  """mlp_sublayer over h [B, T, D] in cfg.mlp_chunks chunks of the sequence, one at a time,
-  each checkpointed: forward and backward hold one chunk's [B, T / chunks, mlp]
-  intermediate. Norms and MLP act on each token alone, so the result is the untiled one.
-  Chunk k holds positions t with t % chunks == k (as vocabulary tiles do), so under sequence
-  sharding every device works on every chunk. A chunk keeps what remat_policy keeps of the
-  MLP's named tensors (nothing under `none`, which checkpoints no layer), the rest recomputed."""
+  x = x.astype(dtype)
+  total = nn.with_logical_constraint(jnp.zeros(x.shape, jnp.float32), BATCH_LENGTH_EMBED)
+  # Each slice keeps what remat_policy keeps of its named tensors (nothing under `none`, which
+  # checkpoints no layer), the rest recomputed.
   policy = None if cfg.remat_policy == "none" else remat.checkpoint_policy(cfg)
-  run = jax.checkpoint(lambda p, chunk: MlpSublayer(cfg).apply({"params": p}, chunk), policy=policy,
-                       prevent_cse=False)  # inside a loop, as in layer_class
-  chunks = nn.with_logical_constraint(losses.to_tiles(h, cfg.mlp_chunks), losses.TILE_HIDDEN)
-  out = jax.lax.map(lambda chunk: run(params, chunk), chunks)  # [chunks, B, T / chunks, D]
-  return losses.from_tiles(nn.with_logical_constraint(out, losses.TILE_HIDDEN))
+  add_slice = jax.checkpoint(add_slice, policy=policy, prevent_cse=False)  # inside a loop, as in layer_class
+  total, _ = jax.lax.scan(add_slice, total,
+                          tuple(split(params[name]["kernel"]) for name in ("wi_0", "wi_1", "wo")))
+  # Named once whole: a policy that keeps the MLP's output keeps it, not a partial sum per slice.
+  return checkpoint_name(total.astype(dtype), "mlpwo")
 
 
 class ScannedDecoderLayer(DecoderLayer):
