@@ -361,7 +361,9 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   v.update(DECODER_BLOCKS[v["decoder_block"]])
   sharding.check_divisible(v)
   _check_context(v)
-  _require(v["base_mlp_dim"] % v["mlp_chunks"] == 0, "mlp_chunks", f"must divide base_mlp_dim={v['base_mlp_dim']}", v)
+  units = v["base_mlp_dim"] // sharding.logical_shards(v, "mlp")
+  _require(units % v["mlp_chunks"] == 0, "mlp_chunks",
+           f"must divide the {units} hidden units per tensor shard (base_mlp_dim / the shards of mlp)", v)
   if v["learning_rate_schedule_steps"] == -1:
     v["learning_rate_schedule_steps"] = v["steps"]
   v["run_dir"] = os.path.join(v["base_output_directory"], v["run_name"])

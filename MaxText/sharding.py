@@ -121,7 +121,7 @@ def logical_shards(v: dict, name: str) -> int:
   """How many shards the mesh splits logical axis `name` into (its first rule, ici x dcn)."""
   shards = {axis: ici * dcn for axis, ici, dcn in zip(MESH_AXES, v["mesh_shape"], v["dcn_mesh_shape"])}
   axes = next((axes for rule, axes in v["logical_axis_rules"] if rule == name), [])
-  return math.prod(shards[a] for a in (axes if isinstance(axes, list) else [] if axes is None else [axes]))
+  return math.prod(shards[a] for a in (axes if isinstance(axes, (list, tuple)) else [] if axes is None else [axes]))
 
 
 def create_mesh(config) -> jax.sharding.Mesh:

@@ -66,21 +66,26 @@ import sys
 import numpy as np
 sys.path.insert(0, {tests!r})
 from conftest import SHARDED, loss_gradients, tiny_config
-grads = loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=1", "ici_fsdp_parallelism=2",
-                                   "ici_context_parallelism=4", "context_parallel_load_balance=false", "mlp_chunks=4"))
-np.savez({out!r}, **grads)
+for name, mesh in {meshes!r}.items():
+  grads = loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=1", *mesh, "context_parallel_load_balance=false",
+                                     "mlp_chunks=4"))
+  np.savez(f"{{name}}.npz", **grads)
 """
+# The hidden units sharded over tensor 2 too: each slice takes its units from every tensor shard.
+MESHES = {"fsdp2_context4": ("ici_fsdp_parallelism=2", "ici_context_parallelism=4"),
+          "tensor2_fsdp2_context2": ("ici_tensor_parallelism=2", "ici_fsdp_parallelism=2", "ici_context_parallelism=2")}
 
 
-def test_chunks_under_a_sequence_sharded_mesh_give_one_devices_gradients(tmp_path):
-  """8 simulated devices, fsdp 2 x context 4, 4 chunks of the 4 positions each shard holds,
-  against one device without chunks."""
-  out = str(tmp_path / "grads.npz")
+def test_chunks_under_sharded_meshes_give_one_devices_gradients(tmp_path):
+  """8 simulated devices, fsdp 2 x context 4 and tensor 2 x fsdp 2 x context 2, 4 slices of
+  the MLP, against one device without slices."""
   env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8"}
-  result = subprocess.run([sys.executable, "-c", MESH_SCRIPT.format(tests=str(ROOT / "tests"), out=out)], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+  script = MESH_SCRIPT.format(tests=str(ROOT / "tests"), meshes=MESHES)
+  result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
   assert result.returncode == 0, result.stderr[-4000:]
-  got = np.load(out)
   want = loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=8"))
-  assert sorted(got.files) == sorted(want)
-  assert_trees_close({k: got[k] for k in want}, want, rtol=1e-5)
+  for name in MESHES:
+    got = np.load(tmp_path / f"{name}.npz")
+    assert sorted(got.files) == sorted(want)
+    assert_trees_close({k: got[k] for k in want}, want, rtol=1e-5, what=name)

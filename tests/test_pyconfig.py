@@ -126,7 +126,9 @@ def test_bad_values_name_the_key(override, key):
     (("ici_fsdp_parallelism=8", "base_emb_dim=36", "head_dim=8"), "base_emb_dim=36: .* fsdp \\(8\\)"),
     (("ici_tensor_parallelism=8", "ici_fsdp_parallelism=1", "base_num_query_heads=8", "base_num_kv_heads=8",
       "vocab_size=300"), "vocab_size=300: .* tensor \\(8\\)"),
-    (("mlp_chunks=128",), "mlp_chunks=128: must divide base_mlp_dim=64"),
+    (("mlp_chunks=128",), "mlp_chunks=128: must divide the 64 hidden units per tensor shard"),
+    (("ici_tensor_parallelism=2", "ici_fsdp_parallelism=4", "mlp_chunks=64"),
+     "mlp_chunks=64: must divide the 32 hidden units per tensor shard"),
     (("decoder_block=mixtral", "mlp_chunks=2"), "mlp_chunks=2: must be 1 for a mixture of experts"),
 ])
 def test_a_mesh_that_does_not_divide_a_dimension_is_a_config_error(overrides, message):

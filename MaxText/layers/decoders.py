@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText import remat
+from MaxText import remat, sharding
 from MaxText.layers.attentions import Attention
 from MaxText.layers.linears import ACTIVATIONS, MlpBlock
 from MaxText.layers.moe import MoeBlock
@@ -53,17 +53,19 @@ def sliced_mlp(cfg, params, x):
   at a time in a scan, each checkpointed: forward and backward hold one slice's [B, T, mlp /
   chunks] intermediate and, under FSDP, gather one slice of each kernel, not all of it. The
   hidden units act independently until wo sums over them, so the output is the slices' sum,
-  taken in float32: the untiled MLP's up to the order of that sum. Slice k holds the units u
-  with u % chunks == k, so a kernel sharded over its hidden units (tensor parallelism) splits
-  into slices sharded the same way, with no data moved."""
+  taken in float32: the untiled MLP's up to the order of that sum. Slice k is the k-th run of
+  every shard's own units where tensor parallelism shards them (so no unit moves), a window of
+  the kernel otherwise; it is indexed in place, as a transposed copy of the kernels cost memory."""
   chunks, dtype, act = cfg.mlp_chunks, jnp.dtype(cfg.dtype), ACTIVATIONS[cfg.mlp_activation]
+  shards = sharding.logical_shards(cfg.to_dict(), "mlp")
+  kernels = tuple(params[name]["kernel"] for name in ("wi_0", "wi_1", "wo"))  # each [D, mlp]
 
-  def split(kernel):  # [D, mlp] -> [chunks, D, mlp / chunks], slice k holding units k, k + chunks, ...
-    kernel = jnp.moveaxis(kernel.reshape(kernel.shape[0], -1, chunks), 2, 0)
-    return nn.with_logical_constraint(kernel, (None, "embed", "mlp"))
+  def window(kernel, k):
+    runs = kernel.reshape(kernel.shape[0], shards, chunks, -1)
+    return jax.lax.dynamic_index_in_dim(runs, k, axis=2, keepdims=False).reshape(kernel.shape[0], -1).astype(dtype)
 
-  def add_slice(total, kernels):
-    wi_0, wi_1, wo = (kernel.astype(dtype) for kernel in kernels)
+  def add_slice(total, k):
+    wi_0, wi_1, wo = (window(kernel, k) for kernel in kernels)
     gate = checkpoint_name(jnp.einsum("btd,dm->btm", x, wi_0), "mlpwi_0")
     up = checkpoint_name(jnp.einsum("btd,dm->btm", x, wi_1), "mlpwi_1")
     h = nn.with_logical_constraint(act(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
@@ -75,8 +77,7 @@ def sliced_mlp(cfg, params, x):
   # checkpoints no layer), the rest recomputed.
   policy = None if cfg.remat_policy == "none" else remat.checkpoint_policy(cfg)
   add_slice = jax.checkpoint(add_slice, policy=policy, prevent_cse=False)  # inside a loop, as in layer_class
-  total, _ = jax.lax.scan(add_slice, total,
-                          tuple(split(params[name]["kernel"]) for name in ("wi_0", "wi_1", "wo")))
+  total, _ = jax.lax.scan(add_slice, total, jnp.arange(chunks))
   # Named once whole: a policy that keeps the MLP's output keeps it, not a partial sum per slice.
   return checkpoint_name(total.astype(dtype), "mlpwo")
 
