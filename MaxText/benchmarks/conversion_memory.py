@@ -142,8 +142,8 @@ def main():
     rows += [[title, reports.gib(model_bytes), reports.gib(largest), reports.gib(layer), name, reports.gib(rss),
               reports.gib(rss - baseline), f"{(rss - baseline) / layer:.1f}", f"{seconds:.0f}"]
              for name, (rss, seconds) in measured["peak_rss"].items()]
-  markdown = ("bfloat16, random weights; GiB. A stacked parameter is held a layer at a time, so the peak "
-              "above the imports follows the largest layer, not the model or its largest parameter.\n\n" +
+  markdown = ("bfloat16, random weights; GiB. A stacked parameter is held a layer at a time, so the peaks do not "
+              "grow with the layers.\n\n" +
               reports.markdown_table(["model", "model", "largest parameter", "one layer of it", "step", "peak RSS",
                                       "above baseline", "above baseline / layer", "wall s"], rows))
   print(markdown)

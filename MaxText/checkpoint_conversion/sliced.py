@@ -3,7 +3,7 @@
 A stacked parameter can be larger than a host's memory: Qwen3-235B-A22B's expert projections
 are [94 layers, 128 experts, 4096, 1536], 141 GiB each in bfloat16, and one layer of them 1.5
 GiB. orbax saves and restores whole arrays, so the converters hand it `Slices` instead: an
-orbax TypeHandler (NumpyHandler's metadata and tensorstore spec, with one layer per chunk)
+orbax TypeHandler (NumpyHandler's metadata and tensorstore spec, a chunk per layer and expert)
 writes each one slice at a time as it is produced, and restores a parameter as its open
 TensorStore, which reads the slices asked for. What is written is an ordinary orbax array: a
 run restores it sharded like any other.
@@ -94,4 +94,3 @@ def open_array(item: str, keys: tuple) -> ts.TensorStore:
   for key in keys:
     restored = restored[key]
   return restored
-
