@@ -230,7 +230,8 @@ def _validate_model(v: dict) -> None:
 
 
 def _validate_moe(v: dict) -> None:
-  # mlp_chunks slices a dense MLP's hidden units; the experts' are routed per token.
+  # mlp_chunks slices a dense MLP's hidden units; slicing the experts' the same way, each slice
+  # gathered inside the MoE's shard_map, saved nothing measurable (docs/moe.md).
   _require(v["mlp_chunks"] == 1 or not DECODER_BLOCKS[v["decoder_block"]]["moe"], "mlp_chunks",
            f"must be 1 for a mixture of experts (decoder_block={v['decoder_block']})", v)
   for key in ("num_experts", "base_moe_mlp_dim"):
