@@ -1,4 +1,4 @@
-"""The sequence-tiled MLP (mlp_chunks): the untiled MLP's loss and gradients, under remat policies,
+"""The sliced MLP (mlp_chunks): the untiled MLP's loss and gradients, under remat policies,
 both stack modes and a sequence-sharded mesh, with less temp memory."""
 
 import os
