@@ -68,10 +68,10 @@ class SliceChecksums:
   """checksums() of one array taken a slice at a time along its first axis, in order: each
   slice's position weights continue where the last slice's ended, so the result is the array's."""
 
+  BLOCK = 2**24  # elements: a host array is summed in blocks of rows, each copied to the device alone
+
   def __init__(self):
     self.total = self.weighted = self.position = 0
-
-  BLOCK = 2**24  # elements: a host array is summed in blocks of rows, each copied to the device alone
 
   def add(self, x) -> None:
     rows = max(1, self.BLOCK // max(1, math.prod(x.shape[1:])))
