@@ -3,11 +3,13 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
 
 from MaxText.layers.attentions import Attention
+from MaxText.layers.linears import weights_as
 from MaxText.layers.models import Transformer
 from conftest import assert_trees_close, model_inputs, tiny_config
 
@@ -155,6 +157,34 @@ def test_bfloat16_activations_keep_float32_parameters():
   assert hidden.dtype == jnp.bfloat16 and kernel.dtype == jnp.bfloat16
   logits = Transformer(config).apply({"params": params}, tokens, positions, segments)
   assert logits.dtype == jnp.float32
+
+
+def test_the_layers_cast_of_their_float32_weights_is_bfloat16s_own_rounding():
+  """linears.weights_as computes float32 -> bfloat16 itself; NumPy's bfloat16 (ml_dtypes) is
+  the reference: every exponent, subnormals, ties both ways, the largest finite values
+  (rounding to infinity), infinities and zeros bit for bit, NaN as NaN; the gradient is the
+  cotangent cast back, as astype's."""
+  rng = np.random.default_rng(0)
+  bits = rng.integers(0, 2**32, 1 << 18, dtype=np.uint64).astype(np.uint32)
+  ties = (bits & np.uint32(0xFFFF0000)) | np.uint32(0x8000)  # exactly halfway: to the even neighbour
+  special = np.array([0.0, -0.0, np.inf, -np.inf, np.finfo(np.float32).max, -np.finfo(np.float32).max,
+                      np.finfo(np.float32).tiny, 1e-45, np.nan], np.float32)
+  x = np.concatenate([bits.view(np.float32), ties.view(np.float32), special])
+  got = np.asarray(jax.jit(lambda v: weights_as(v, jnp.bfloat16))(x))
+  assert got.dtype == ml_dtypes.bfloat16
+  with np.errstate(over="ignore", invalid="ignore"):
+    want = x.astype(ml_dtypes.bfloat16)
+  nan = np.isnan(x)
+  np.testing.assert_array_equal(got[~nan].view(np.uint16), want[~nan].view(np.uint16))
+  assert np.isnan(got[nan].astype(np.float32)).all()
+
+  w = jnp.asarray(rng.standard_normal((8, 16)), jnp.float32)
+  c = jnp.asarray(rng.standard_normal((8, 16)), jnp.bfloat16)
+  grad = lambda cast: jax.grad(lambda w: jnp.sum(cast(w) * c).astype(jnp.float32))(w)
+  ours, theirs = grad(lambda w: weights_as(w, jnp.bfloat16)), grad(lambda w: w.astype(jnp.bfloat16))
+  assert ours.dtype == jnp.float32
+  np.testing.assert_array_equal(ours, theirs)
+  np.testing.assert_array_equal(weights_as(w, jnp.float32), w)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 16])

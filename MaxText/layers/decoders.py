@@ -7,7 +7,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import remat, sharding
 from MaxText.layers.attentions import Attention
-from MaxText.layers.linears import ACTIVATIONS, MlpBlock
+from MaxText.layers.linears import ACTIVATIONS, MlpBlock, weights_as
 from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import rms_norm
 
@@ -62,7 +62,7 @@ def sliced_mlp(cfg, params, x):
 
   def window(kernel, k):
     runs = kernel.reshape(kernel.shape[0], shards, chunks, -1)
-    return jax.lax.dynamic_index_in_dim(runs, k, axis=2, keepdims=False).reshape(kernel.shape[0], -1).astype(dtype)
+    return weights_as(jax.lax.dynamic_index_in_dim(runs, k, axis=2, keepdims=False).reshape(kernel.shape[0], -1), dtype)
 
   def add_slice(total, k):
     wi_0, wi_1, wo = (window(kernel, k) for kernel in kernels)

@@ -257,6 +257,9 @@ class MoeBlock(nn.Module):
 
     def kernel(name, in_axis):
       init = nn.with_logical_partitioning(expert_init(in_axis), ("exp", "embed", "mlp"))
+      # astype, not linears.weights_as: with that cast XLA copied the float32 stacks of every
+      # layer's experts into the layout the FSDP gather wants (qwen3-30b-a3b, v5p-64: 25.34 GiB
+      # per chip, 22.36 with astype).
       return self.param(name, init, (experts, width, hidden), weight_dtype).astype(dtype)
 
     wi_0, wi_1, wo = kernel("wi_0", 1), kernel("wi_1", 1), kernel("wo", 2)
