@@ -16,6 +16,8 @@ from MaxText import losses, sharding, train_step
 from MaxText.layers import moe
 
 # 8 experts of width 24, top 2, over TINY: every mesh below divides it with one row per device.
+# All but the last divide the experts over the expert and FSDP axes, so FSDP shards the experts;
+# in the last FSDP shards D (moe.MoeBlock).
 MOE = ("decoder_block=qwen3_moe", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=24",
        "load_balance_loss_weight=0.1", "router_z_loss_weight=0.01", "per_device_batch_size=1")
 EXPERT_MESHES = {
@@ -26,6 +28,7 @@ EXPERT_MESHES = {
     "expert=2 context=2 fsdp=2": ("ici_expert_parallelism=2", "ici_context_parallelism=2", "ici_fsdp_parallelism=2"),
     # Dropping: the capacity is per sequence, and each device's experts see whole sequences.
     "expert=8, capacity 1": ("ici_expert_parallelism=8", "ici_fsdp_parallelism=1", "capacity_factor=1.0"),
+    "fsdp=8, 4 experts": ("ici_fsdp_parallelism=8", "num_experts=4"),
 }
 # The GPU's grouped matmul (tokamax, its XLA fallback on CPU) under its own backward, on the mesh
 # whose weight gradients are summed over most axes.

@@ -228,8 +228,8 @@ def one_device_loss_and_gradients(*overrides):
 @pytest.mark.parametrize("mesh", [*moe_mesh_runs.EXPERT_MESHES, *moe_mesh_runs.TOKAMAX_MESHES])
 def test_expert_parallel_meshes_equal_one_device(expert_mesh_results, mesh):
   overrides = {**moe_mesh_runs.EXPERT_MESHES, **moe_mesh_runs.TOKAMAX_MESHES}[mesh]
-  routing = [o for o in overrides if o.startswith("capacity_factor")]
-  want_loss, want_grads = one_device_loss_and_gradients(*routing)
+  model = [o for o in overrides if o.startswith(("capacity_factor", "num_experts"))]
+  want_loss, want_grads = one_device_loss_and_gradients(*model)
   got = dict(np.load(expert_mesh_results / f"{mesh}.npz"))
   np.testing.assert_allclose(got.pop("loss"), want_loss, rtol=RTOL, err_msg=mesh)
   assert_trees_close(got, want_grads, RTOL, mesh)

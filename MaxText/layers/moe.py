@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from MaxText.layers.linears import ACTIVATIONS, DenseGeneral
+from MaxText import sharding
+from MaxText.layers.linears import ACTIVATIONS, DenseGeneral, weights_as
 
 TOKENS = ("activation_batch", "activation_length", "activation_embed")
 # Sown per MoE layer, averaged over layers: the Switch/MaxText load-balancing loss, the router
@@ -237,9 +238,9 @@ class MoeBlock(nn.Module):
   """x [B, T, D] -> sum over the token's top-k experts of weight * SwiGLU_expert(x).
 
   Parameters (MaxText's names): gate/kernel [D, E] (the router), wi_0 and wi_1 [E, D, moe_mlp]
-  (input D), wo [E, D, moe_mlp] (input moe_mlp; MaxText's is [E, moe_mlp, D]). All three keep the
-  FSDP-sharded D off the minor dimension: with D/fsdp < 128 there (2048 over 32), TPU layouts
-  pad it to 128 lanes, and wo's gradient and optimizer buffers took twice their size
+  (input D), wo [E, D, moe_mlp] (input moe_mlp; MaxText's is [E, moe_mlp, D]). All three keep D
+  off the minor dimension: where FSDP shards D (below) and D/fsdp < 128 (2048 over 32), TPU
+  layouts pad it to 128 lanes, and wo's gradient and optimizer buffers took twice their size
   (qwen3-30b-a3b on v5p-64: 28.58 GiB per chip with MaxText's layout, 22.36 with this one).
   """
 
@@ -255,12 +256,18 @@ class MoeBlock(nn.Module):
     # nearby probabilities, which bfloat16 would blur.
     logits = DenseGeneral((experts,), ("embed", None), jnp.float32, weight_dtype, name="gate")(x)
 
+    # Where the experts divide over the expert and FSDP axes, FSDP shards the experts and D stays
+    # whole: FSDP's gather then joins whole experts along a major axis, in the stored layout, and
+    # linears.weights_as keeps each layer's bfloat16 cast in the layer loop (qwen3-30b-a3b on a
+    # v5p-64: 20.12 GiB per chip). Otherwise (Mixtral's 8 experts over 32 chips) D carries FSDP,
+    # with astype: there weights_as made XLA copy the float32 stacks into the gather's layout
+    # (25.34 GiB against 22.37).
+    fsdp_experts = experts % sharding.logical_shards(cfg.to_dict(), "exp_fsdp") == 0
+    axes, cast = (("exp_fsdp", None, "mlp"), weights_as) if fsdp_experts else (("exp", "embed", "mlp"), jnp.asarray)
+
     def kernel(name, in_axis):
-      init = nn.with_logical_partitioning(expert_init(in_axis), ("exp", "embed", "mlp"))
-      # astype, not linears.weights_as: with that cast XLA copied the float32 stacks of every
-      # layer's experts into the layout the FSDP gather wants (qwen3-30b-a3b, v5p-64: 25.34 GiB
-      # per chip, 22.36 with astype).
-      return self.param(name, init, (experts, width, hidden), weight_dtype).astype(dtype)
+      init = nn.with_logical_partitioning(expert_init(in_axis), axes)
+      return cast(self.param(name, init, (experts, width, hidden), weight_dtype), dtype)
 
     wi_0, wi_1, wo = kernel("wi_0", 1), kernel("wi_1", 1), kernel("wo", 2)
     out, stats = self._routed(x.astype(dtype), logits, wi_0, wi_1, wo)
