@@ -119,7 +119,7 @@ def matmul_bytes(jaxpr) -> float:
 # algorithms: an all-gather forwards n - 1 shards, an all-reduce reduce-scatters then gathers.
 _SENT_PER_BYTE = {"ppermute": lambda n: 1.0, "all_gather": lambda n: n - 1.0, "reduce_scatter": lambda n: (n - 1) / n,
                   "all_to_all": lambda n: (n - 1) / n, "psum": lambda n: 2 * (n - 1) / n,
-                  "psum_invariant": lambda n: 2 * (n - 1) / n}
+                  "psum_invariant": lambda n: 2 * (n - 1) / n, "ragged_all_to_all": lambda n: (n - 1) / n}
 
 
 def _axes_of(eqn) -> str:
@@ -136,7 +136,11 @@ def _sent_bytes(eqn, axis_sizes, over: str) -> float | None:
   if _axes_of(eqn) != over:
     return 0.0
   n = math.prod(axis_sizes[a] for a in over.split("+"))
-  operand = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.invars)
+  sizes = [math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.invars]
+  # A ragged all-to-all sends data-dependent slices: counted as when they are balanced, the
+  # smaller of its operand and its output buffer (the MoE's token copies; the other is sized
+  # for the worst case).
+  operand = min(sizes[:2]) if eqn.primitive.name == "ragged_all_to_all" else sum(sizes)
   return _SENT_PER_BYTE[eqn.primitive.name](n) * operand
 
 

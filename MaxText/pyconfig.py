@@ -242,6 +242,9 @@ def _validate_moe(v: dict) -> None:
            "must be > 0 (tokens past capacity dropped), or -1 or 0 (dropless)", v)
   for key in ("load_balance_loss_weight", "router_z_loss_weight"):
     _require(v[key] >= 0, key, "must be >= 0", v)
+  _one_of(v, "expert_exchange", ("auto", "all_gather", "all_to_all"))
+  _require(v["expert_exchange"] != "all_to_all" or v["capacity_factor"] <= 0, "expert_exchange",
+           f"all_to_all needs dropless routing (capacity_factor -1 or 0, not {v['capacity_factor']})", v)
 
 
 def _validate_optimizer(v: dict) -> None:

@@ -79,13 +79,17 @@ def test_collective_bytes_count_what_each_ring_algorithm_sends_at_loop_trip_coun
       return jax.lax.ppermute(h, "c", ring), None
     y = jax.lax.scan(step, x, None, length=3)[0]
     g = jax.lax.all_gather(y, "c", tiled=True)  # f32[32]
-    return jax.lax.psum_scatter(g, "c", tiled=True) + jax.lax.psum(y, ("c", "t")) + jax.lax.all_to_all(y, "c", 0, 0, tiled=True)
+    slices = jnp.zeros(4, jnp.int32)  # a ragged all-to-all, counted by the smaller of its operand and output
+    ragged = jax.lax.ragged_all_to_all(y, jnp.zeros(32), slices, slices, slices, slices, axis_name="c")[:8]
+    return (jax.lax.psum_scatter(g, "c", tiled=True) + jax.lax.psum(y, ("c", "t"))
+            + jax.lax.all_to_all(y, "c", 0, 0, tiled=True) + ragged)
 
   f = jax.shard_map(body, mesh=mesh, in_specs=P(("c", "t")), out_specs=P(("c", "t")))
   x = jax.ShapeDtypeStruct((64,), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, P(("c", "t"))))
   jaxpr = jax.make_jaxpr(f)(x).jaxpr
-  # Over "c": the ring's 3 ppermutes, the all-gather, the reduce-scatter, the all-to-all; over both axes, the psum.
-  per_device = {"c": 3 * 32 + 3 * 32 + 3 / 4 * 128 + 3 / 4 * 32, "c+t": 2 * 7 / 8 * 32}
+  # Over "c": the ring's 3 ppermutes, the all-gather, the reduce-scatter, the all-to-all, the
+  # ragged all-to-all; over both axes, the psum.
+  per_device = {"c": 3 * 32 + 3 * 32 + 3 / 4 * 128 + 3 / 4 * 32 + 3 / 4 * 32, "c+t": 2 * 7 / 8 * 32}
   assert metrics.collective_bytes(jaxpr) == {axes: 8 * sent for axes, sent in per_device.items()}
 
 

@@ -169,13 +169,25 @@ def test_model_flops_count_active_parameters_only():
     ("capacity_factor=-0.5", "capacity_factor=-0.5: must be > 0 .* or -1 or 0"),
     ("capacity_factor=0", None),
     ("capacity_factor=-1", None),
+    ("expert_exchange=ring", "expert_exchange='ring': must be one of auto, all_gather, all_to_all"),
+    ("capacity_factor=1.25 expert_exchange=all_to_all", "expert_exchange='all_to_all': all_to_all needs dropless"),
 ])
 def test_bad_moe_values_name_the_key(override, message):
   if message is None:  # the dropless spellings
     assert moe.dropless(tiny_config(*MOE, override, num_devices=1).capacity_factor)
   else:
     with pytest.raises(errors.ConfigError, match=message):
-      tiny_config(*MOE, override, num_devices=1)
+      tiny_config(*MOE, *override.split(), num_devices=1)
+
+
+def test_the_cpu_ragged_all_to_all_gives_the_example_of_jaxs_docstring():
+  """XLA:CPU lacks ragged-all-to-all; its stand-in (moe.RAGGED_ALL_TO_ALL) against the worked
+  example of jax.lax.ragged_all_to_all's docstring, the two devices as a named vmap axis."""
+  rows = lambda *per_device: jnp.array(per_device, jnp.int32)  # noqa: E731
+  exchange = jax.vmap(functools.partial(moe.RAGGED_ALL_TO_ALL["cpu"], axis_name="i"), axis_name="i")
+  result = exchange(rows([1, 2, 2], [3, 4, 0]), rows([0, 0, 0, 0], [0, 0, 0, 0]), rows([0, 1], [0, 1]),
+                    rows([1, 2], [1, 1]), rows([0, 0], [1, 2]), rows([1, 1], [2, 1]))
+  np.testing.assert_array_equal(result, [[1, 3, 0, 0], [2, 2, 4, 0]])
 
 
 def test_bad_moe_input_on_the_command_line_is_one_line_exit_2_and_writes_nothing(tmp_path):
@@ -231,6 +243,7 @@ def test_expert_parallel_meshes_equal_one_device(expert_mesh_results, mesh):
   model = [o for o in overrides if o.startswith(("capacity_factor", "num_experts"))]
   want_loss, want_grads = one_device_loss_and_gradients(*model)
   got = dict(np.load(expert_mesh_results / f"{mesh}.npz"))
+  assert (got.pop("ragged_all_to_alls") > 0) == ("all-to-all" in mesh), mesh
   np.testing.assert_allclose(got.pop("loss"), want_loss, rtol=RTOL, err_msg=mesh)
   assert_trees_close(got, want_grads, RTOL, mesh)
 

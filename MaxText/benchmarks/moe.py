@@ -10,7 +10,9 @@ FSDP over every chip and with ici_expert_parallelism=8, tiles 1 and 8, remat ful
 dropless, flash attention; each cell is what
   python -m MaxText.train_compile configs/base.yml model_name=qwen3-30b-a3b compile_topology=S \\
     per_device_batch_size=1 max_target_length=8192 attention=flash num_vocab_tiling=T remat_policy=P
-prints.
+prints. Then the token exchange (moe_exchange_tpu.*): mixtral-8x7b (top 2) on v5p-64 with
+ici_expert_parallelism=8, 8 tiles, remat full, with expert_exchange=all_gather and all_to_all:
+memory per chip and the bytes each chip sends over the expert axis per step.
 """
 
 import argparse
@@ -36,6 +38,9 @@ TPU_TILES = (1, 8)
 TPU_POLICIES = ("full", "minimal")
 QWEN3_30B = ("model_name=qwen3-30b-a3b", "dataset_type=synthetic", "per_device_batch_size=1",
              "max_target_length=8192", "attention=flash")
+MIXTRAL_EXPERT_8 = ("model_name=mixtral-8x7b", "compile_topology=v5p-64", "dataset_type=synthetic",
+                    "per_device_batch_size=1", "max_target_length=8192", "attention=flash", "ici_expert_parallelism=8",
+                    "ici_fsdp_parallelism=-1", "num_vocab_tiling=8", "remat_policy=full")
 
 
 def cpu_table(output_dir: str, warmup: int, steps: int) -> None:
@@ -86,6 +91,27 @@ def tpu_table(output_dir: str) -> None:
   reports.save(output_dir, "moe_tpu", markdown, results, figure)
 
 
+def exchange_table(output_dir: str) -> None:
+  results, rows = {}, []
+  for exchange in ("all_gather", "all_to_all"):
+    r = results[exchange] = common.compiled_memory_on(None, *MIXTRAL_EXPERT_8, f"expert_exchange={exchange}")
+    sent = r["collective_bytes_per_device"].get("expert", 0)
+    rows.append([exchange, reports.gib(r["temp_bytes"]) if "error" not in r else "",
+                 common.gib_or_refusal(r, "total_bytes"), reports.gib(sent)])
+    print(f"mixtral-8x7b expert_exchange={exchange}: {rows[-1][2]} GiB/chip, {rows[-1][3]} GiB sent", flush=True)
+  markdown = ("## mixtral-8x7b (8 experts, top 2), v5p-64, expert 8 x fsdp 4, 8192 tokens per chip, 8 tiles, remat "
+              "full, dropless (TPU compiler, compile only)\n\n"
+              + reports.markdown_table(["expert_exchange", "temp GiB", "total GiB/chip",
+                                        "sent over the expert axis, GiB/chip/step"], rows))
+  print(markdown)
+  figure, axis = plt.subplots(figsize=(6, 2))
+  axis.barh(range(len(results)), [r.get("collective_bytes_per_device", {}).get("expert", 0) / 2**30
+                                  for r in results.values()], color="tab:blue")
+  axis.set_yticks(range(len(results)), list(results))
+  axis.set_xlabel("GiB each chip sends over the expert axis per step")
+  reports.save(output_dir, "moe_exchange_tpu", markdown, results, figure)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--output_dir", default="outputs/benchmarks")
@@ -97,6 +123,7 @@ def main():
     cpu_table(args.output_dir, args.warmup, args.steps)
   if args.target in ("tpu", "all"):
     tpu_table(args.output_dir)
+    exchange_table(args.output_dir)
 
 
 if __name__ == "__main__":

@@ -125,6 +125,18 @@ def _tokamax_ragged_dot_general(a, w, group_sizes, dims):
 RAGGED_DOT_GENERAL = {"gpu": _tokamax_ragged_dot_general}
 
 
+def _grouped_swiglu(rows, group_sizes, wi_0, wi_1, wo, cfg):
+  """The experts' SwiGLU on rows [M, D] grouped by expert, group_sizes[e] rows for expert e, each
+  projection one grouped matmul; rows past the groups give 0."""
+
+  def matmul(a, w, axis):
+    dims = jax.lax.RaggedDotDimensionNumbers((([1], [axis]), ([], [])), lhs_ragged_dimensions=[0],
+                                             rhs_group_dimensions=[0])
+    return RAGGED_DOT_GENERAL.get(cfg.platform, jax.lax.ragged_dot_general)(a, w, group_sizes, dims)
+
+  return _swiglu(rows, wi_0, wi_1, wo, matmul, cfg.mlp_activation)
+
+
 def _dropless_copies(x, experts, wi_0, wi_1, wo, cfg):
   """Every copy's expert output [N * k, D], in (token, choice) order: sorted by expert, grouped
   matmuls, unsorted. `experts` are this shard's expert indices; a copy outside [0, local
@@ -134,15 +146,58 @@ def _dropless_copies(x, experts, wi_0, wi_1, wo, cfg):
   flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
   order = jnp.argsort(flat, stable=True)
   group_sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-  tokens = jnp.take(x, order // k, axis=0)
-
-  def matmul(a, w, axis):
-    dims = jax.lax.RaggedDotDimensionNumbers((([1], [axis]), ([], [])), lhs_ragged_dimensions=[0],
-                                             rhs_group_dimensions=[0])
-    return RAGGED_DOT_GENERAL.get(cfg.platform, jax.lax.ragged_dot_general)(a, w, group_sizes, dims)
-
-  out = _swiglu(tokens, wi_0, wi_1, wo, matmul, cfg.mlp_activation)  # rows past the groups: 0
+  out = _grouped_swiglu(jnp.take(x, order // k, axis=0), group_sizes, wi_0, wi_1, wo, cfg)
   return jnp.take(out, jnp.argsort(order), axis=0)
+
+
+def _ragged_all_to_all_by_gather(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                 axis_name):
+  """jax.lax.ragged_all_to_all as its docstring defines it, for XLA:CPU, which does not implement
+  it: every device gathers every operand and reads the slices sent to it (tests only: the
+  gather costs the axis size times the operand)."""
+  del send_sizes  # each receiver's recv_sizes are the senders' send_sizes
+  operands = jax.lax.all_gather(operand, axis_name)  # [devices, M, ...]
+  at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # slice i, from device i // per
+  start = jax.lax.all_to_all(input_offsets, axis_name, 0, 0, tiled=True)
+  sender = jnp.arange(at.shape[0]) // (at.shape[0] // operands.shape[0])
+  row = jnp.arange(output.shape[0])[:, None]
+  inside = (row >= at) & (row < at + recv_sizes)  # [M', slices]: at most one slice per row
+  received = operands[jnp.sum(jnp.where(inside, sender, 0), axis=1), jnp.sum(jnp.where(inside, start + row - at, 0),
+                                                                             axis=1)]
+  return jnp.where(jnp.any(inside, axis=1).reshape(-1, *[1] * (output.ndim - 1)), received, output)
+
+
+# The ragged all-to-all per platform; elsewhere XLA's.
+RAGGED_ALL_TO_ALL = {"cpu": _ragged_all_to_all_by_gather}
+
+
+def _all_to_all_copies(x, experts, wi_0, wi_1, wo, cfg, axes: tuple):
+  """Every copy's expert output [N * k, D], in (token, choice) order, from the devices holding
+  the experts: this device's copies, sorted by (global) expert, go to their experts' devices in
+  one ragged all-to-all over `axes`, each device runs its experts on the copies it received
+  (grouped by expert, then by sender), and a second ragged all-to-all returns the outputs."""
+  k, local = experts.shape[-1], wi_0.shape[0]
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  counts = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)  # this device's copies per expert
+  every = jax.lax.all_gather(counts, axes)  # [devices, E]: every device's counts
+  me = jax.lax.axis_index(axes)
+  mine = lambda v: jax.lax.dynamic_slice_in_dim(v, me * local, local, axis=-1)  # noqa: E731 (this device's experts)
+  exclusive = lambda v, axis: jnp.cumsum(v, axis=axis) - v  # noqa: E731
+  totals = jnp.sum(every, axis=0).reshape(-1, local)  # [devices, local]: copies per expert, all senders
+  expert_start = exclusive(totals, 1).reshape(-1)  # on its device, where expert e's copies start
+  sender_start = exclusive(every, 0)  # [devices, E]: where each sender's copies of e start within e's
+  received_sizes = mine(every).reshape(-1)  # [devices * local]: from each sender, for each local expert
+  exchange = functools.partial(RAGGED_ALL_TO_ALL.get(cfg.platform, jax.lax.ragged_all_to_all), axis_name=axes)
+  # Dropless: the worst case is every device's every copy routed to this device's experts.
+  buffer = jnp.zeros((every.shape[0] * flat.size, x.shape[-1]), x.dtype)
+  received = exchange(jnp.take(x, order // k, axis=0), buffer, exclusive(counts, 0), counts,
+                      expert_start + sender_start[me], received_sizes)
+  out = _grouped_swiglu(received, totals[me], wi_0, wi_1, wo, cfg)
+  returned = exchange(out, jnp.zeros((flat.size, x.shape[-1]), out.dtype),
+                      (mine(expert_start)[None] + mine(sender_start)).reshape(-1), received_sizes,
+                      mine(exclusive(every, 1)).reshape(-1), counts)
+  return jnp.take(returned, jnp.argsort(order), axis=0)
 
 
 def _dropping_copies(x, experts, wi_0, wi_1, wo, cfg, rows: int):
@@ -188,32 +243,38 @@ def _router_stats(logits, cfg, token_axes: tuple) -> dict:
           "moe_imbalance": jnp.max(load) / jnp.mean(load)}
 
 
-def _local_moe(x, logits, wi_0, wi_1, wo, cfg, token_axes: tuple, expert_axes: tuple, mlp_axes: tuple):
+def _local_moe(x, logits, wi_0, wi_1, wo, cfg, token_axes: tuple, expert_axes: tuple, mlp_axes: tuple,
+               all_to_all: bool):
   """One device's tokens x [b, t, D] and router logits [b, t, E], and its experts' weights ->
   (outputs [b, t, D], the router's statistics over all devices' tokens).
 
-  Expert parallelism: the expert axes that also shard the tokens exchange them by all-gather,
-  each device runs its own experts on the gathered tokens, and a reduce-scatter sums the
-  experts' outputs and returns each device its own tokens."""
+  Expert parallelism (see MoeBlock._exchange): with all_to_all, each copy of a token travels to
+  the device holding its expert and back (_all_to_all_copies). Otherwise the expert axes that
+  also shard the tokens exchange them by all-gather, each device runs its own experts on the
+  gathered tokens, and a reduce-scatter sums the experts' outputs and returns each device its
+  own tokens."""
   stats = _router_stats(logits, cfg, token_axes)
-  exchanged = tuple(a for a in expert_axes if a in token_axes)
+  exchanged = () if all_to_all else tuple(a for a in expert_axes if a in token_axes)
   if exchanged:
     x = jax.lax.all_gather(x, exchanged, axis=0, tiled=True)
     logits = jax.lax.all_gather(logits, exchanged, axis=0, tiled=True)
   rows, length, width = x.shape
   k = cfg.num_experts_per_tok
   _, weights, experts = route(logits, k, cfg.norm_topk_prob)
-  if expert_axes:  # this device's experts are [first, first + local experts)
-    experts = experts - jax.lax.axis_index(expert_axes) * wi_0.shape[0]
   flat_x = x.reshape(-1, width)
-  if dropless(cfg.capacity_factor):
-    copies = _dropless_copies(flat_x, experts, wi_0, wi_1, wo, cfg)
+  if all_to_all:
+    copies = _all_to_all_copies(flat_x, experts, wi_0, wi_1, wo, cfg, expert_axes)
   else:
-    copies = _dropping_copies(flat_x, experts, wi_0, wi_1, wo, cfg, rows)
+    if expert_axes:  # this device's experts are [first, first + local experts)
+      experts = experts - jax.lax.axis_index(expert_axes) * wi_0.shape[0]
+    if dropless(cfg.capacity_factor):
+      copies = _dropless_copies(flat_x, experts, wi_0, wi_1, wo, cfg)
+    else:
+      copies = _dropping_copies(flat_x, experts, wi_0, wi_1, wo, cfg, rows)
   out = jnp.einsum("nkd,nk->nd", copies.reshape(-1, k, width), weights.reshape(-1, k).astype(copies.dtype))
   out = out.reshape(rows, length, width)
   # Partial sums: over the experts held elsewhere, and over slices of every expert's hidden units.
-  summed = tuple(a for a in expert_axes if a not in exchanged) + mlp_axes
+  summed = (() if all_to_all else tuple(a for a in expert_axes if a not in exchanged)) + mlp_axes
   if summed:
     out = jax.lax.psum(out, summed)
   if exchanged:
@@ -279,16 +340,31 @@ class MoeBlock(nn.Module):
     cfg = self.config
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-      return _local_moe(x, logits, wi_0, wi_1, wo, cfg, (), (), ())
+      return _local_moe(x, logits, wi_0, wi_1, wo, cfg, (), (), (), all_to_all=False)
     batch, length = _axes(TOKENS[0]), _axes(TOKENS[1])
     token_axes = batch + length
     expert_axes = _axes("exp")
     mlp_axes = tuple(a for a in _axes("mlp") if a not in token_axes + expert_axes)
     tokens = PartitionSpec(batch or None, length or None, None)
     kernels = PartitionSpec(expert_axes or None, None, mlp_axes or None)
-    body = functools.partial(_local_moe, cfg=cfg, token_axes=token_axes, expert_axes=expert_axes, mlp_axes=mlp_axes)
+    all_to_all = self._exchange(mesh, token_axes, expert_axes) == "all_to_all"
+    body = functools.partial(_local_moe, cfg=cfg, token_axes=token_axes, expert_axes=expert_axes, mlp_axes=mlp_axes,
+                             all_to_all=all_to_all)
     return jax.shard_map(body, in_specs=(tokens, tokens, kernels, kernels, kernels),
                          out_specs=(tokens, {n: PartitionSpec() for n in AUX_NAMES}))(x, logits, wi_0, wi_1, wo)
+
+  def _exchange(self, mesh, token_axes: tuple, expert_axes: tuple) -> str:
+    """How expert parallelism moves the tokens: all_to_all where the expert axes all shard the
+    tokens and routing is dropless, and expert_exchange asks for it or (auto) the expert axes
+    outnumber the experts per token; all_gather otherwise (docs/moe.md: per token, the all-gather
+    sends expert - 1 copies of it and the all-to-all about k, so the all-to-all wins above k)."""
+    cfg = self.config
+    devices = math.prod(mesh.shape[a] for a in expert_axes)
+    if not (expert_axes and set(expert_axes) <= set(token_axes) and dropless(cfg.capacity_factor)):
+      return "all_gather"
+    if cfg.expert_exchange == "auto":
+      return "all_to_all" if devices > cfg.num_experts_per_tok else "all_gather"
+    return cfg.expert_exchange
 
 
 def aux_means(intermediates) -> dict:
