@@ -5,11 +5,15 @@ import os
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from MaxText import losses, metrics, sharding, train_step
+from MaxText.layers import decoders
+from MaxText.layers.linears import MlpBlock
 from conftest import ROOT, SHARDED, assert_trees_close, fixed_batch, loss_gradients, tiny_config, trainer_and_state
 
 RTOL = 1e-6
@@ -89,3 +93,23 @@ def test_chunks_under_sharded_meshes_give_one_devices_gradients(tmp_path):
     got = np.load(tmp_path / f"{name}.npz")
     assert sorted(got.files) == sorted(want)
     assert_trees_close({k: got[k] for k in want}, want, rtol=1e-5, what=name)
+
+
+def test_bfloat16_slices_sum_the_input_gradient_in_float32():
+  """In bfloat16, 64 slices' input gradient is as close to float32's as the untiled MLP's (within
+  10%): each slice adds its part in float32. Summed in bfloat16 (x closed over in bfloat16),
+  the error grew 1.8x."""
+  f32, bf16 = (tiny_config("base_mlp_dim=4096", f"dtype={d}", "mlp_chunks=64", num_devices=1)
+               for d in ("float32", "bfloat16"))
+  x = jax.random.normal(jax.random.key(0), (2, 64, f32.base_emb_dim))
+  target = jax.random.normal(jax.random.key(1), x.shape)
+  params = nn.meta.unbox(MlpBlock(f32).init(jax.random.key(2), x)["params"])
+
+  def input_gradient(cfg, block, x):
+    return np.asarray(jax.grad(lambda x: jnp.sum(block(cfg, x).astype(jnp.float32) * target))(x), np.float64)
+
+  untiled = lambda cfg, x: MlpBlock(cfg).apply({"params": params}, x)  # noqa: E731
+  sliced = lambda cfg, x: decoders.sliced_mlp(cfg, params, x)  # noqa: E731
+  want = input_gradient(f32, untiled, x)
+  error = lambda block: np.linalg.norm(input_gradient(bf16, block, x.astype(jnp.bfloat16)) - want)  # noqa: E731
+  assert error(sliced) < 1.1 * error(untiled), (error(sliced), error(untiled))

@@ -66,12 +66,16 @@ def sliced_mlp(cfg, params, x):
 
   def add_slice(total, k):
     wi_0, wi_1, wo = (window(kernel, k) for kernel in kernels)
-    gate = checkpoint_name(jnp.einsum("btd,dm->btm", x, wi_0), "mlpwi_0")
-    up = checkpoint_name(jnp.einsum("btd,dm->btm", x, wi_1), "mlpwi_1")
+    xs = x.astype(dtype)
+    gate = checkpoint_name(jnp.einsum("btd,dm->btm", xs, wi_0), "mlpwi_0")
+    up = checkpoint_name(jnp.einsum("btd,dm->btm", xs, wi_1), "mlpwi_1")
     h = nn.with_logical_constraint(act(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
     return total + jnp.einsum("btm,dm->btd", h, wo, preferred_element_type=jnp.float32), None
 
-  x = x.astype(dtype)
+  # Closed over in float32, cast per slice: the backward's scan then sums the slices' input
+  # gradients in float32, not bfloat16 (whose sum over 64 slices had 1.8x the untiled MLP's
+  # error). The 64k-token llama3-8b step (docs/attention.md) compiles to the same memory.
+  x = x.astype(jnp.float32)
   total = nn.with_logical_constraint(jnp.zeros(x.shape, jnp.float32), BATCH_LENGTH_EMBED)
   # Each slice keeps what remat_policy keeps of its named tensors (nothing under `none`, which
   # checkpoints no layer), the rest recomputed.
