@@ -267,3 +267,20 @@ def test_expert_weights_shard_over_expert_and_dense_weights_over_every_batch_axi
   assert nn.logical_to_mesh_axes(("embed", "mlp"), rules) == jax.sharding.PartitionSpec(
       ("fsdp", "context", "expert"), "tensor")
 
+
+
+@pytest.mark.parametrize("rules", ["default", "without exp_fsdp"])
+def test_the_experts_shard_over_fsdp_by_the_exp_fsdp_rule_and_else_by_exp_and_embed(rules):
+  """4 experts over fsdp 4: FSDP shards the experts' axis where a rule names exp_fsdp; rules of
+  the user's own without it shard them by their exp and embed rules (D over fsdp), not replicate them."""
+  overrides = (*MOE, "ici_fsdp_parallelism=4")
+  if rules != "default":
+    kept = [rule for rule in tiny_config(*overrides, num_devices=4).logical_axis_rules if rule[0] != "exp_fsdp"]
+    overrides += (f"logical_axis_rules={json.dumps(kept)}",)
+  cfg = tiny_config(*overrides, num_devices=4)
+  x = jnp.zeros((cfg.micro_batch_size, cfg.max_target_length, cfg.base_emb_dim))
+  boxed = jax.eval_shape(moe.MoeBlock(cfg).init, jax.random.key(0), x)["params"]
+  spec = nn.logical_to_mesh_axes(nn.get_partition_spec(boxed)["wi_0"], sharding.axis_rules(cfg))
+  want = ((("expert", "fsdp", "context"), None, "tensor") if rules == "default"
+          else ("expert", ("fsdp", "context"), "tensor"))
+  assert tuple(spec) == want, spec

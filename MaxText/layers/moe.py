@@ -322,8 +322,10 @@ class MoeBlock(nn.Module):
     # linears.weights_as keeps each layer's bfloat16 cast in the layer loop (qwen3-30b-a3b on a
     # v5p-64: 20.12 GiB per chip). Otherwise (Mixtral's 8 experts over 32 chips) D carries FSDP,
     # with astype: there weights_as made XLA copy the float32 stacks into the gather's layout
-    # (25.34 GiB against 22.37).
-    fsdp_experts = experts % sharding.logical_shards(cfg.to_dict(), "exp_fsdp") == 0
+    # (25.34 GiB against 22.37). Rules of the user's own without `exp_fsdp` keep the second
+    # layout, which their `exp` and `embed` rules shard, rather than replicate the experts.
+    fsdp_experts = (any(rule == "exp_fsdp" for rule, _ in cfg.logical_axis_rules)
+                    and experts % sharding.logical_shards(cfg.to_dict(), "exp_fsdp") == 0)
     axes, cast = (("exp_fsdp", None, "mlp"), weights_as) if fsdp_experts else (("exp", "embed", "mlp"), jnp.asarray)
 
     def kernel(name, in_axis):
