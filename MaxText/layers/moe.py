@@ -153,8 +153,8 @@ def _dropless_copies(x, experts, wi_0, wi_1, wo, cfg):
 def _ragged_all_to_all_by_gather(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
                                  axis_name):
   """jax.lax.ragged_all_to_all as its docstring defines it, for XLA:CPU, which does not implement
-  it: every device gathers every operand and reads the slices sent to it (tests only: the
-  gather costs the axis size times the operand)."""
+  it: every device gathers every operand and reads the slices sent to it (the axis size times
+  the operand's memory: CPU meshes are for tests)."""
   del send_sizes  # each receiver's recv_sizes are the senders' send_sizes
   operands = jax.lax.all_gather(operand, axis_name)  # [devices, M, ...]
   at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # slice i, from device i // per
