@@ -206,7 +206,7 @@ def test_flash_attention_is_exact_in_the_pallas_interpreter(platform, length, un
   """Each platform's kernel run by Pallas's interpreter, against dot_product attention:
   values and gradients, float32, GQA, three packed documents whose boundaries fall inside
   kernel blocks; on TPU at 1024 tokens two 512-blocks, the upper one skipped by the causal
-  mask (the GPU kernel's blocks are 128 forward, 32 backward). With Gemma 2's options the
+  mask (the GPU kernel's blocks are 128 forward, 128 x 64 and 64 x 128 backward). With Gemma 2's options the
   TPU kernel also takes a query scale, a soft cap and a 600-token window (chosen by a traced
   flag, as in a scan), whose lower-left block is skipped too."""
   from MaxText import sharding

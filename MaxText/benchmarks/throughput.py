@@ -10,6 +10,9 @@ parameter initialisation included.
 --target gpu: llama3.2-1b (16 layers, 2048 wide, 128k vocabulary), 4 x 8192 tokens per step,
 bfloat16 activations and float32 parameters, on one GPU; last, a mixture of experts of the same
 width (qwen3-30b-a3b cut to 2 of its 48 layers, to fit one GPU with its optimizer state).
+--target gpu_long: the same model with one sequence of 65,536 or 131,072 tokens per step (one
+GPU: no context parallelism), with and without `mlp_chunks`, beside the 8,192-token setting run
+again on the same device.
 --target cpu: a small Llama on this machine's CPU, chunked attention in place of the flash kernel
 the CPU lacks.
 Results go to throughput_<target>.{md,json,png}, rewritten after every setting.
@@ -35,6 +38,7 @@ RUN = ("dataset_type=synthetic", "enable_checkpointing=false", "enable_tensorboa
        "log_period=1")
 MODELS = {
     "gpu": ("model_name=llama3.2-1b", "max_target_length=8192", "per_device_batch_size=4"),
+    "gpu_long": ("model_name=llama3.2-1b", "attention=flash", "remat_policy=full"),
     "cpu": ("base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=1024",
             "base_num_decoder_layers=4", "head_dim=64", "vocab_size=32768", "max_target_length=1024",
             "per_device_batch_size=2"),
@@ -54,6 +58,14 @@ SETTINGS = {
         ("qwen3-30b-a3b, 2 of 48 layers: dropless, flash, 8 tiles, full", (*QWEN3_MOE_2_LAYERS, "capacity_factor=-1")),
         ("qwen3-30b-a3b, 2 of 48 layers: capacity 1.25, flash, 8 tiles, full",
          (*QWEN3_MOE_2_LAYERS, "capacity_factor=1.25")),
+    ),
+    "gpu_long": (
+        ("8,192 x 4, 8 tiles", ("max_target_length=8192", "per_device_batch_size=4", "num_vocab_tiling=8")),
+        ("65,536 x 1, 16 tiles, 8 MLP slices", ("max_target_length=65536", "per_device_batch_size=1",
+                                                "num_vocab_tiling=16", "mlp_chunks=8")),
+        ("131,072 x 1, 16 tiles, 8 MLP slices", ("max_target_length=131072", "per_device_batch_size=1",
+                                                 "num_vocab_tiling=16", "mlp_chunks=8")),
+        ("65,536 x 1, 16 tiles", ("max_target_length=65536", "per_device_batch_size=1", "num_vocab_tiling=16")),
     ),
     "cpu": (
         ("chunked 256, 8 tiles, full", ("attention=chunked", "attention_chunk_size=256", "num_vocab_tiling=8",
