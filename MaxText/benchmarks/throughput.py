@@ -1,4 +1,4 @@
-"""Training throughput on this machine: python -m MaxText.benchmarks.throughput [--target gpu|cpu]
+"""Training throughput on this machine: python -m MaxText.benchmarks.throughput [--target gpu|gpu_long|cpu]
 
 Each setting trains in a fresh process (`MaxText.train`: synthetic batches, no checkpoints, no
 evaluation), so it has the device to itself and its own peak. Reported per device: the medians
