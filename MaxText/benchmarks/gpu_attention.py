@@ -68,9 +68,10 @@ def main():
       print(name, rows, tokens, results[f"{rows} x {tokens:,}: {name}"], flush=True)
   kind = jax.devices()[0].device_kind
   rows = [[name, f"{r['seconds'] * 1e3:,.1f}", f"{r['tflops']:.0f}"] for name, r in results.items()]
-  markdown = (f"# Attention kernels, forward + backward, on one {kind}\n\n`python -m MaxText.benchmarks.gpu_attention`; "
-              f"{HEADS} query heads, {KV_HEADS} key/value heads of {HEAD_DIM}, bfloat16, causal; jax "
-              f"{jax.__version__}\n\n" + reports.markdown_table(["kernel", "ms", "TFLOP/s"], rows))
+  markdown = (f"# Attention kernels, forward + backward, on one {kind}\n\n"
+              f"`python -m MaxText.benchmarks.gpu_attention`; {HEADS} query heads, {KV_HEADS} key/value heads of "
+              f"{HEAD_DIM}, bfloat16, causal; jax {jax.__version__}\n\n"
+              + reports.markdown_table(["kernel", "ms", "TFLOP/s"], rows))
   figure, axis = plt.subplots(figsize=(9, 0.5 * len(results) + 1.5))
   axis.barh(list(results), [r["tflops"] for r in results.values()])
   axis.set_xlabel("TFLOP/s (causal half, forward + backward)")
