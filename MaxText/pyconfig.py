@@ -212,6 +212,7 @@ def _validate_model(v: dict) -> None:
     _require(v["attention_chunk_size"] >= 1 and v["max_target_length"] % v["attention_chunk_size"] == 0,
              "attention_chunk_size", f"must divide max_target_length={v['max_target_length']}", v)
   _require(v["mlp_chunks"] >= 1, "mlp_chunks", "must be >= 1 (1: the MLP over the whole sequence)", v)
+  _require(v["attention_head_chunks"] >= 1, "attention_head_chunks", "must be >= 1 (1: every head at once)", v)
   _require(v["rope_max_timescale"] > 0, "rope_max_timescale", "must be > 0", v)
   _one_of(v, "rope_type", ("default", "llama3.1"))
   for key in ("final_logits_soft_cap", "attn_logits_soft_cap"):
@@ -368,6 +369,12 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   units = v["base_mlp_dim"] // sharding.logical_shards(v, "mlp")
   _require(units % v["mlp_chunks"] == 0, "mlp_chunks",
            f"must divide the {units} hidden units per tensor shard (base_mlp_dim / the shards of mlp)", v)
+  kv_shards = sharding.logical_shards(v, "kv_heads")
+  _require((v["base_num_kv_heads"] // kv_shards) % v["attention_head_chunks"] == 0,
+           "attention_head_chunks", f"must divide the {v['base_num_kv_heads'] // kv_shards} key/value heads per tensor "
+           "shard (base_num_kv_heads / the shards of kv_heads)", v)
+  _require(v["attention_head_chunks"] == 1 or sharding.logical_shards(v, "q_heads") == kv_shards,
+           "attention_head_chunks", "needs the query heads sharded as the key/value heads (logical_axis_rules)", v)
   if v["learning_rate_schedule_steps"] == -1:
     v["learning_rate_schedule_steps"] = v["steps"]
   v["run_dir"] = os.path.join(v["base_output_directory"], v["run_name"])

@@ -111,6 +111,8 @@ def test_config_is_read_only():
     ('logical_axis_rules=[["embed", ["fsdp", "fsdp"]]]', "logical_axis_rules"),
     ("mlp_chunks=0", "mlp_chunks"),
     ("mlp_chunks=3", "mlp_chunks"),
+    ("attention_head_chunks=0", "attention_head_chunks"),
+    ("attention_head_chunks=3", "attention_head_chunks"),
 ])
 def test_bad_values_name_the_key(override, key):
   with pytest.raises(errors.ConfigError, match=key):
@@ -130,6 +132,8 @@ def test_bad_values_name_the_key(override, key):
     (("ici_tensor_parallelism=2", "ici_fsdp_parallelism=4", "mlp_chunks=64"),
      "mlp_chunks=64: must divide the 32 hidden units per tensor shard"),
     (("decoder_block=mixtral", "mlp_chunks=2"), "mlp_chunks=2: must be 1 for a mixture of experts"),
+    (("ici_tensor_parallelism=2", "ici_fsdp_parallelism=4", "attention_head_chunks=2"),
+     "attention_head_chunks=2: must divide the 1 key/value heads per tensor shard"),
 ])
 def test_a_mesh_that_does_not_divide_a_dimension_is_a_config_error(overrides, message):
   with pytest.raises(errors.ConfigError, match=message):

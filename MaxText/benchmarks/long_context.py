@@ -2,11 +2,12 @@
 
 TPU (long_context_tpu.*, compile only): llama3-8b on a v5p-128 (64 chips), one sequence per 16
 chips (fsdp 4 x context 16), 16 vocabulary tiles, chunked attention per context shard,
-load-balanced, mlp_chunks 16, at 64k to 1M tokens per sequence: the ring with remat_policy=full
-and with input_offloaded, and the all-gather with full at 64k. Each cell is what
+load-balanced, mlp_chunks 16, attention_head_chunks 8, at 64k to 1M tokens per sequence: the
+ring with remat_policy=full and with input_offloaded, and the all-gather with full at 64k. Each
+cell is what
   python -m MaxText.train_compile configs/base.yml model_name=llama3-8b compile_topology=v5p-128 \\
     dataset_type=synthetic per_device_batch_size=0.0625 ici_fsdp_parallelism=4 ici_context_parallelism=16 \\
-    num_vocab_tiling=16 attention=chunked attention_chunk_size=512 mlp_chunks=16 \\
+    num_vocab_tiling=16 attention=chunked attention_chunk_size=512 mlp_chunks=16 attention_head_chunks=8 \\
     max_target_length=L context_parallel_strategy=S remat_policy=P
 prints: GiB per chip on device and on host, the step at the chip's peak and the MFU bound from
 the traced FLOPs, and the bytes each chip sends in the context axis's collectives and in all those
@@ -35,7 +36,8 @@ from MaxText.benchmarks import common  # noqa: E402
 
 LLAMA3_8B = ("model_name=llama3-8b", "compile_topology=v5p-128", "dataset_type=synthetic",
              "per_device_batch_size=0.0625", "ici_fsdp_parallelism=4", "ici_context_parallelism=16",
-             "num_vocab_tiling=16", "attention=chunked", "attention_chunk_size=512", "mlp_chunks=16")
+             "num_vocab_tiling=16", "attention=chunked", "attention_chunk_size=512", "mlp_chunks=16",
+             "attention_head_chunks=8")
 LENGTHS = (65536, 131072, 262144, 524288, 1048576)
 TPU_VARIANTS = (("ring", "full"), ("ring", "input_offloaded"), ("all_gather", "full"))
 ALL_GATHER_UP_TO = 65536  # beyond, every chip holds the whole sequence's keys and values per layer (11.7 GiB at 64k)
@@ -66,7 +68,8 @@ def tpu_table(output_dir: str) -> None:
                    reports.gib(int(r["collective_bytes_per_device"].get("context", 0))),
                    reports.gib(int(sum(r["collective_bytes_per_device"].values())))])
     print(f"{name}: {rows[-1][3:]}", flush=True)
-  markdown = ("## llama3-8b on v5p-128, fsdp 4 x context 16, 16 tiles, chunked attention per shard, mlp_chunks 16 "
+  markdown = ("## llama3-8b on v5p-128, fsdp 4 x context 16, 16 tiles, chunked attention per shard, mlp_chunks 16, "
+              "attention_head_chunks 8 "
               "(TPU compiler, compile only)\n\n"
               + reports.markdown_table(["tokens per sequence", "strategy", "remat_policy", "device GiB/chip",
                                         "host GiB/chip", "step at peak", "MFU bound", "context-axis collectives GiB/chip",

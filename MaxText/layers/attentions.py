@@ -8,16 +8,17 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText import losses
+from MaxText import losses, remat, sharding
 from MaxText.layers import context_parallel
 from MaxText.layers.embeddings import apply_rope, rope_timescales
-from MaxText.layers.linears import dense
-from MaxText.layers.normalizations import rms_norm
+from MaxText.layers.linears import dense, weights_as
+from MaxText.layers.normalizations import rms_norm, rms_norm_with
 
 BATCH_LENGTH_HEADS = ("activation_batch", "activation_length", "activation_heads", None)
 BATCH_LENGTH_KV_HEADS = ("activation_batch", "activation_length", "activation_kv_heads", None)
 # Without context parallelism keys and values are whole rows (no `activation_length`).
 BATCH_FULL_LENGTH_KV_HEADS = ("activation_batch", None, "activation_kv_heads", None)
+BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
 
 
 def attention_mask(query_index, segment_ids, window=None):
@@ -209,13 +210,16 @@ ATTENTIONS = {
 
 
 class Attention(nn.Module):
-  """Self-attention; base_num_kv_heads divides base_num_query_heads (GQA, MQA at 1)."""
+  """Self-attention; base_num_kv_heads divides base_num_query_heads (GQA, MQA at 1). With
+  attention_head_chunks > 1 it runs as sliced_attention over the same parameters."""
 
   config: object
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, layer_index):
     cfg = self.config
+    if cfg.attention_head_chunks > 1 and not self.is_initializing():
+      return sliced_attention(cfg, self.variables["params"], x, positions, segment_ids, layer_index)
     heads, kv_heads, head_dim = cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
     q = dense((heads, head_dim), ("embed", "q_heads", "kv"), cfg, "query")(x)
     k = dense((kv_heads, head_dim), ("embed", "kv_heads", "kv"), cfg, "key")(x)
@@ -225,21 +229,66 @@ class Attention(nn.Module):
     v = checkpoint_name(v, "value_proj")
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
       q, k = rms_norm(cfg, "query_norm")(q), rms_norm(cfg, "key_norm")(k)
-    timescale = rope_timescales(cfg, head_dim)
-    q, k = apply_rope(q, positions, timescale), apply_rope(k, positions, timescale)
-    split = context_parallel.shards() > 1  # each context shard attends its own queries
-    q = nn.with_logical_constraint(q, BATCH_LENGTH_HEADS)
-    k = nn.with_logical_constraint(k, BATCH_LENGTH_KV_HEADS if split else BATCH_FULL_LENGTH_KV_HEADS)
-    v = nn.with_logical_constraint(v, BATCH_LENGTH_KV_HEADS if split else BATCH_FULL_LENGTH_KV_HEADS)
-    scale, soft_cap = (cfg.query_pre_attn_scalar or head_dim)**-0.5, cfg.attn_logits_soft_cap
-    # Gemma 2 alternates: even layers see a window of the last tokens, odd ones the whole row.
-    window, sliding = cfg.sliding_window_size or None, layer_index % 2 == 0
-    if split:
-      context = context_parallel.attention(q, k, v, segment_ids, cfg, scale,
-                                           functools.partial(losses.soft_cap, cap=soft_cap),
-                                           _layer_window(window, sliding, q.shape[1]))
-    else:
-      context = ATTENTIONS[cfg.attention](q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding)
-    context = checkpoint_name(nn.with_logical_constraint(context, BATCH_LENGTH_HEADS), "attention_out")
+    context = attend_heads(cfg, q, k, v, positions, segment_ids, layer_index)
     out = dense(cfg.base_emb_dim, ("heads", "kv", "embed"), cfg, "out", num_in_axes=2)(context)
     return checkpoint_name(out, "out_proj")
+
+
+def attend_heads(cfg, q, k, v, positions, segment_ids, layer_index):
+  """The attention of projected (and qk-normed) q [B, T, N, H], k and v [B, T, K, H]: RoPE,
+  the layout, the configured kernel or context parallelism; the context [B, T, N, H]."""
+  head_dim = q.shape[3]
+  timescale = rope_timescales(cfg, head_dim)
+  q, k = apply_rope(q, positions, timescale), apply_rope(k, positions, timescale)
+  split = context_parallel.shards() > 1  # each context shard attends its own queries
+  q = nn.with_logical_constraint(q, BATCH_LENGTH_HEADS)
+  k = nn.with_logical_constraint(k, BATCH_LENGTH_KV_HEADS if split else BATCH_FULL_LENGTH_KV_HEADS)
+  v = nn.with_logical_constraint(v, BATCH_LENGTH_KV_HEADS if split else BATCH_FULL_LENGTH_KV_HEADS)
+  scale, soft_cap = (cfg.query_pre_attn_scalar or head_dim)**-0.5, cfg.attn_logits_soft_cap
+  # Gemma 2 alternates: even layers see a window of the last tokens, odd ones the whole row.
+  window, sliding = cfg.sliding_window_size or None, layer_index % 2 == 0
+  if split:
+    context = context_parallel.attention(q, k, v, segment_ids, cfg, scale,
+                                         functools.partial(losses.soft_cap, cap=soft_cap),
+                                         _layer_window(window, sliding, q.shape[1]))
+  else:
+    context = ATTENTIONS[cfg.attention](q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding)
+  return checkpoint_name(nn.with_logical_constraint(context, BATCH_LENGTH_HEADS), "attention_out")
+
+
+def sliced_attention(cfg, params, x, positions, segment_ids, layer_index):
+  """Attention (its `params`) on x [B, T, D] in cfg.attention_head_chunks slices of its
+  key/value heads, each with its query heads, one at a time in a scan, each checkpointed:
+  forward and backward hold one slice's projections, scores and accumulators, and under FSDP
+  gather one slice of each kernel, not all of them. Heads act independently until the output
+  projection sums over them, so the output is the slices' sum, taken in float32: the unsliced
+  attention's up to the order of that sum. Slice k is the k-th run of every tensor shard's own
+  heads (so no head moves), indexed in place as sliced_mlp indexes the MLP's units."""
+  chunks, dtype = cfg.attention_head_chunks, jnp.dtype(cfg.dtype)
+  shards = sharding.logical_shards(cfg.to_dict(), "kv_heads")
+
+  def window(kernel, axis, k):  # the heads on `axis`, as [shards, chunks, heads per run]
+    runs = kernel.reshape(*kernel.shape[:axis], shards, chunks, -1, *kernel.shape[axis + 1:])
+    run = jax.lax.dynamic_index_in_dim(runs, k, axis=axis + 1, keepdims=False)
+    return weights_as(run.reshape(*kernel.shape[:axis], -1, *kernel.shape[axis + 1:]), dtype)
+
+  def add_slice(total, k):
+    wq, wk, wv = (window(params[name]["kernel"], 1, k) for name in ("query", "key", "value"))  # [D, n, H]
+    wo = window(params["out"]["kernel"], 0, k)  # [n, H, D]
+    xs = x.astype(dtype)
+    q = checkpoint_name(jnp.einsum("btd,dnh->btnh", xs, wq), "query_proj")
+    kk = checkpoint_name(jnp.einsum("btd,dnh->btnh", xs, wk), "key_proj")
+    v = checkpoint_name(jnp.einsum("btd,dnh->btnh", xs, wv), "value_proj")
+    if cfg.qk_norm:
+      q, kk = rms_norm_with(cfg, params["query_norm"]["scale"], q), rms_norm_with(cfg, params["key_norm"]["scale"], kk)
+    context = attend_heads(cfg, q, kk, v, positions, segment_ids, layer_index)
+    return total + jnp.einsum("btnh,nhd->btd", context, wo, preferred_element_type=jnp.float32), None
+
+  # As in sliced_mlp: x closed over in float32 so the backward sums the slices' input gradients
+  # in float32, and each slice keeps what remat_policy keeps of its named tensors.
+  x = x.astype(jnp.float32)
+  total = nn.with_logical_constraint(jnp.zeros(x.shape, jnp.float32), BATCH_LENGTH_EMBED)
+  policy = None if cfg.remat_policy == "none" else remat.checkpoint_policy(cfg)
+  add_slice = jax.checkpoint(add_slice, policy=policy, prevent_cse=False)
+  total, _ = jax.lax.scan(add_slice, total, jnp.arange(chunks))
+  return checkpoint_name(total.astype(dtype), "out_proj")

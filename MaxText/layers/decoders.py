@@ -6,12 +6,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import remat, sharding
-from MaxText.layers.attentions import Attention
+from MaxText.layers.attentions import BATCH_LENGTH_EMBED, Attention
 from MaxText.layers.linears import ACTIVATIONS, MlpBlock, weights_as
 from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import rms_norm
-
-BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
 
 
 class DecoderLayer(nn.Module):

@@ -20,13 +20,23 @@ class RMSNorm(nn.Module):
   def __call__(self, x):
     init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
     scale = self.param("scale", nn.with_logical_partitioning(init, ("norm",)), (x.shape[-1],), self.weight_dtype)
-    # Statistics in float32 whatever the activation dtype: bfloat16 sums of squares drift.
-    x = x.astype(jnp.float32)
-    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.epsilon)
-    scale = scale.astype(jnp.float32)
-    return (y * (scale + 1 if self.plus_one else scale)).astype(self.dtype)
+    return normalize(x, scale, self.epsilon, self.plus_one, self.dtype)
+
+
+def normalize(x, scale, epsilon, plus_one, dtype):
+  """RMSNorm of x over its last axis with a stored `scale`, in `dtype`."""
+  # Statistics in float32 whatever the activation dtype: bfloat16 sums of squares drift.
+  x = x.astype(jnp.float32)
+  y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + epsilon)
+  scale = scale.astype(jnp.float32)
+  return (y * (scale + 1 if plus_one else scale)).astype(dtype)
 
 
 def rms_norm(cfg, name: str) -> RMSNorm:
   return RMSNorm(cfg.normalization_layer_epsilon, jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype),
                  cfg.norm_plus_one, name=name)
+
+
+def rms_norm_with(cfg, scale, x):
+  """rms_norm(cfg, ...) applied with its stored scale, outside a module."""
+  return normalize(x, scale, cfg.normalization_layer_epsilon, cfg.norm_plus_one, jnp.dtype(cfg.dtype))
