@@ -1,7 +1,8 @@
 """Memory planner: python -m MaxText.plan configs/base.yml [hbm_budget_gib=...] [key=value ...]
 
 Finds the fastest num_vocab_tiling x remat_policy x remat_layer_interval x per_device_batch_size
-(x mlp_chunks x gradient_accumulation_steps x ici_context_parallelism x context_parallel_strategy)
+(x mlp_chunks x attention_head_chunks x gradient_accumulation_steps x ici_context_parallelism x
+context_parallel_strategy)
 whose train step fits hbm_budget_gib per device, for the devices
 train_compile compiles for: a TPU slice (compile_topology=v5p-64), or the visible devices
 (JAX_NUM_CPU_DEVICES=N simulates N). Every other key is held as given, and so is a search key
@@ -12,9 +13,9 @@ roofline per device, max(FLOPs / peak FLOP/s, bytes / HBM bandwidth), from the c
 CPU, both rates are measured once at start-up).
 
 The search walks, for each context setting x remat_policy x remat_layer_interval x mlp_chunks x
-gradient_accumulation_steps, up the plan_per_device_batch_sizes ladder; at each batch size, up plan_num_vocab_tiling until the
-step fits or one more tile count saves less than 1% (the layers, not the loss head, set the peak
-from there); a setting that fits at no tile count is not tried at a larger batch. Settings are
+attention_head_chunks x gradient_accumulation_steps, up the plan_per_device_batch_sizes ladder;
+at each batch size, up plan_num_vocab_tiling until the step fits or one more tile count saves
+less than 1% (the layers, not the loss head, set the peak from there); a setting that fits at no tile count is not tried at a larger batch. Settings are
 compiled in parallel processes (plan_workers) when the devices are simulated CPUs or a
 compile_topology. It prints every compile, the Pareto front of memory vs predicted tokens/s as
 Markdown and the fastest candidate that fits as a `python -m MaxText.train` line, and writes
@@ -44,6 +45,7 @@ SEARCH_KEYS = {
     "remat_policy": "plan_remat_policies",
     "remat_layer_interval": "plan_remat_layer_intervals",
     "mlp_chunks": "plan_mlp_chunks",
+    "attention_head_chunks": "plan_attention_head_chunks",
     "ici_context_parallelism": "plan_context_parallelism",
     "context_parallel_strategy": "plan_context_parallel_strategies",
     "gradient_accumulation_steps": "plan_gradient_accumulation_steps",
@@ -205,10 +207,10 @@ def search(argv: list, space: dict, budget: int, rates: tuple, workers: int, ver
   contexts = [{"ici_context_parallelism": x, "context_parallel_strategy": s} if searched else {}
               for x in space["ici_context_parallelism"] for s in (strategies if x > 1 else strategies[:1])]
   chains = [{**(fixed or {}), **context, "remat_policy": p, "remat_layer_interval": i, "mlp_chunks": c,
-             "gradient_accumulation_steps": g}
+             "attention_head_chunks": a, "gradient_accumulation_steps": g}
             for context in contexts
             for p in space["remat_policy"] for i in space["remat_layer_interval"] for c in space["mlp_chunks"]
-            for g in space["gradient_accumulation_steps"]
+            for a in space["attention_head_chunks"] for g in space["gradient_accumulation_steps"]
             if not (p == "none" and i > 1 and len(space["remat_layer_interval"]) > 1)]  # none checkpoints no layer
   run = functools.partial(_chain, argv, space, budget, rates, verbose)
   if workers > 1 and len(chains) > 1:
@@ -255,6 +257,7 @@ def _name(settings: dict) -> str:
   name = f"{settings['remat_policy']} /{settings['remat_layer_interval']} tiles {settings['num_vocab_tiling']} " \
          f"batch {settings['per_device_batch_size']:g}"
   name += f" mlp/{settings['mlp_chunks']}" if settings["mlp_chunks"] > 1 else ""
+  name += f" attention/{settings['attention_head_chunks']}" if settings["attention_head_chunks"] > 1 else ""
   context = settings.get("ici_context_parallelism", 1)
   name += f" context {context} {settings['context_parallel_strategy']}" if context > 1 else ""
   return name + (f" x{settings['gradient_accumulation_steps']}" if settings["gradient_accumulation_steps"] > 1 else "")
@@ -278,7 +281,7 @@ def report(records: list, chosen: dict, budget: int, how: str, train_line: str) 
   # MaxText's defaults: full remat on every layer, no tiling, the largest batch that fits.
   defaults = [r for r in fitting.values() if r["settings"]["remat_policy"] == "full" and r["settings"]["num_vocab_tiling"]
               == 1 and r["settings"]["remat_layer_interval"] == 1 and r["settings"]["gradient_accumulation_steps"] == 1
-              and r["settings"]["mlp_chunks"] == 1]
+              and r["settings"]["mlp_chunks"] == 1 and r["settings"]["attention_head_chunks"] == 1]
   if defaults:
     default = max(defaults, key=lambda r: r["settings"]["per_device_batch_size"])
     markdown += (f"\n\nMaxText's defaults (remat_policy=full, 1 tile, the largest batch that fits among those compiled: "

@@ -338,7 +338,8 @@ def _validate_plan(v: dict) -> None:
   _require(v["hbm_budget_gib"] >= 0, "hbm_budget_gib", "must be >= 0 (0: the chip's HBM minus 10%)", v)
   _require(v["plan_workers"] >= 0, "plan_workers", "must be >= 0 (0: the CPU cores)", v)
   ladders = {"plan_num_vocab_tiling": int, "plan_remat_layer_intervals": int, "plan_gradient_accumulation_steps": int,
-             "plan_per_device_batch_sizes": (int, float), "plan_mlp_chunks": int, "plan_max_target_lengths": int}
+             "plan_per_device_batch_sizes": (int, float), "plan_mlp_chunks": int,
+             "plan_attention_head_chunks": int, "plan_max_target_lengths": int}
   for key, kind in ladders.items():
     ok = all(isinstance(x, kind) and not isinstance(x, bool) and x > 0 for x in v[key])
     _require(bool(v[key]) and ok and list(v[key]) == sorted(set(v[key])), key,

@@ -202,7 +202,7 @@ def test_matmul_bytes_count_operands_and_result_at_loop_trip_counts():
   assert metrics.matmul_bytes(jaxpr) == 3 * 4 * (8 * 16 + 16 * 16 + 8 * 16)
 
 
-def test_the_longest_sequence_that_fits_is_searched_with_mlp_chunks():
+def test_the_longest_sequence_that_fits_is_searched_with_mlp_and_attention_chunks():
   """max_target_length=auto: lengths up the ladder until nothing fits; the budget is what 32
   tokens need with full remat, so 32 is the answer and 64 the last length compiled."""
   device = sharding.run_devices("", 1)[0]
@@ -210,9 +210,10 @@ def test_the_longest_sequence_that_fits_is_searched_with_mlp_chunks():
   fixed = {"remat_policy": "full", "per_device_batch_size": 2, "num_vocab_tiling": 1}
   budget = plan.evaluate(_argv(), {**fixed, "max_target_length": 32}, rates)["total_bytes"]
   argv = _argv("plan_remat_policies=[full]", "plan_remat_layer_intervals=[1]", "plan_per_device_batch_sizes=[2]",
-               "plan_num_vocab_tiling=[1]", "plan_mlp_chunks=[1,2]")
+               "plan_num_vocab_tiling=[1]", "plan_mlp_chunks=[1,2]", "plan_attention_head_chunks=[1,2]")
   space = plan.search_space(pyconfig.initialize(argv), set(plan.SEARCH_KEYS))
   records = plan.search_longest(argv, space, budget, rates, 1, [16, 32, 64, 128])
   assert {r["settings"]["max_target_length"] for r in records} == {32}
   assert {r["settings"]["mlp_chunks"] for r in records} == {1, 2}
+  assert {r["settings"]["attention_head_chunks"] for r in records} == {1, 2}
   assert plan.choose(records, budget, "test")["settings"]["max_target_length"] == 32
