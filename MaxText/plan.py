@@ -13,17 +13,16 @@ roofline per device, max(FLOPs / peak FLOP/s, bytes / HBM bandwidth), from the c
 CPU, both rates are measured once at start-up).
 
 The search walks, for each context setting x remat_policy x remat_layer_interval x mlp_chunks x
-attention_head_chunks x gradient_accumulation_steps, up the plan_per_device_batch_sizes ladder;
-at each batch size, up plan_num_vocab_tiling until the step fits or one more tile count saves
-less than 1% (the layers, not the loss head, set the peak from there); a setting that fits at no tile count is not tried at a larger batch. Settings are
-compiled in parallel processes (plan_workers) when the devices are simulated CPUs or a
-compile_topology. It prints every compile, the Pareto front of memory vs predicted tokens/s as
-Markdown and the fastest candidate that fits as a `python -m MaxText.train` line, and writes
-base_output_directory/run_name/plan/plan.{md,json,png}. Exit code 2 when nothing fits the budget.
-With max_target_length=auto it answers the longest sequence that fits: the search at each of
-plan_max_target_lengths, ascending, until one has no candidate that fits.
-MaxText.auto runs the same search for `auto` keys at the start of train and train_compile.
-"""
+attention_head_chunks x gradient_accumulation_steps, up the plan_per_device_batch_sizes ladder; at
+each batch size, up plan_num_vocab_tiling until the step fits or one more tile count saves less than
+1% (the layers, not the loss head, set the peak from there); a setting that fits at no tile count is
+not tried at a larger batch. Settings are compiled in parallel processes (plan_workers) when the
+devices are simulated CPUs or a compile_topology. It prints every compile, the Pareto front of
+memory vs predicted tokens/s as Markdown and the fastest candidate that fits as a `python -m
+MaxText.train` line, and writes base_output_directory/run_name/plan/plan.{md,json,png}. Exit code 2
+when nothing fits the budget. With max_target_length=auto it answers the longest sequence that fits:
+the search at each of plan_max_target_lengths, ascending, until one has no candidate that fits.
+MaxText.auto runs the same search for `auto` keys at the start of train and train_compile. """
 
 import concurrent.futures
 import functools
