@@ -188,6 +188,31 @@ def loss_gradients(config, batch=None):
   return {"loss": np.asarray(value), **{jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}}
 
 
+_MESH_GRADIENTS_SCRIPT = """
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+from conftest import SHARDED, loss_gradients, tiny_config
+for name, mesh in {meshes!r}.items():
+  np.savez(f"{{name}}.npz", **loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=1", *mesh, *{overrides!r})))
+"""
+
+
+def assert_mesh_gradients_equal_one_device(out, meshes, *overrides):
+  """SHARDED's loss and gradients with `overrides` on 8 simulated devices under each of `meshes`
+  ({name: overrides}) equal one device's without them, rtol 1e-5; the runs write to `out`."""
+  import numpy as np
+  script = _MESH_GRADIENTS_SCRIPT.format(tests=str(ROOT / "tests"), meshes=meshes, overrides=overrides)
+  result = subprocess.run([sys.executable, "-c", script], env={**os.environ, "JAX_NUM_CPU_DEVICES": "8"},
+                          capture_output=True, text=True, timeout=600, cwd=out)
+  assert result.returncode == 0, result.stderr[-4000:]
+  want = loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=8"))
+  for name in meshes:
+    got = np.load(out / f"{name}.npz")
+    assert sorted(got.files) == sorted(want)
+    assert_trees_close({k: got[k] for k in want}, want, rtol=1e-5, what=name)
+
+
 def packed_batch(config, seed=0):
   """Two rows of packed documents: row 0's boundaries fall inside a context shard (5) and on
   one (16), row 1's inside (13), then two padding tokens; positions restart per document and

@@ -1,10 +1,6 @@
 """The sliced MLP (mlp_chunks): the untiled MLP's loss and gradients, under remat policies,
 both stack modes and a sequence-sharded mesh, with less temp memory."""
 
-import os
-import subprocess
-import sys
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,7 +10,8 @@ import pytest
 from MaxText import losses, metrics, sharding, train_step
 from MaxText.layers import decoders
 from MaxText.layers.linears import MlpBlock
-from conftest import ROOT, SHARDED, assert_trees_close, fixed_batch, loss_gradients, tiny_config, trainer_and_state
+from conftest import assert_mesh_gradients_equal_one_device, assert_trees_close, fixed_batch, tiny_config, \
+    trainer_and_state
 
 RTOL = 1e-6
 MODEL = ("max_target_length=32", "per_device_batch_size=2")
@@ -40,15 +37,21 @@ def compiled_loss_and_grads(config, params, batch):
   return metrics.memory_stats(compiled)["temp_bytes"], float(loss), jax.device_get(grads)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_chunks_give_the_untiled_loss_and_gradients(variant):
-  reference = tiny_config(*MODEL, *VARIANTS[variant])
+def assert_setting_changes_nothing(overrides, setting, what):
+  """The model of MODEL + `overrides` gives the same loss and gradients (rtol 1e-6) with the
+  memory `setting` as without it, from the same parameters on the same batch."""
+  reference = tiny_config(*MODEL, *overrides)
   params = jax.device_get(trainer_and_state(reference)[1].params)
   batch = fixed_batch(reference)
   _, want_loss, want_grads = compiled_loss_and_grads(reference, params, batch)
-  _, loss, grads = compiled_loss_and_grads(tiny_config(*MODEL, *VARIANTS[variant], "mlp_chunks=4"), params, batch)
-  np.testing.assert_allclose(loss, want_loss, rtol=RTOL, err_msg=variant)
-  assert_trees_close(grads, want_grads, rtol=RTOL, what=variant)
+  _, loss, grads = compiled_loss_and_grads(tiny_config(*MODEL, *overrides, setting), params, batch)
+  np.testing.assert_allclose(loss, want_loss, rtol=RTOL, err_msg=what)
+  assert_trees_close(grads, want_grads, rtol=RTOL, what=what)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_chunks_give_the_untiled_loss_and_gradients(variant):
+  assert_setting_changes_nothing(VARIANTS[variant], "mlp_chunks=4", variant)
 
 
 def test_chunks_hold_less_temp_memory_at_a_longer_length():
@@ -65,16 +68,6 @@ def test_chunks_hold_less_temp_memory_at_a_longer_length():
   assert chunked < whole - 2 * 2**20, (chunked, whole)
 
 
-MESH_SCRIPT = """
-import sys
-import numpy as np
-sys.path.insert(0, {tests!r})
-from conftest import SHARDED, loss_gradients, tiny_config
-for name, mesh in {meshes!r}.items():
-  grads = loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=1", *mesh, "context_parallel_load_balance=false",
-                                     "mlp_chunks=4"))
-  np.savez(f"{{name}}.npz", **grads)
-"""
 # The hidden units sharded over tensor 2 too: each slice takes its units from every tensor shard.
 MESHES = {"fsdp2_context4": ("ici_fsdp_parallelism=2", "ici_context_parallelism=4"),
           "tensor2_fsdp2_context2": ("ici_tensor_parallelism=2", "ici_fsdp_parallelism=2", "ici_context_parallelism=2")}
@@ -83,16 +76,7 @@ MESHES = {"fsdp2_context4": ("ici_fsdp_parallelism=2", "ici_context_parallelism=
 def test_chunks_under_sharded_meshes_give_one_devices_gradients(tmp_path):
   """8 simulated devices, fsdp 2 x context 4 and tensor 2 x fsdp 2 x context 2, 4 slices of
   the MLP, against one device without slices."""
-  env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8"}
-  script = MESH_SCRIPT.format(tests=str(ROOT / "tests"), meshes=MESHES)
-  result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=tmp_path)
-  assert result.returncode == 0, result.stderr[-4000:]
-  want = loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=8"))
-  for name in MESHES:
-    got = np.load(tmp_path / f"{name}.npz")
-    assert sorted(got.files) == sorted(want)
-    assert_trees_close({k: got[k] for k in want}, want, rtol=1e-5, what=name)
+  assert_mesh_gradients_equal_one_device(tmp_path, MESHES, "context_parallel_load_balance=false", "mlp_chunks=4")
 
 
 def test_bfloat16_slices_sum_the_input_gradient_in_float32():
