@@ -11,7 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText import losses, remat, sharding
 from MaxText.layers import context_parallel
 from MaxText.layers.embeddings import apply_rope, rope_timescales
-from MaxText.layers.linears import dense, weights_as
+from MaxText.layers.linears import dense, kernel_run
 from MaxText.layers.normalizations import rms_norm, rms_norm_with
 
 BATCH_LENGTH_HEADS = ("activation_batch", "activation_length", "activation_heads", None)
@@ -263,18 +263,14 @@ def sliced_attention(cfg, params, x, positions, segment_ids, layer_index):
   gather one slice of each kernel, not all of them. Heads act independently until the output
   projection sums over them, so the output is the slices' sum, taken in float32: the unsliced
   attention's up to the order of that sum. Slice k is the k-th run of every tensor shard's own
-  heads (so no head moves), indexed in place as sliced_mlp indexes the MLP's units."""
+  heads (so no head moves; linears.kernel_run), as sliced_mlp slices the MLP's units."""
   chunks, dtype = cfg.attention_head_chunks, jnp.dtype(cfg.dtype)
   shards = sharding.logical_shards(cfg.to_dict(), "kv_heads")
 
-  def window(kernel, axis, k):  # the heads on `axis`, as [shards, chunks, heads per run]
-    runs = kernel.reshape(*kernel.shape[:axis], shards, chunks, -1, *kernel.shape[axis + 1:])
-    run = jax.lax.dynamic_index_in_dim(runs, k, axis=axis + 1, keepdims=False)
-    return weights_as(run.reshape(*kernel.shape[:axis], -1, *kernel.shape[axis + 1:]), dtype)
-
   def add_slice(total, k):
-    wq, wk, wv = (window(params[name]["kernel"], 1, k) for name in ("query", "key", "value"))  # [D, n, H]
-    wo = window(params["out"]["kernel"], 0, k)  # [n, H, D]
+    wq, wk, wv = (kernel_run(params[name]["kernel"], 1, shards, chunks, k, dtype)  # [D, n, H]
+                  for name in ("query", "key", "value"))
+    wo = kernel_run(params["out"]["kernel"], 0, shards, chunks, k, dtype)  # [n, H, D]
     xs = x.astype(dtype)
     q = checkpoint_name(jnp.einsum("btd,dnh->btnh", xs, wq), "query_proj")
     kk = checkpoint_name(jnp.einsum("btd,dnh->btnh", xs, wk), "key_proj")

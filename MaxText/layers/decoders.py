@@ -7,7 +7,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import remat, sharding
 from MaxText.layers.attentions import BATCH_LENGTH_EMBED, Attention
-from MaxText.layers.linears import ACTIVATIONS, MlpBlock, weights_as
+from MaxText.layers.linears import ACTIVATIONS, MlpBlock, kernel_run
 from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import rms_norm
 
@@ -58,12 +58,8 @@ def sliced_mlp(cfg, params, x):
   shards = sharding.logical_shards(cfg.to_dict(), "mlp")
   kernels = tuple(params[name]["kernel"] for name in ("wi_0", "wi_1", "wo"))  # each [D, mlp]
 
-  def window(kernel, k):
-    runs = kernel.reshape(kernel.shape[0], shards, chunks, -1)
-    return weights_as(jax.lax.dynamic_index_in_dim(runs, k, axis=2, keepdims=False).reshape(kernel.shape[0], -1), dtype)
-
   def add_slice(total, k):
-    wi_0, wi_1, wo = (window(kernel, k) for kernel in kernels)
+    wi_0, wi_1, wo = (kernel_run(kernel, 1, shards, chunks, k, dtype) for kernel in kernels)
     xs = x.astype(dtype)
     gate = checkpoint_name(jnp.einsum("btd,dm->btm", xs, wi_0), "mlpwi_0")
     up = checkpoint_name(jnp.einsum("btd,dm->btm", xs, wi_1), "mlpwi_1")

@@ -49,6 +49,15 @@ def weights_as(kernel, dtype):
   return kernel.astype(dtype)
 
 
+def kernel_run(kernel, axis, shards, runs, k, dtype):
+  """The k-th of `runs` runs of each of `shards` equal shards of kernel's `axis`, joined in shard
+  order and cast (weights_as): a slice of the units (hidden units, heads) on that axis in which
+  every tensor shard keeps its own, indexed in place, with no transposed copy of the kernel."""
+  split = kernel.reshape(*kernel.shape[:axis], shards, runs, -1, *kernel.shape[axis + 1:])
+  run = jax.lax.dynamic_index_in_dim(split, k, axis=axis + 1, keepdims=False)
+  return weights_as(run.reshape(*kernel.shape[:axis], -1, *kernel.shape[axis + 1:]), dtype)
+
+
 class DenseGeneral(nn.Module):
   """x contracted over its trailing `num_in_axes` dims with a kernel [*in, *features], or
   [*features, *in] with in_last, no bias.
