@@ -4,7 +4,7 @@
 #
 #   bash setup.sh              # the versions in requirements.lock: what CI tested
 #   bash setup.sh --upgrade    # the newest versions requirements.txt allows, written to the
-#                              # lock files; then run the suite: .venv/bin/python -m pytest -q -n 2 tests
+#                              # lock files; then run the suite: .venv/bin/python -m pytest -q tests
 #
 # The Python: $PYTHON when set, else the newest python3.X (X >= 12) that runs, pyenv's
 # installed versions included whether or not one is active.
