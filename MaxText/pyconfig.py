@@ -16,6 +16,7 @@ import yaml
 from absl import logging
 
 from MaxText import accelerators, checkpointing, losses, remat, sharding
+from MaxText.families import FAMILIES
 from MaxText.errors import ConfigError, first_line
 from MaxText.input_pipeline.input_pipeline import DATASET_TYPES
 from MaxText.layers.attentions import ATTENTIONS, FLASH_KERNELS
@@ -34,25 +35,6 @@ MODEL_KEYS_FILE = "model.yml"
 # Keys that are gone, -> what replaces them: the one sequence-sharding axis is `context`.
 RENAMED_KEYS = {"ici_sequence_parallelism": "ici_context_parallelism",
                 "dcn_sequence_parallelism": "dcn_context_parallelism"}
-# decoder_block -> the switches that family sets; the layers read only the switches.
-#   qk_norm: RMSNorm over each head's queries and keys before RoPE (Qwen3)
-#   sandwich_norms: norms both before and after attention and MLP (Gemma 2)
-#   norm_plus_one: RMSNorm scales by 1 + w, w stored zero-centred (Gemma)
-#   scale_embedding: embeddings times sqrt(base_emb_dim) (Gemma)
-#   mlp_activation: the gate's nonlinearity, silu (SwiGLU) or gelu_tanh (GeGLU)
-#   moe: every layer's MLP is a mixture of num_experts experts (layers/moe.py)
-_LLAMA = {"qk_norm": False, "sandwich_norms": False, "norm_plus_one": False, "scale_embedding": False,
-          "mlp_activation": "silu", "moe": False}
-DECODER_BLOCKS = {
-    "llama2": _LLAMA,
-    "qwen3": {**_LLAMA, "qk_norm": True},
-    "qwen3_moe": {**_LLAMA, "qk_norm": True, "moe": True},
-    "mixtral": {**_LLAMA, "moe": True},
-    "gemma2": {**_LLAMA, "sandwich_norms": True, "norm_plus_one": True, "scale_embedding": True,
-               "mlp_activation": "gelu_tanh"},
-}
-
-
 class Config:
   """Read-only attribute access to the resolved keys."""
 
@@ -202,7 +184,7 @@ def _validate_model(v: dict) -> None:
   for key in ("dtype", "weight_dtype"):
     _one_of(v, key, DTYPES)
   _one_of(v, "convert_dtype", ("", *DTYPES))
-  _one_of(v, "decoder_block", tuple(DECODER_BLOCKS))
+  _one_of(v, "decoder_block", tuple(FAMILIES))
   _one_of(v, "attention", tuple(ATTENTIONS))
   if v["attention"] == "flash":  # the kernels' blocks: min(512, length) on TPU, 128 on GPU
     length = v["max_target_length"]
@@ -233,7 +215,7 @@ def _validate_model(v: dict) -> None:
 def _validate_moe(v: dict) -> None:
   # mlp_chunks slices a dense MLP's hidden units; slicing the experts' the same way, each slice
   # gathered inside the MoE's shard_map, saved nothing measurable (docs/moe.md).
-  _require(v["mlp_chunks"] == 1 or not DECODER_BLOCKS[v["decoder_block"]]["moe"], "mlp_chunks",
+  _require(v["mlp_chunks"] == 1 or not FAMILIES[v["decoder_block"]].moe, "mlp_chunks",
            f"must be 1 for a mixture of experts (decoder_block={v['decoder_block']})", v)
   for key in ("num_experts", "base_moe_mlp_dim"):
     _require(v[key] >= 1, key, "must be >= 1", v)
@@ -364,7 +346,7 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   v["micro_batch_size"] = int(micro)
   v["global_batch_size_to_train_on"] = int(micro) * v["gradient_accumulation_steps"]
   v["head_dim"] = v["head_dim"] or v["base_emb_dim"] // v["base_num_query_heads"]
-  v.update(DECODER_BLOCKS[v["decoder_block"]])
+  v.update(FAMILIES[v["decoder_block"]].switches())
   sharding.check_divisible(v)
   _check_context(v)
   units = v["base_mlp_dim"] // sharding.logical_shards(v, "mlp")

@@ -3,6 +3,7 @@
 Qwen3ForCausalLM, Gemma2ForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM), both converters round-trip bit for bit, and runs
 continue from the imported weights with the model directory's tokenizer."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -17,7 +18,7 @@ from etils import epath
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from MaxText import checkpointing, decode, errors, pyconfig
+from MaxText import checkpointing, decode, errors, families, pyconfig
 from MaxText.checkpoint_conversion import mapping, to_huggingface, to_maxtext
 from MaxText.layers.models import Transformer
 from conftest import BASE_YML, ROOT, TINY, run_cli, tiny_config
@@ -386,3 +387,37 @@ def test_export_removes_only_its_own_dead_leftovers_and_paths_in_the_way_are_one
     to_maxtext.convert(to_maxtext.resolve_config([BASE_YML, f"hf_model_path={ASSETS / 'llama'}",
                                                   f"base_output_directory={a_file}", "run_name=b"]))
   assert a_file.read_text() == ""
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_config_json_written_for_each_family_reads_back_as_the_same_model(family):
+  """hf_config and model_keys, both read from the family's registry entry, are inverses: the
+  exported config.json of every family (dense and mixtures) gives back every model key."""
+  config = tiny_config(*SHAPE, *FAMILIES[family])
+  written = mapping.hf_config(config, "float32")
+  mapping.check_shape(config, written, "exported")
+  # The registry's names are transformers' own: those of the golden files it wrote.
+  golden = mapping.read_config(str(ASSETS / family))
+  assert (written["architectures"], written["model_type"]) == (golden["architectures"], golden["model_type"])
+
+
+def test_a_new_family_is_one_registry_entry(monkeypatch, tmp_path):
+  """A family added to families.FAMILIES alone is a decoder_block the config accepts, whose
+  switches the layers read, and whose weights and config.json both converters map."""
+  toy = dataclasses.replace(families.FAMILIES["qwen3"], sandwich_norms=True, hf_architecture="ToyForCausalLM",
+                            hf_model_type="toy")
+  monkeypatch.setitem(families.FAMILIES, "toy", toy)
+  config = tiny_config(*SHAPE, "decoder_block=toy", "logits_via_embedding=false")
+  assert config.qk_norm and config.sandwich_norms and not config.norm_plus_one
+  names = {name for entry in mapping.layout(config) for name in mapping.hf_names(config, entry)}
+  assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.2.pre_feedforward_layernorm.weight"} <= names
+  hf = mapping.hf_config(config, "float32")
+  assert hf["architectures"] == ["ToyForCausalLM"] and mapping.model_keys(hf, "toy")["decoder_block"] == "toy"
+  mapping.check_shape(config, hf, "toy")
+
+
+def test_an_export_the_hugging_face_class_cannot_express_is_refused():
+  config = tiny_config(*SHAPE, *FAMILIES["mixtral"], "norm_topk_prob=false")
+  with pytest.raises(errors.ConfigError, match=r"^norm_topk_prob=False: MixtralForCausalLM fixes it at True"):
+    mapping.check_exportable(config)
+  mapping.check_exportable(tiny_config(*SHAPE, *FAMILIES["qwen3_moe"]))

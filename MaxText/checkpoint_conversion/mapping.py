@@ -17,24 +17,8 @@ import numpy as np
 from safetensors import safe_open
 
 from MaxText import errors
+from MaxText.families import FAMILIES
 
-# decoder_block -> (Hugging Face architecture, model_type, name of its activation key, activation)
-FAMILIES = {"llama2": ("LlamaForCausalLM", "llama", "hidden_act", "silu"),
-            "qwen3": ("Qwen3ForCausalLM", "qwen3", "hidden_act", "silu"),
-            "gemma2": ("Gemma2ForCausalLM", "gemma2", "hidden_activation", "gelu_pytorch_tanh"),
-            "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe", "hidden_act", "silu"),
-            "mixtral": ("MixtralForCausalLM", "mixtral", "hidden_act", "silu")}
-ARCHITECTURES = {architecture: block for block, (architecture, *_) in FAMILIES.items()}
-# What transformers assumes where a family's config.json is silent: Gemma 2's published files
-# name neither a tied head nor layer_types, its head is tied and its even layers slide.
-TIED_BY_DEFAULT = {"llama2": False, "qwen3": False, "gemma2": True, "qwen3_moe": False, "mixtral": False}
-# A mixture of experts' Hugging Face names: (router, expert e's gate, up and down projections)
-# under model.layers.{i}. Mixtral's experts are w1 (gate), w3 (up) and w2 (down).
-EXPERT_NAMES = {"qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-                              "mlp.experts.{e}.down_proj.weight"),
-                "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
-                            "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight")}
-SLIDING_ON_EVEN_LAYERS_BY_DEFAULT = ("gemma2",)
 # Put before the user's keys: the converters read no data, so the text dataset's checks (a
 # tokenizer that fits vocab_size) must not stop them.
 NO_DATA = "dataset_type=synthetic"
@@ -79,11 +63,12 @@ def model_keys(hf: dict, hf_path: str) -> dict:
   """The config keys config.json sets (None where it sets none); an architecture this project
   lacks, or a config.json without a size, is a config error."""
   architecture = (hf.get("architectures") or ["(none)"])[0]
-  if architecture not in ARCHITECTURES:
+  blocks = {family.hf_architecture: block for block, family in FAMILIES.items()}
+  if architecture not in blocks:
     raise errors.ConfigError(f"hf_model_path={hf_path!r}: architecture {architecture} is not supported "
-                             f"(supported: {', '.join(ARCHITECTURES)})")
+                             f"(supported: {', '.join(blocks)})")
   try:
-    return _model_keys(hf, ARCHITECTURES[architecture])
+    return _model_keys(hf, blocks[architecture])
   except KeyError as e:
     raise errors.ConfigError(f"hf_model_path={hf_path!r}: config.json has no {e.args[0]}") from None
 
@@ -93,7 +78,8 @@ def _model_keys(hf: dict, block: str) -> dict:
   rope_type = rope.get("rope_type", rope.get("type", "default"))
   head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
   alternating = [("full_attention", "sliding_attention")[i % 2 == 0] for i in range(hf["num_hidden_layers"])]
-  by_default = block in SLIDING_ON_EVEN_LAYERS_BY_DEFAULT and hf.get("sliding_window")
+  family = FAMILIES[block]
+  by_default = family.hf_sliding_on_even_layers_by_default and hf.get("sliding_window")
   kinds = hf.get("layer_types") or (alternating if by_default else ["full_attention"] * hf["num_hidden_layers"])
   window = 0
   if "sliding_attention" in kinds:
@@ -105,7 +91,7 @@ def _model_keys(hf: dict, block: str) -> dict:
           "base_num_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
           "base_num_decoder_layers": hf["num_hidden_layers"],
           "head_dim": head_dim,
-          "logits_via_embedding": bool(hf.get("tie_word_embeddings", TIED_BY_DEFAULT[block])),
+          "logits_via_embedding": bool(hf.get("tie_word_embeddings", family.hf_tied_by_default)),
           "rope_max_timescale": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
           "normalization_layer_epsilon": hf["rms_norm_eps"],
           "rope_type": {"default": "default", "llama3": "llama3.1"}.get(rope_type, f"{rope_type} (not supported)"),
@@ -115,26 +101,24 @@ def _model_keys(hf: dict, block: str) -> dict:
           "attn_logits_soft_cap": float(hf.get("attn_logit_softcapping") or 0),
           "final_logits_soft_cap": float(hf.get("final_logit_softcapping") or 0),
           "query_pre_attn_scalar": hf.get("query_pre_attn_scalar") or head_dim, "sliding_window_size": window,
-          **_moe_keys(hf, block)}
+          **_moe_keys(hf, family)}
 
 
-def _moe_keys(hf: dict, block: str) -> dict:
-  """The mixture-of-experts keys of a Qwen3-MoE or Mixtral config.json ({} for a dense family).
-  Mixtral's experts are intermediate_size wide and its top-k weights always renormalised; a
-  Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step) is not supported."""
-  if block not in EXPERT_NAMES:
+def _moe_keys(hf: dict, family) -> dict:
+  """The mixture-of-experts keys of a mixture's config.json ({} for a dense family). A mixture
+  with dense layers (Qwen3-MoE's mlp_only_layers, decoder_sparse_step) is not supported."""
+  if not family.moe:
     return {}
   # The Hub's Qwen3-MoE files say num_experts; transformers 5 writes num_local_experts for both.
   experts = hf["num_local_experts"] if "num_local_experts" in hf else hf["num_experts"]
-  if block == "mixtral":
-    return {"num_experts": experts, "num_experts_per_tok": hf["num_experts_per_tok"],
-            "base_moe_mlp_dim": hf["intermediate_size"], "norm_topk_prob": True}
+  norm_topk_prob = family.hf_norm_topk_prob
   dense_layers = hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1
   return {"num_experts": experts, "num_experts_per_tok": hf["num_experts_per_tok"],
-          "base_moe_mlp_dim": hf["moe_intermediate_size"], "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
-          **({"decoder_block": f"qwen3_moe with dense layers (mlp_only_layers {hf.get('mlp_only_layers')}, "
-                               f"decoder_sparse_step {hf.get('decoder_sparse_step')}: not supported)"}
-             if dense_layers else {})}
+          "base_moe_mlp_dim": hf[family.hf_expert_width_key],
+          "norm_topk_prob": bool(hf.get("norm_topk_prob", False)) if norm_topk_prob is None else norm_topk_prob,
+          **({"decoder_block": f"{family.hf_architecture} with dense layers (mlp_only_layers "
+                               f"{hf.get('mlp_only_layers')}, decoder_sparse_step {hf.get('decoder_sparse_step')}: "
+                               "not supported)"} if dense_layers else {})}
 
 
 def check_shape(config, hf: dict, hf_path: str) -> None:
@@ -168,7 +152,7 @@ def layout(config) -> list:
        (dim,), 0),
   ]
   if config.moe:
-    moe, (router, gate, up, down) = ("decoder", "layers", "moe_block"), EXPERT_NAMES[config.decoder_block]
+    moe, (router, gate, up, down) = ("decoder", "layers", "moe_block"), FAMILIES[config.decoder_block].hf_expert_names
     experts, hidden = layers + (config.num_experts,), config.base_moe_mlp_dim
     entries += [((*moe, "gate", "kernel"), layer + router, layers, (dim, config.num_experts), 1),
                 ((*moe, "wi_0"), layer + gate, experts, (dim, hidden), 1),
@@ -244,14 +228,13 @@ def hf_config(config, dtype: str) -> dict:
     rope.update(rope_type="llama3", factor=config.rope_scaling_factor, low_freq_factor=config.rope_low_freq_factor,
                 high_freq_factor=config.rope_high_freq_factor,
                 original_max_position_embeddings=config.rope_original_max_position)
-  architecture, model_type, activation_key, activation = FAMILIES[config.decoder_block]
-  mixtral = config.decoder_block == "mixtral"
-  return {"architectures": [architecture], "model_type": model_type,
-          "vocab_size": config.vocab_size, "hidden_size": config.base_emb_dim,
-          "intermediate_size": config.base_moe_mlp_dim if mixtral else config.base_mlp_dim,
+  family = FAMILIES[config.decoder_block]
+  dense_width = config.base_moe_mlp_dim if family.hf_expert_width_key == "intermediate_size" else config.base_mlp_dim
+  return {"architectures": [family.hf_architecture], "model_type": family.hf_model_type,
+          "vocab_size": config.vocab_size, "hidden_size": config.base_emb_dim, "intermediate_size": dense_width,
           "num_hidden_layers": config.base_num_decoder_layers,
           "num_attention_heads": config.base_num_query_heads, "num_key_value_heads": config.base_num_kv_heads,
-          "head_dim": config.head_dim, activation_key: activation, "rms_norm_eps": config.normalization_layer_epsilon,
+          "head_dim": config.head_dim, family.hf_activation_key: family.hf_activation, "rms_norm_eps": config.normalization_layer_epsilon,
           "max_position_embeddings": config.max_target_length, "tie_word_embeddings": config.logits_via_embedding,
           "rope_theta": float(config.rope_max_timescale), "rope_scaling": rope if config.rope_type != "default" else None,
           # dtype for transformers 5, torch_dtype for 4
@@ -265,17 +248,18 @@ def hf_config(config, dtype: str) -> dict:
 
 def _moe_config(config) -> dict:
   """config.json's mixture-of-experts keys; every layer routed."""
-  experts = "num_local_experts" if config.decoder_block == "mixtral" else "num_experts"
-  return {experts: config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
+  return {FAMILIES[config.decoder_block].hf_num_experts_key: config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
           "moe_intermediate_size": config.base_moe_mlp_dim, "norm_topk_prob": config.norm_topk_prob,
           "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": config.load_balance_loss_weight}
 
 
 def check_exportable(config) -> None:
   """A config Hugging Face's class for its family cannot express is refused before anything is written."""
-  if config.decoder_block == "mixtral" and not config.norm_topk_prob:
-    raise errors.ConfigError("norm_topk_prob=False: MixtralForCausalLM always renormalises the top-k router "
-                             "weights; export with norm_topk_prob=true or as decoder_block=qwen3_moe")
+  family = FAMILIES[config.decoder_block]
+  if family.hf_norm_topk_prob not in (None, config.norm_topk_prob):
+    raise errors.ConfigError(f"norm_topk_prob={config.norm_topk_prob}: {family.hf_architecture} fixes it at "
+                             f"{family.hf_norm_topk_prob}; export with norm_topk_prob={family.hf_norm_topk_prob} "
+                             "or as a family whose config.json says it")
 
 
 def read_config(hf_path: str) -> dict:
@@ -351,4 +335,4 @@ def check_tensors(config, tensors: dict, hf_path: str) -> None:
   extra = [n for n in tensors if n not in wanted and n not in tied_head and not n.endswith(IGNORED_SUFFIXES)]
   if extra:
     raise errors.ConfigError(f"hf_model_path={hf_path!r}: tensor {extra[0]} is not part of a "
-                             f"{FAMILIES[config.decoder_block][0]} of this shape ({len(extra)} such tensors)")
+                             f"{FAMILIES[config.decoder_block].hf_architecture} of this shape ({len(extra)} such tensors)")

@@ -24,6 +24,7 @@ from safetensors.numpy import save_file
 
 from MaxText import checkpointing, errors, pyconfig, run_control
 from MaxText.checkpoint_conversion import mapping, sliced
+from MaxText.families import FAMILIES
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained shards at "5GB"
 
@@ -144,7 +145,7 @@ def main(argv):
     config = pyconfig.initialize(mapping.tool_argv(argv[1:]))
     files = convert(config)
   print(f"wrote {config.load_parameters_path} to {config.hf_output_path} ({len(files)} safetensors file(s), "
-        f"Hugging Face {mapping.FAMILIES[config.decoder_block][0]})", file=sys.stderr)
+        f"Hugging Face {FAMILIES[config.decoder_block].hf_architecture})", file=sys.stderr)
 
 
 if __name__ == "__main__":

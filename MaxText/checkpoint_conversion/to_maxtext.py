@@ -20,6 +20,7 @@ import yaml
 
 from MaxText import checkpointing, errors, pyconfig, run_control
 from MaxText.checkpoint_conversion import mapping, sliced
+from MaxText.families import FAMILIES
 
 
 def resolve_config(argv):
@@ -87,7 +88,7 @@ def main(argv):
   with run_control.signals_raise():
     config = resolve_config(argv[1:])
     output = convert(config)
-  print(f"wrote {config.hf_model_path} ({mapping.FAMILIES[config.decoder_block][0]}) to {output}; start a run "
+  print(f"wrote {config.hf_model_path} ({FAMILIES[config.decoder_block].hf_architecture}) to {output}; start a run "
         f"from it with load_parameters_path={output}", file=sys.stderr)
 
 

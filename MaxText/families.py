@@ -1,0 +1,77 @@
+"""Decoder families: one `Family` record each, the only place a family is named.
+
+`decoder_block=NAME` picks `FAMILIES[NAME]`. The layers read only its switches (copied into the
+config as keys of the same names), and the Hugging Face converters read the rest: how
+transformers names the architecture, its activation and its experts, and what it assumes where
+a config.json is silent. docs/port_a_model.md says how to add one.
+"""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """A decoder family. The first six fields are the layers' switches."""
+
+  # RMSNorm over each head's queries and keys before RoPE (Qwen3).
+  qk_norm: bool = False
+  # Norms both before and after attention and the MLP (Gemma 2).
+  sandwich_norms: bool = False
+  # RMSNorm scales by 1 + w, w stored zero-centred (Gemma).
+  norm_plus_one: bool = False
+  # Embeddings times sqrt(base_emb_dim) (Gemma).
+  scale_embedding: bool = False
+  # The MLP gate's nonlinearity, a key of layers/linears.ACTIVATIONS: silu (SwiGLU) or gelu_tanh (GeGLU).
+  mlp_activation: str = "silu"
+  # Every layer's MLP is a mixture of num_experts experts (layers/moe.py).
+  moe: bool = False
+
+  # Hugging Face: config.json's `architectures[0]` and `model_type`.
+  hf_architecture: str = ""
+  hf_model_type: str = ""
+  # config.json's activation key and value for mlp_activation.
+  hf_activation_key: str = "hidden_act"
+  hf_activation: str = "silu"
+  # What transformers assumes where config.json is silent: a tied head (tie_word_embeddings),
+  # and sliding attention on the even layers when `sliding_window` is set without `layer_types`.
+  hf_tied_by_default: bool = False
+  hf_sliding_on_even_layers_by_default: bool = False
+  # A mixture of experts' tensor names under model.layers.{i}: (router, expert e's gate, up and
+  # down projections); config.json's key for the expert count and for one expert's width.
+  hf_expert_names: tuple[str, str, str, str] | None = None
+  hf_num_experts_key: str = "num_experts"
+  hf_expert_width_key: str = "moe_intermediate_size"
+  # True where the Hugging Face class always renormalises the top-k router weights (it has no
+  # norm_topk_prob key); None where config.json says.
+  hf_norm_topk_prob: bool | None = None
+
+  SWITCHES = ("qk_norm", "sandwich_norms", "norm_plus_one", "scale_embedding", "mlp_activation", "moe")
+
+  def switches(self) -> dict:
+    """The layers' switches, as config keys."""
+    return {name: getattr(self, name) for name in self.SWITCHES}
+
+
+_LLAMA = Family(hf_architecture="LlamaForCausalLM", hf_model_type="llama")
+_QWEN3 = dataclasses.replace(_LLAMA, qk_norm=True, hf_architecture="Qwen3ForCausalLM", hf_model_type="qwen3")
+
+FAMILIES = {
+    # Llama 2, 3, 3.1, 3.2.
+    "llama2": _LLAMA,
+    "qwen3": _QWEN3,
+    "qwen3_moe": dataclasses.replace(
+        _QWEN3, moe=True, hf_architecture="Qwen3MoeForCausalLM", hf_model_type="qwen3_moe",
+        hf_expert_names=("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                         "mlp.experts.{e}.down_proj.weight")),
+    # Mixtral's experts are w1 (gate), w3 (up) and w2 (down), intermediate_size wide.
+    "mixtral": dataclasses.replace(
+        _LLAMA, moe=True, hf_architecture="MixtralForCausalLM", hf_model_type="mixtral",
+        hf_expert_names=("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                         "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
+        hf_num_experts_key="num_local_experts", hf_expert_width_key="intermediate_size", hf_norm_topk_prob=True),
+    # Gemma 2's published config.json names neither a tied head nor layer_types.
+    "gemma2": Family(
+        sandwich_norms=True, norm_plus_one=True, scale_embedding=True, mlp_activation="gelu_tanh",
+        hf_architecture="Gemma2ForCausalLM", hf_model_type="gemma2", hf_activation_key="hidden_activation",
+        hf_activation="gelu_pytorch_tanh", hf_tied_by_default=True, hf_sliding_on_even_layers_by_default=True),
+}
