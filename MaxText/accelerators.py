@@ -11,7 +11,7 @@ import os
 from typing import NamedTuple
 
 
-def _quiet_libtpu_without_tpus() -> None:
+def quiet_libtpu_without_tpus() -> None:
   """libtpu loads with JAX whenever it is installed (setup.sh installs it). On a machine with
   no TPU chip it then logs errors about the TPU it cannot find, and its lock on the TPU keeps
   a second process from compiling for one. Telling it a topology quiets it; with no TPU to
@@ -22,10 +22,6 @@ def _quiet_libtpu_without_tpus() -> None:
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-
-_quiet_libtpu_without_tpus()
-
 
 
 class Chip(NamedTuple):

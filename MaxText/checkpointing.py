@@ -14,7 +14,7 @@ older one restores and matches, and the run resumes from that one; nothing is de
 """
 
 import asyncio
-import functools
+import contextlib
 import math
 import os
 import shutil
@@ -210,34 +210,42 @@ def check_shapes(item: str, abstract_params, fix: str) -> None:
                         f"{shapes[key]}, this config's model {tuple(wanted.shape)}; {fix}")
 
 
-@functools.cache
-def _silence_abandoned_reads() -> None:
-  """Installed before the first restore. When a restore fails, orbax stops waiting on the reads
-  still under way and closes the asyncio event loop it made for the restore. Those reads then
-  reach the closed loop two ways, each printed as a traceback, dozens of them, while orbax raises
-  and after: tensorstore hands a finished read's result to call_soon_threadsafe, which raises
-  RuntimeError('Event loop is closed') in tensorstore's thread; and a read that failed too, its
-  exception never retrieved, is reported to call_exception_handler when its task is collected
-  (how many failed before orbax stopped waiting is a race). A closed loop runs nothing and has
-  nobody to report to, so both go to the debug log instead."""
-  call_soon_threadsafe = asyncio.BaseEventLoop.call_soon_threadsafe
-  call_exception_handler = asyncio.BaseEventLoop.call_exception_handler
+class _QuietWhenClosedLoop(asyncio.SelectorEventLoop):
+  """The event loop orbax makes for a restore. When a restore fails, orbax stops waiting on the
+  reads still under way and closes this loop. Those reads then reach the closed loop two ways,
+  each printed as a traceback, dozens of them, while orbax raises and after: tensorstore hands a
+  finished read's result to call_soon_threadsafe, which raises RuntimeError('Event loop is
+  closed') in tensorstore's thread; and a read that failed too, its exception never retrieved,
+  is reported to call_exception_handler when its task is collected (how many failed before orbax
+  stopped waiting is a race). A closed loop runs nothing and has nobody to report to, so both
+  go to the debug log instead."""
 
-  def unless_closed(loop, *args, **kwargs):
-    return None if loop.is_closed() else call_soon_threadsafe(loop, *args, **kwargs)
+  def call_soon_threadsafe(self, *args, **kwargs):
+    return None if self.is_closed() else super().call_soon_threadsafe(*args, **kwargs)
 
-  def report_unless_closed(loop, context):
-    if not loop.is_closed():
-      return call_exception_handler(loop, context)
+  def call_exception_handler(self, context):
+    if not self.is_closed():
+      return super().call_exception_handler(context)
     logging.debug("a read on orbax's closed event loop: %s %r", context.get("message"), context.get("exception"))
-
-  asyncio.BaseEventLoop.call_soon_threadsafe = unless_closed
-  asyncio.BaseEventLoop.call_exception_handler = report_unless_closed
+    return None
 
 
+@contextlib.contextmanager
+def _abandoned_reads_quiet():
+  """The loops created inside (orbax's, for a restore, metadata reads included) are
+  _QuietWhenClosedLoop; every other loop of the process is left as it is, and so are these
+  loops' calls while they are open."""
+  new_event_loop = asyncio.new_event_loop
+  asyncio.new_event_loop = _QuietWhenClosedLoop
+  try:
+    yield
+  finally:
+    asyncio.new_event_loop = new_event_loop
+
+
+@_abandoned_reads_quiet()
 def _restore_verified(manager, step: int, abstract_state, state_sharding, data_iterator):
   """(state, None) if checkpoint `step` restores and matches its checksums, else (None, why)."""
-  _silence_abandoned_reads()  # before the first read: a metadata read can be abandoned too
   check_shapes(str(manager.directory / str(step) / "state"), abstract_state.params,
                "resume with the model keys it was trained with, or use a new run_name")
   items = {"state": ocp.args.StandardRestore(_with_shardings(abstract_state, state_sharding))}
@@ -317,10 +325,10 @@ def parameters_item(path: str) -> str:
   return item
 
 
+@_abandoned_reads_quiet()
 def load_parameters(path: str, abstract_params, params_sharding):
   """Parameters only, from a checkpoint step directory (or its `state` item) of any run."""
   item = parameters_item(path)
-  _silence_abandoned_reads()
   check_shapes(item, abstract_params, f"load_parameters_path={path!r} needs the model keys it was saved with")
   target = {"params": _with_shardings(abstract_params, params_sharding)}
   try:

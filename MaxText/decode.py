@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText import checkpointing, errors, pyconfig
+from MaxText import checkpointing, errors, pyconfig, runtime
 from MaxText.input_pipeline import input_pipeline
 from MaxText.input_pipeline import tokenizer as tokenizers
 from MaxText.layers.models import Transformer
@@ -83,4 +83,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  errors.run(main)
+  runtime.run(main)

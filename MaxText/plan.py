@@ -32,12 +32,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from MaxText import accelerators, errors, metrics, pyconfig, remat, reports, sharding, train_step  # noqa: E402
+from MaxText import accelerators, errors, metrics, pyconfig, remat, reports, runtime, sharding, train_step
 
 # Search key -> the key listing the values the planner tries, in search order.
 SEARCH_KEYS = {
@@ -287,7 +283,9 @@ def report(records: list, chosen: dict, budget: int, how: str, train_line: str) 
                  f"{default['settings']['per_device_batch_size']:g}) predict {default['tokens_per_second_per_chip']:,.0f} "
                  f"tokens/s/chip at {reports.gib(default['total_bytes'])} GiB; the choice "
                  f"{chosen['tokens_per_second_per_chip'] / default['tokens_per_second_per_chip'] - 1:+.1%}.")
-  figure, axis = plt.subplots(figsize=(9, 6))
+  from matplotlib.figure import Figure  # noqa: PLC0415 (a plot's library, loaded only to draw one)
+  figure = Figure(figsize=(9, 6))
+  axis = figure.subplots()
   for name, r in sized.items():
     color = "tab:red" if name in front else "tab:blue" if r["fits"] else "tab:gray"
     axis.scatter(r["total_bytes"] / 2**30, r["tokens_per_second_per_chip"], s=18, color=color, zorder=3)
@@ -349,4 +347,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  errors.run(main)
+  runtime.run(main)

@@ -4,7 +4,7 @@ saved with load_parameters_path's checkpoint, then key=value.
 base.yml is the schema: every key, its default and its type. Overrides are parsed to the
 type of the default, checked, and the derived values are computed once. The result is a
 read-only `Config`; any bad input raises `ConfigError`, whose message is one line naming
-the key and what is allowed. errors.run turns it into exit code 2.
+the key and what is allowed. runtime.run turns it into exit code 2.
 """
 
 import math

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from MaxText import auto, checkpointing, errors, metrics, run_control, sharding, train_step
+from MaxText import auto, checkpointing, errors, metrics, run_control, runtime, sharding, train_step
 from MaxText.input_pipeline import input_pipeline
 from MaxText.train_step import Trainer, device_batch
 
@@ -168,4 +168,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  errors.run(main)
+  runtime.run(main)

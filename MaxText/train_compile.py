@@ -12,7 +12,7 @@ or N simulated CPU devices: JAX_NUM_CPU_DEVICES=N python -m MaxText.train_compil
 
 import sys
 
-from MaxText import auto, errors, metrics, run_control, sharding, train_step
+from MaxText import auto, errors, metrics, run_control, runtime, sharding, train_step
 
 
 def main(argv):
@@ -66,4 +66,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  errors.run(main)
+  runtime.run(main)

@@ -28,7 +28,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # subprocesses that import th
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-from MaxText import pyconfig
+from MaxText import pyconfig, runtime
+
+runtime.setup()  # as every command does, before JAX starts a backend
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_YML = str(ROOT / "configs" / "base.yml")

@@ -2,6 +2,10 @@
 the benchmarks. Imports inside functions count: they are cycles all the same, only deferred."""
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from conftest import ROOT
@@ -81,3 +85,40 @@ def test_only_benchmarks_import_benchmarks():
   offenders = {name: sorted(m for m in imports if m.startswith(BENCHMARKS))
                for name, imports in import_graph().items() if not name.startswith(BENCHMARKS)}
   assert not {name: found for name, found in offenders.items() if found}
+
+
+def libraries(paths) -> set:
+  """The top-level names of every non-MaxText module the files import, anywhere in them."""
+  found = set()
+  for path in paths:
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        found |= {a.name for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        found.add(node.module)
+  return {name for name in found if name.split(".")[0] != "MaxText"}
+
+
+def test_importing_the_package_changes_nothing_in_the_process():
+  """Every product module imported in a fresh interpreter, after the libraries they import: no
+  environment variable set, no asyncio class patched, no plotting library loaded. Set-up is the
+  entry points' (runtime.setup)."""
+  # beam_pipeline needs Apache Beam, which lives apart (.venv/beam) and runs only with a Beam runner.
+  modules = {name: path for name, path in module_names().items() if not name.startswith(BENCHMARKS)
+             and not name.endswith(("__main__", "beam_pipeline"))}
+  script = ("import asyncio, importlib, json, os, sys\n"
+            f"for name in {sorted(n for n in libraries(modules.values()) if not n.startswith('matplotlib'))!r}:\n"
+            "  try:\n    importlib.import_module(name)\n  except ImportError:\n    pass\n"
+            "env = dict(os.environ)\n"
+            "loop = dict(vars(asyncio.BaseEventLoop))\n"
+                      f"for name in {sorted(modules)!r}:\n  importlib.import_module(name)\n"
+            "print(json.dumps({'env': sorted(set(os.environ.items()) ^ set(env.items())),\n"
+            "  'asyncio': sorted(k for k, v in vars(asyncio.BaseEventLoop).items() if loop.get(k) is not v),\n"
+            "  'new_event_loop': asyncio.new_event_loop.__module__,\n"
+            "  'plotting': sorted(m for m in sys.modules if m.split('.')[0] == 'matplotlib')}))\n")
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("TPU_")
+                               and k != "ALLOW_MULTIPLE_LIBTPU_LOAD"})
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert json.loads(result.stdout.splitlines()[-1]) == {"env": [], "asyncio": [], "new_event_loop": "asyncio.events",
+                                                        "plotting": []}

@@ -27,7 +27,7 @@ from safetensors.numpy import save_file
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from MaxText import pyconfig, reports  # noqa: E402
+from MaxText import pyconfig, reports, runtime  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 from MaxText.checkpoint_conversion import mapping  # noqa: E402
 
@@ -161,4 +161,5 @@ def main():
 
 
 if __name__ == "__main__":
+  runtime.setup()
   main()

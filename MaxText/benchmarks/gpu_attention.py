@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from MaxText import reports  # noqa: E402
+from MaxText import reports, runtime  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 from MaxText.layers import attentions  # noqa: E402
 
@@ -81,4 +81,5 @@ def main():
 
 
 if __name__ == "__main__":
+  runtime.setup()
   main()

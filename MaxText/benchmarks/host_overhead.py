@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from MaxText import reports, sharding, train, train_step  # noqa: E402
+from MaxText import reports, runtime, sharding, train, train_step  # noqa: E402
 from MaxText.input_pipeline import input_pipeline  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
@@ -76,4 +76,5 @@ def main():
 
 
 if __name__ == "__main__":
+  runtime.setup()
   main()

@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from absl import flags  # noqa: E402
 
 from MaxText.input_pipeline import input_pipeline, prepare_data  # noqa: E402
-from MaxText import reports  # noqa: E402
+from MaxText import reports, runtime  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 WORKERS = (0, 1, 2)
@@ -77,4 +77,5 @@ def main():
 
 
 if __name__ == "__main__":
+  runtime.setup()
   main()

@@ -31,7 +31,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from MaxText import accelerators, reports  # noqa: E402
+from MaxText import accelerators, reports, runtime  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 LLAMA3_8B = ("model_name=llama3-8b", "compile_topology=v5p-128", "dataset_type=synthetic",
@@ -133,4 +133,5 @@ def main():
 
 
 if __name__ == "__main__":
+  runtime.setup()
   main()

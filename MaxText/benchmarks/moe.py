@@ -23,7 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from MaxText import metrics, reports  # noqa: E402
+from MaxText import metrics, reports, runtime  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 MODEL = ("dataset_type=synthetic", "per_device_batch_size=4", "enable_checkpointing=false", "eval_interval=0")
@@ -127,4 +127,5 @@ def main():
 
 
 if __name__ == "__main__":
+  runtime.setup()
   main()

@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from scipy import stats  # noqa: E402
 
-from MaxText import plan, pyconfig, reports, sharding  # noqa: E402
+from MaxText import plan, pyconfig, reports, runtime, sharding  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 RUN = ("dataset_type=synthetic", "enable_checkpointing=false", "eval_interval=0", "enable_tensorboard=false")
@@ -75,4 +75,5 @@ def main():
 
 
 if __name__ == "__main__":
+  runtime.setup()
   main()

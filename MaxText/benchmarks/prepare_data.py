@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from MaxText.input_pipeline import corpus, tokenizer  # noqa: E402
-from MaxText import reports  # noqa: E402
+from MaxText import reports, runtime  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 _FILE_BYTES = 64 << 20
@@ -86,4 +86,5 @@ def main():
 
 
 if __name__ == "__main__":
+  runtime.setup()
   main()

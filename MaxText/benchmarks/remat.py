@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from MaxText import remat, reports  # noqa: E402
+from MaxText import remat, reports, runtime  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 MODEL = ("dataset_type=synthetic", "per_device_batch_size=4", "enable_checkpointing=false", "eval_interval=0")
@@ -71,4 +71,5 @@ def main():
 
 
 if __name__ == "__main__":
+  runtime.setup()
   main()

@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from MaxText import accelerators, reports  # noqa: E402
+from MaxText import accelerators, reports, runtime  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 TPU_SLICES = (("llama3-8b", "v5p-64"), ("llama3-8b", "v6e-256"), ("qwen3-0.6b", "v5e-16"))
@@ -135,4 +135,5 @@ def main():
 
 
 if __name__ == "__main__":
+  runtime.setup()
   main()

@@ -32,7 +32,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from MaxText import reports  # noqa: E402
+from MaxText import reports, runtime  # noqa: E402
 
 RUN = ("dataset_type=synthetic", "enable_checkpointing=false", "enable_tensorboard=false", "eval_interval=0",
        "log_period=1")
@@ -180,4 +180,5 @@ def main():
 
 
 if __name__ == "__main__":
+  runtime.setup()
   main()

@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from MaxText import reports  # noqa: E402
+from MaxText import reports, runtime  # noqa: E402
 from MaxText.benchmarks import common  # noqa: E402
 
 HEAD_DOMINATED = ("dataset_type=synthetic", "base_emb_dim=256", "vocab_size=32768", "base_num_decoder_layers=2",
@@ -98,4 +98,5 @@ def main():
 
 
 if __name__ == "__main__":
+  runtime.setup()
   main()

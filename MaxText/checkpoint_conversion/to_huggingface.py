@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from safetensors.numpy import save_file
 
-from MaxText import checkpointing, errors, pyconfig, run_control
+from MaxText import checkpointing, errors, pyconfig, run_control, runtime
 from MaxText.checkpoint_conversion import mapping, sliced
 from MaxText.families import FAMILIES
 
@@ -149,4 +149,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  errors.run(main)
+  runtime.run(main)

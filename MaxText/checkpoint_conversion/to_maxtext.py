@@ -18,7 +18,7 @@ import sys
 import jax.numpy as jnp
 import yaml
 
-from MaxText import checkpointing, errors, pyconfig, run_control
+from MaxText import checkpointing, errors, pyconfig, run_control, runtime
 from MaxText.checkpoint_conversion import mapping, sliced
 from MaxText.families import FAMILIES
 
@@ -93,4 +93,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  errors.run(main)
+  runtime.run(main)

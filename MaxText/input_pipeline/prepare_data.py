@@ -29,7 +29,7 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from MaxText import errors, pyconfig, run_control
+from MaxText import errors, pyconfig, run_control, runtime
 from MaxText.input_pipeline import corpus, token_shards
 from MaxText.input_pipeline import tokenizer as tokenizers
 
@@ -245,4 +245,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  errors.run(main)
+  runtime.run(main)

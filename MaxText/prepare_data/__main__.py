@@ -2,7 +2,7 @@
 
 A package rather than a module beside input_pipeline/: `python -m` needs a file at this name."""
 
-from MaxText import errors
+from MaxText import runtime
 from MaxText.input_pipeline.prepare_data import main
 
-errors.run(main)
+runtime.run(main)
