@@ -30,7 +30,6 @@ from jax.experimental import multihost_utils
 
 from MaxText.errors import ConfigError, UserError, first_line
 
-
 COMMITTED = "_CHECKPOINT_METADATA"  # orbax's file in every step directory it committed (an empty stray one lacks it)
 
 
@@ -197,7 +196,7 @@ def check_shapes(item: str, abstract_params, fix: str) -> None:
   handler = ocp.PyTreeCheckpointHandler()
   try:
     stored = handler.metadata(epath.Path(item)).tree["params"]
-  except Exception:  # noqa: BLE001 (no readable metadata: the restore reports the damage)
+  except Exception:  # no readable metadata: the restore reports the damage
     return
   finally:
     handler.close()

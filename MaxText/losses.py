@@ -2,8 +2,9 @@
 sums of cross entropy + z-loss, z-loss and correct predictions over a batch's tokens, either from
 the whole logits or vocabulary-tiled (num_vocab_tiling > 1).
 
-Vocabulary tiling: cross entropy over [tokens, vocab] logits that never exist whole. The tokens are split into `num_tiles` tiles and a `lax.scan` walks them, so at most one
-tile's logits [B, T/num_tiles, V] are alive at a time. Gradients come from a `custom_vjp`:
+Vocabulary tiling: cross entropy over [tokens, vocab] logits that never exist whole. The tokens
+are split into `num_tiles` tiles and a `lax.scan` walks them, so at most one tile's logits
+[B, T/num_tiles, V] are alive at a time. Gradients come from a `custom_vjp`:
 
 - mode="fused" (default): while the forward has a tile's logits it also forms that tile's
   gradients for the hidden states and the kernel; the backward only scales them by the
@@ -140,23 +141,23 @@ def _head_matmul(x, kernel, transpose: bool):
   shards = math.prod(mesh.shape[a] for a in rows) if not mesh.empty else 1
   if shards == 1 or act_embed or cols != vocab or set(vocab) & set(batch + length):
     return jnp.einsum(spec, x, kernel, preferred_element_type=jnp.float32)  # a layout this scheme does not cover
-  spec_of = lambda *axes: PartitionSpec(*(a or None for a in axes))  # noqa: E731
+  spec_of = lambda *axes: PartitionSpec(*(a or None for a in axes))
 
   def local(x, k):
     width = k.shape[1]
     chunk = -(-width // shards)
     k = jnp.pad(k, [(0, 0), (0, chunk * shards - width)])
-    gathered = lambda c: jax.lax.all_gather(jax.lax.dynamic_slice_in_dim(k, c * chunk, chunk, axis=1), rows,  # noqa: E731
+    gathered = lambda c: jax.lax.all_gather(jax.lax.dynamic_slice_in_dim(k, c * chunk, chunk, axis=1), rows,
                                             axis=0, tiled=True)  # [D, chunk]
     if not transpose:
       # Each chunk's logits written in place into the [B, T, V] result: stacking them as
       # [shards, B, T, chunk] and moving the axis made a second logits-sized float32 buffer.
-      put = lambda c, out: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+      put = lambda c, out: jax.lax.dynamic_update_slice_in_dim(
           out, jnp.einsum(spec, x, gathered(c), preferred_element_type=jnp.float32), c * chunk, axis=2)
       out = jax.lax.fori_loop(0, shards, put, jnp.zeros((*x.shape[:2], chunk * shards), jnp.float32))
       return out[..., :width]
     x = jnp.pad(x, [(0, 0), (0, 0), (0, chunk * shards - width)])
-    add = lambda c, acc: acc + jnp.einsum(  # noqa: E731
+    add = lambda c, acc: acc + jnp.einsum(
         spec, jax.lax.dynamic_slice_in_dim(x, c * chunk, chunk, axis=2), gathered(c),
         preferred_element_type=jnp.float32)
     out = jax.lax.fori_loop(0, shards, add, jnp.zeros((*x.shape[:2], k.shape[0] * shards), jnp.float32))
@@ -207,7 +208,7 @@ def _tile_sums(h, kernel, t, w, z_loss_multiplier, cap, with_grads):
   """One tile's [loss, z_loss, correct] and, when with_grads, the loss's gradients for the
   tile's hidden states and the kernel (float32), d_logits from jax.vjp of the head."""
   logits = _tile_logits(h, kernel)
-  head = lambda raw: token_sums(soft_cap(raw, cap), t, w, z_loss_multiplier)  # noqa: E731
+  head = lambda raw: token_sums(soft_cap(raw, cap), t, w, z_loss_multiplier)
   if not with_grads:
     return head(logits), None
   sums, vjp = jax.vjp(head, logits)

@@ -159,7 +159,8 @@ def collective_bytes(jaxpr) -> dict:
     return 0.0
 
   _executed(jaxpr, collect)
-  sent = {over: _executed(jaxpr, lambda eqn, sizes, over=over: _sent_bytes(eqn, sizes, over)) for over in sorted(groups)}
+  sent = {over: _executed(jaxpr, lambda eqn, sizes, over=over: _sent_bytes(eqn, sizes, over))
+          for over in sorted(groups)}
   return {over: bytes_ for over, bytes_ in sent.items() if bytes_}  # axes of size 1 send nothing
 
 

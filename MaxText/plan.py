@@ -135,7 +135,7 @@ def evaluate(argv: list, settings: dict, rates: tuple) -> dict:
     return {**record, "status": "invalid", "reason": str(e)}
   except errors.UserError as e:  # the TPU compiler refuses a step larger than HBM
     return {**record, "status": "does not fit", "reason": str(e).removeprefix("does not fit: ")}
-  except Exception as e:  # noqa: BLE001 (a compiler failure is a result to report, not the end of the search)
+  except Exception as e:  # a compiler failure is a result to report, not the end of the search
     return {**record, "status": "failed", "reason": f"{type(e).__name__}: {errors.first_line(e)}"}
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
@@ -274,14 +274,15 @@ def report(records: list, chosen: dict, budget: int, how: str, train_line: str) 
               f"of {len(records)} compiled:\n\n{table}\n\n" + ("Compiles that failed:\n" + "\n".join(failed) + "\n\n"
                                                                  if failed else "") + f"Chosen:\n\n    {train_line}")
   # MaxText's defaults: full remat on every layer, no tiling, the largest batch that fits.
-  defaults = [r for r in fitting.values() if r["settings"]["remat_policy"] == "full" and r["settings"]["num_vocab_tiling"]
-              == 1 and r["settings"]["remat_layer_interval"] == 1 and r["settings"]["gradient_accumulation_steps"] == 1
-              and r["settings"]["mlp_chunks"] == 1 and r["settings"]["attention_head_chunks"] == 1]
+  maxtext = {"remat_policy": "full", "num_vocab_tiling": 1, "remat_layer_interval": 1, "gradient_accumulation_steps": 1,
+             "mlp_chunks": 1, "attention_head_chunks": 1}
+  defaults = [r for r in fitting.values() if all(r["settings"][k] == v for k, v in maxtext.items())]
   if defaults:
     default = max(defaults, key=lambda r: r["settings"]["per_device_batch_size"])
-    markdown += (f"\n\nMaxText's defaults (remat_policy=full, 1 tile, the largest batch that fits among those compiled: "
-                 f"{default['settings']['per_device_batch_size']:g}) predict {default['tokens_per_second_per_chip']:,.0f} "
-                 f"tokens/s/chip at {reports.gib(default['total_bytes'])} GiB; the choice "
+    markdown += (f"\n\nMaxText's defaults (remat_policy=full, 1 tile, the largest batch that fits among those "
+                 f"compiled: {default['settings']['per_device_batch_size']:g}) predict "
+                 f"{default['tokens_per_second_per_chip']:,.0f} tokens/s/chip at {reports.gib(default['total_bytes'])} "
+                 "GiB; the choice "
                  f"{chosen['tokens_per_second_per_chip'] / default['tokens_per_second_per_chip'] - 1:+.1%}.")
   from matplotlib.figure import Figure  # noqa: PLC0415 (a plot's library, loaded only to draw one)
   figure = Figure(figsize=(9, 6))
@@ -337,7 +338,8 @@ def main(argv):
   compiled = sum(r["status"] != "invalid" for r in records)
   markdown = f"{compiled} compiles in {seconds:.0f} s ({workers} worker(s)).\n\n" + markdown
   if longest:
-    markdown = f"The longest sequence that fits: max_target_length={chosen['settings']['max_target_length']}.\n\n" + markdown
+    longest_line = f"The longest sequence that fits: max_target_length={chosen['settings']['max_target_length']}."
+    markdown = f"{longest_line}\n\n{markdown}"
   print(markdown)
   reports.save(os.path.join(config.run_dir, "plan"), "plan", markdown,
               {"budget_bytes": budget, "budget": how, "roofline": {"peak_flops": rates[0], "bytes_per_second": rates[1],

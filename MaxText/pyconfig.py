@@ -16,8 +16,8 @@ import yaml
 from absl import logging
 
 from MaxText import accelerators, checkpointing, losses, remat, sharding
-from MaxText.families import FAMILIES
 from MaxText.errors import ConfigError, first_line
+from MaxText.families import FAMILIES
 from MaxText.input_pipeline.input_pipeline import DATASET_TYPES
 from MaxText.layers.attentions import ATTENTIONS, FLASH_KERNELS
 from MaxText.layers.context_parallel import SHARD_KERNELS, STRATEGIES

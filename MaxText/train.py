@@ -109,7 +109,7 @@ def _train_steps(trainer, config, compiled, state, data, train_iterator, manager
   logger = metrics.MetricLogger(config)
   clock = metrics.StepClock(config, jax.devices()[0].device_kind)
   streak = run_control.NonfiniteStreak(config.max_nonfinite_steps)
-  latest_checkpoint = lambda: manager.latest_step() if manager else None  # noqa: E731
+  latest_checkpoint = lambda: manager.latest_step() if manager else None
   if int(state.step) >= config.steps:
     logging.info("run %s is already at step %d, steps=%d: nothing to train", config.run_dir, int(state.step),
                  config.steps)

@@ -44,8 +44,9 @@ def main(argv):
   step_flops = metrics.matmul_flops(traced)
   sent = {axes: bytes_ / config.num_devices for axes, bytes_ in metrics.collective_bytes(traced).items()}
   peak = metrics.peak_tflops(device.device_kind)
-  print(f"FLOPs per step, all devices: model {model_flops:.4g}; matmuls and attention kernels as traced {step_flops:.4g} "
-        f"({step_flops / model_flops - 1:+.1%}: recomputation, and the causal mask's half of the attention products)")
+  print(f"FLOPs per step, all devices: model {model_flops:.4g}; matmuls and attention kernels as traced "
+        f"{step_flops:.4g} ({step_flops / model_flops - 1:+.1%}: recomputation, and the causal mask's half of the "
+        "attention products)")
   if peak:
     seconds = step_flops / config.num_devices / (peak * 1e12)
     print(f"at the {device.device_kind} peak of {peak:g} TFLOP/s: a step takes at least {seconds:.3g} s, "
@@ -57,7 +58,8 @@ def main(argv):
   problem = metrics.fit_message(stats, device)
   if config.memory_stats_file:
     metrics.write_json(config.memory_stats_file, {**stats, "fits": problem is None, "device_memory_bytes": limit,
-                                                 "model_flops_per_step": model_flops, "traced_flops_per_step": step_flops,
+                                                 "model_flops_per_step": model_flops,
+                                                 "traced_flops_per_step": step_flops,
                                                  "collective_bytes_per_device": sent,
                                                  "largest_vocab_arrays": vocab_arrays})
   if problem:

@@ -107,6 +107,7 @@ def assert_trees_close(actual, desired, rtol, what=""):
 def trainer_and_state(config):
   """(Trainer, initialised sharded TrainState) on this process's devices."""
   import jax
+
   from MaxText import sharding, train_step
   trainer = train_step.build(config, sharding.create_mesh(config))
   with sharding.activate(trainer.mesh, config):
@@ -152,6 +153,7 @@ def logits_tokens(hlo_text, vocab_sizes, hidden_sizes):
   """For every array in compiled HLO with a vocabulary-sized dimension (other than [hidden,
   vocab] weights), how many tokens it holds: the largest such count."""
   import re
+
   import numpy as np
   counts = [0]
   for dims in re.findall(r"\[([\d,]+)\]", hlo_text):
@@ -180,6 +182,7 @@ def loss_gradients(config, batch=None):
   parameters on `batch` (default fixed_batch), computed on config's mesh and gathered."""
   import jax
   import numpy as np
+
   from MaxText import losses, sharding, train_step
   trainer, state = trainer_and_state(config)
   loss = lambda params, batch: losses.batch_sums(trainer.model, config, params, batch)[0]

@@ -9,7 +9,6 @@ import os
 import sys
 
 import numpy as np
-
 from conftest import CONTEXT_MODELS, CONTEXT_VARIANTS, loss_gradients, packed_batch, tiny_config
 
 

@@ -14,9 +14,10 @@ import os
 import sys
 
 import numpy as np
-
 from conftest import MESHES, SHARDED, hlo_arrays, logits_tokens, loss_gradients, metrics_losses, tiny_config
+
 from MaxText import sharding, train, train_step
+
 
 def run(out, name, *overrides):
   metrics_file = os.path.join(out, f"{name.replace(' ', '_')}.jsonl")

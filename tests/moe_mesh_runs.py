@@ -11,8 +11,8 @@ import sys
 
 import jax
 import numpy as np
-
 from conftest import fixed_batch, tiny_config, trainer_and_state
+
 from MaxText import losses, sharding, train_step
 from MaxText.layers import moe
 

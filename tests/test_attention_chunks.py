@@ -4,9 +4,9 @@ meshes (tensor-sharded heads, context parallelism with both strategies), with le
 
 import jax
 import pytest
-
 from conftest import assert_mesh_gradients_equal_one_device, fixed_batch, tiny_config, trainer_and_state
-from test_mlp_chunks import VARIANTS as MLP_VARIANTS, assert_setting_changes_nothing, compiled_loss_and_grads
+from test_mlp_chunks import VARIANTS as MLP_VARIANTS
+from test_mlp_chunks import assert_setting_changes_nothing, compiled_loss_and_grads
 
 # TINY has 4 query and 2 key/value heads: 2 slices of one key/value head and its 2 query heads.
 # The MLP tests' variants, Gemma 2 with a window shorter than the rows, and two more.

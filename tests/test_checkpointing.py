@@ -17,9 +17,9 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from conftest import BASE_YML, ROOT, TINY, TINY_TEXT, run_cli
 
 from MaxText import checkpointing, decode, errors, pyconfig
-from conftest import BASE_YML, ROOT, TINY, TINY_TEXT, run_cli
 
 # learning_rate_schedule_steps is pinned: otherwise a run stopped with steps=6 would follow a
 # 6-step schedule, and no resume could match the 12-step run.
@@ -235,7 +235,8 @@ def test_reads_that_fail_after_orbax_closed_its_event_loop_print_no_traceback(ca
     raise ValueError("DATA_LOSS")
 
   async def restore():
-    first, second = asyncio.ensure_future(read()), asyncio.ensure_future(read())
+    first = asyncio.ensure_future(read())
+    asyncio.ensure_future(read())  # the second
     await asyncio.sleep(0)  # both fail; the restore raises the first and abandons the second
     await first
 
@@ -414,9 +415,11 @@ def test_a_checkpoint_without_checksums_is_refused_unless_trusted(tmp_path, refe
   step = run / "checkpoints" / "12"
   shutil.rmtree(step / "checksums")
   before = tree_digest(run / "checkpoints")
-  refusal = f"checkpoint {step} has no checksums, so damage to it cannot be detected; set trust_unverified_checkpoints=true"
+  refusal = (f"checkpoint {step} has no checksums, so damage to it cannot be detected; set "
+             "trust_unverified_checkpoints=true")
   result, _ = train(tmp_path, "ref", text_cache, "steps=12")
-  assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == f"config error: {refusal} to use it anyway"
+  last_line = result.stderr.strip().splitlines()[-1]
+  assert result.returncode == 2 and last_line == f"config error: {refusal} to use it anyway"
   assert "Traceback" not in result.stderr and tree_digest(run / "checkpoints") == before
   # load_parameters_path (train, decode, to_huggingface) is refused while the config is read; decode of the run too
   with pytest.raises(errors.ConfigError, match=re.escape(refusal)):

@@ -7,12 +7,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import (
+  CONTEXT_MODELS,
+  CONTEXT_VARIANTS,
+  assert_trees_close,
+  loss_gradients,
+  packed_batch,
+  run_cli,
+  run_on_eight_devices,
+  tiny_config,
+)
 from jax.sharding import PartitionSpec as P
 
 from MaxText import errors, metrics
 from MaxText.layers import context_parallel
-from conftest import CONTEXT_MODELS, CONTEXT_VARIANTS, assert_trees_close, loss_gradients, packed_batch, run_cli, \
-    run_on_eight_devices, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints: converted weights give transformers' own logits and greedy tokens
 (golden files written by tests/assets/hf/make_golden.py from random LlamaForCausalLM,
-Qwen3ForCausalLM, Gemma2ForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM), both converters round-trip bit for bit, and runs
-continue from the imported weights with the model directory's tokenizer."""
+Qwen3ForCausalLM, Gemma2ForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM), both converters
+round-trip bit for bit, and runs continue from the imported weights with the model directory's tokenizer."""
 
 import dataclasses
 import json
@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import BASE_YML, ROOT, TINY, run_cli, tiny_config
 from etils import epath
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -21,7 +22,6 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from MaxText import checkpointing, decode, errors, families, pyconfig
 from MaxText.checkpoint_conversion import mapping, to_huggingface, to_maxtext
 from MaxText.layers.models import Transformer
-from conftest import BASE_YML, ROOT, TINY, run_cli, tiny_config
 
 ASSETS = ROOT / "tests" / "assets" / "hf"
 SHAPE = ("vocab_size=96", "base_emb_dim=32", "base_mlp_dim=64", "base_num_decoder_layers=3",
@@ -121,7 +121,8 @@ def test_greedy_decoding_of_an_imported_model_gives_the_hugging_face_tokens(tmp_
       [BASE_YML, f"hf_model_path={hf}", f"base_output_directory={tmp_path}", "run_name=imported"]))
   config = pyconfig.initialize([BASE_YML, *RUN, "dataset_type=text", f"dataset_path={corpus}",
                                 f"tokenizer_path={hf}", f"load_parameters_path={converted}",
-                                f"prompt={words(golden['greedy_prompt'])}", f"max_decode_length={len(golden['greedy'])}",
+                                f"prompt={words(golden['greedy_prompt'])}",
+                                f"max_decode_length={len(golden['greedy'])}",
                                 "decode_sampling_strategy=greedy"])
   assert decode.generate(config) == words(golden["greedy_prompt"]) + tokenizer.decode(golden["greedy"].tolist())
 

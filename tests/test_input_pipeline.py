@@ -6,11 +6,11 @@ import re
 import jax
 import numpy as np
 import pytest
+from conftest import TINY_TEXT, tiny_config
 from tokenizers import Tokenizer, models
 
-from MaxText.input_pipeline import corpus, input_pipeline, tokenizer
 from MaxText.errors import ConfigError
-from conftest import TINY_TEXT, tiny_config
+from MaxText.input_pipeline import corpus, input_pipeline, tokenizer
 
 
 def text_config(tmp_path, *overrides):

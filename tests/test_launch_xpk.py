@@ -10,8 +10,9 @@ import shlex
 import subprocess
 import sys
 
-from MaxText import pyconfig
 from conftest import BASE_YML, ROOT, TINY
+
+from MaxText import pyconfig
 
 XPK_PATH = ROOT / ".venv" / "xpk"
 PARSE = """

@@ -6,12 +6,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import (
+  assert_mesh_gradients_equal_one_device,
+  assert_trees_close,
+  fixed_batch,
+  tiny_config,
+  trainer_and_state,
+)
 
 from MaxText import losses, metrics, sharding, train_step
 from MaxText.layers import decoders
 from MaxText.layers.linears import MlpBlock
-from conftest import assert_mesh_gradients_equal_one_device, assert_trees_close, fixed_batch, tiny_config, \
-    trainer_and_state
 
 RTOL = 1e-6
 MODEL = ("max_target_length=32", "per_device_batch_size=2")
@@ -92,8 +97,8 @@ def test_bfloat16_slices_sum_the_input_gradient_in_float32():
   def input_gradient(cfg, block, x):
     return np.asarray(jax.grad(lambda x: jnp.sum(block(cfg, x).astype(jnp.float32) * target))(x), np.float64)
 
-  untiled = lambda cfg, x: MlpBlock(cfg).apply({"params": params}, x)  # noqa: E731
-  sliced = lambda cfg, x: decoders.sliced_mlp(cfg, params, x)  # noqa: E731
+  untiled = lambda cfg, x: MlpBlock(cfg).apply({"params": params}, x)
+  sliced = lambda cfg, x: decoders.sliced_mlp(cfg, params, x)
   want = input_gradient(f32, untiled, x)
-  error = lambda block: np.linalg.norm(input_gradient(bf16, block, x.astype(jnp.bfloat16)) - want)  # noqa: E731
+  error = lambda block: np.linalg.norm(input_gradient(bf16, block, x.astype(jnp.bfloat16)) - want)
   assert error(sliced) < 1.1 * error(untiled), (error(sliced), error(untiled))

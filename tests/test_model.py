@@ -7,11 +7,11 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from conftest import assert_trees_close, model_inputs, tiny_config
 
 from MaxText.layers.attentions import Attention
 from MaxText.layers.linears import weights_as
 from MaxText.layers.models import Transformer
-from conftest import assert_trees_close, model_inputs, tiny_config
 
 
 def init_params(config, seed=0):

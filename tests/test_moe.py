@@ -9,14 +9,14 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import moe_mesh_runs
 import numpy as np
 import pytest
+from conftest import assert_trees_close, fixed_batch, run_cli, run_on_eight_devices, tiny_config, trainer_and_state
 
 from MaxText import errors, losses, metrics, sharding, train, train_step
 from MaxText.layers import moe
 from MaxText.layers.models import Transformer
-import moe_mesh_runs
-from conftest import assert_trees_close, fixed_batch, run_cli, run_on_eight_devices, tiny_config, trainer_and_state
 
 # 4 experts, top 2, expert width 24 over TINY (width 32, 16 tokens, 4 rows).
 MOE = ("decoder_block=qwen3_moe", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=24")
@@ -48,7 +48,7 @@ def outputs_loss_grads(fn, params, x):
   """fn(params, x), and the loss sum((fn - a fixed target)^2) with its gradients in params and x (a
   sum of squares: a signed sum could cancel to a value rtol cannot compare)."""
   target = jax.random.normal(jax.random.key(7), x.shape)
-  loss = lambda p, x: jnp.sum(jnp.square(fn(p, x) - target))  # noqa: E731
+  loss = lambda p, x: jnp.sum(jnp.square(fn(p, x) - target))
   value, grads = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
   return fn(params, x), value, grads
 
@@ -151,7 +151,8 @@ def test_model_flops_count_active_parameters_only():
   and the head, counted from the parameter tree) plus the causal attention products."""
   cfg = tiny_config(*MOE, num_devices=1)
   tokens = jnp.zeros((1, cfg.max_target_length), jnp.int32)
-  params = nn.meta.unbox(jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), tokens, tokens, tokens))["params"])
+  init = lambda: Transformer(cfg).init(jax.random.key(0), tokens, tokens, tokens)
+  params = nn.meta.unbox(jax.eval_shape(init)["params"])
   layer = params["decoder"]["layers"]
   experts = sum(math.prod(layer["moe_block"][n].shape[2:]) for n in ("wi_0", "wi_1", "wo"))
   attention = sum(math.prod(layer["self_attention"][n]["kernel"].shape[1:]) for n in ("query", "key", "value", "out"))
@@ -183,7 +184,7 @@ def test_bad_moe_values_name_the_key(override, message):
 def test_the_cpu_ragged_all_to_all_gives_the_example_of_jaxs_docstring():
   """XLA:CPU lacks ragged-all-to-all; its stand-in (moe.RAGGED_ALL_TO_ALL) against the worked
   example of jax.lax.ragged_all_to_all's docstring, the two devices as a named vmap axis."""
-  rows = lambda *per_device: jnp.array(per_device, jnp.int32)  # noqa: E731
+  rows = lambda *per_device: jnp.array(per_device, jnp.int32)
   exchange = jax.vmap(functools.partial(moe.RAGGED_ALL_TO_ALL["cpu"], axis_name="i"), axis_name="i")
   result = exchange(rows([1, 2, 2], [3, 4, 0]), rows([0, 0, 0, 0], [0, 0, 0, 0]), rows([0, 1], [0, 1]),
                     rows([1, 2], [1, 1]), rows([0, 0], [1, 2]), rows([1, 1], [2, 1]))

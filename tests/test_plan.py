@@ -6,8 +6,8 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-
 from conftest import BASE_YML, TINY, metrics_losses, run_cli
+
 from MaxText import auto, errors, metrics, plan, pyconfig, sharding, train
 
 # Head-heavy: 2048-token vocabulary, 32 positions, so vocabulary tiling changes the memory.

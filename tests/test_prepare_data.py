@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from absl import flags
 from array_record.python import array_record_module
+from conftest import ROOT, run_cli, tiny_config
 from tokenizers import Tokenizer
 
 from MaxText import checkpointing, train
-from MaxText.input_pipeline import corpus, input_pipeline, prepare_data, token_shards, tokenizer
 from MaxText.errors import ConfigError
-from conftest import ROOT, run_cli, tiny_config
+from MaxText.input_pipeline import corpus, input_pipeline, prepare_data, token_shards, tokenizer
 
 TRAIN_SHARDS = 3
 

@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import BASE_YML, ROOT, run_cli, tiny_config
 
 from MaxText import errors, pyconfig
-from conftest import BASE_YML, ROOT, run_cli, tiny_config
 
 
 def test_overrides_are_parsed_to_the_type_of_the_default():
@@ -29,6 +29,7 @@ def test_every_model_config_resolves_and_its_model_traces(name):
   """Each model file: valid keys and values, and a model whose parameters have the shapes the
   file describes (traced abstractly: nothing is allocated)."""
   import jax
+
   from MaxText.layers.models import Transformer
   cfg = pyconfig.initialize([BASE_YML, f"model_name={name}", "dataset_type=synthetic"], num_devices=1)
   def init():
@@ -123,7 +124,8 @@ def test_bad_values_name_the_key(override, key):
     # TINY: 4 query heads, 2 kv heads, MLP 64, vocabulary 128, width 32, 16 tokens, 4 rows per device.
     (("ici_tensor_parallelism=4", "ici_fsdp_parallelism=2"), "base_num_kv_heads=2: not divisible by .* tensor \\(4\\)"),
     (("ici_tensor_parallelism=8", "ici_fsdp_parallelism=1"), "base_num_query_heads=4: .* tensor \\(8\\)"),
-    (("ici_context_parallelism=8", "ici_fsdp_parallelism=1", "max_target_length=20"), "max_target_length=20: .* context"),
+    (("ici_context_parallelism=8", "ici_fsdp_parallelism=1", "max_target_length=20"),
+     "max_target_length=20: .* context"),
     (("ici_fsdp_parallelism=8", "per_device_batch_size=0.5"), "rows per step .*=4: .* fsdp \\(8\\)"),
     (("ici_fsdp_parallelism=8", "base_emb_dim=36", "head_dim=8"), "base_emb_dim=36: .* fsdp \\(8\\)"),
     (("ici_tensor_parallelism=8", "ici_fsdp_parallelism=1", "base_num_query_heads=8", "base_num_kv_heads=8",

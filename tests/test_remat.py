@@ -3,9 +3,9 @@
 import jax
 import numpy as np
 import pytest
+from conftest import assert_trees_close, fixed_batch, tiny_config, trainer_and_state
 
 from MaxText import losses, metrics, remat, sharding, train_step
-from conftest import assert_trees_close, fixed_batch, tiny_config, trainer_and_state
 
 # docs/remat.md states this tolerance.
 RTOL = 1e-5

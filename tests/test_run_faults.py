@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import BASE_YML, ROOT, TINY, run_cli, tiny_config
 
 from MaxText import auto, run_control, train
 from MaxText.checkpointing import CheckpointError
-from conftest import BASE_YML, ROOT, TINY, run_cli, tiny_config
 
 CHECKPOINTED = ("enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false")
 
@@ -41,7 +41,8 @@ def test_a_signal_before_the_loop_ends_the_process_at_once(tmp_path):
   script = (f"import os, signal, sys\nfrom MaxText import train\ninitial = train.initial_state\n"
             f"def signalled(*args):\n  os.kill(os.getpid(), signal.SIGTERM)\n  return initial(*args)\n"
             f"train.initial_state = signalled\nsys.argv = ['train', {BASE_YML!r}, *{TINY!r}, *{CHECKPOINTED!r}, "
-            f"'base_output_directory={tmp_path}', 'run_name=r']\nfrom MaxText import runtime\nruntime.run(train.main)\n")
+            f"'base_output_directory={tmp_path}', 'run_name=r']\n"
+            "from MaxText import runtime\nruntime.run(train.main)\n")
   result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert result.returncode == -signal.SIGTERM, result.stderr[-3000:]
   assert not (tmp_path / "r" / "checkpoints").exists() or not os.listdir(tmp_path / "r" / "checkpoints")

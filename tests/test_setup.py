@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 
@@ -54,8 +53,8 @@ def test_a_python_given_too_old_is_one_line_exit_2(checkout, tmp_path_factory):
 
 
 def test_this_suite_runs_on_the_locked_versions():
-  import jax
   import flax
+  import jax
   locked = dict(line.strip().split("==") for line in (ROOT / "requirements.lock").read_text().splitlines()
                 if "==" in line)
   assert sys.version_info[:2] >= (3, 12)

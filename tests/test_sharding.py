@@ -4,10 +4,17 @@ import json
 
 import numpy as np
 import pytest
+from conftest import (
+  MESHES,
+  SHARDED,
+  assert_trees_close,
+  loss_gradients,
+  metrics_losses,
+  run_on_eight_devices,
+  tiny_config,
+)
 
 from MaxText import train
-from conftest import MESHES, SHARDED, assert_trees_close, loss_gradients, metrics_losses, run_on_eight_devices, \
-    tiny_config
 
 
 @pytest.fixture(scope="module")

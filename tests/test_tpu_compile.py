@@ -10,9 +10,9 @@ import math
 import re
 
 import pytest
+from conftest import TINY, run_cli, tiny_config
 
 from MaxText import accelerators, errors, metrics, sharding, train_step
-from conftest import TINY, run_cli, tiny_config
 
 # A head-dominated model: float32 logits [4 x 512, 32768] per chip are 256 MiB, the layers little.
 HEAD_HEAVY = ("vocab_size=32768", "base_emb_dim=64", "max_target_length=512", "per_device_batch_size=4",

@@ -6,9 +6,9 @@ import os
 import jax
 import numpy as np
 import pytest
+from conftest import TINY, assert_trees_close, fixed_batch, run_cli, tiny_config, trainer_and_state
 
 from MaxText import losses, metrics, sharding, train, train_step
-from conftest import TINY, assert_trees_close, fixed_batch, run_cli, tiny_config, trainer_and_state
 
 
 def run_steps(config, batch, steps):

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_trees_close, fixed_batch, tiny_config, trainer_and_state
 
 from MaxText import sharding, train_step
 from MaxText.losses import tiled_token_sums
-from conftest import assert_trees_close, fixed_batch, tiny_config, trainer_and_state
 
 B, T, D, V = 3, 13, 16, 96  # B*T = 39 tokens: no tile count below divides it evenly
 
@@ -54,8 +54,8 @@ def test_loss_and_gradients_match_full_logits(mode, z_loss_multiplier, cap):
   _, want_z = reference_loss(hidden, kernel, targets, weights, z_loss_multiplier, cap)
   for num_tiles in TILES:
     tiled = jax.jit(jax.value_and_grad(
-        lambda h, w: 3 * tiled_token_sums(h, w, targets, weights, num_tiles, z_loss_multiplier, mode,
-                                          cap)[0], argnums=(0, 1)))
+        lambda h, w, n=num_tiles: 3 * tiled_token_sums(h, w, targets, weights, n, z_loss_multiplier, mode,
+                                                       cap)[0], argnums=(0, 1)))
     loss, grads = tiled(hidden, kernel)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=f"{num_tiles} tiles")
     assert_trees_close(grads, want_grads, rtol=1e-5, what=f"{num_tiles} tiles")

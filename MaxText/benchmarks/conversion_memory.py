@@ -19,17 +19,14 @@ import sys
 import tempfile
 import time
 
-import matplotlib
 import ml_dtypes
 import numpy as np
+from matplotlib.figure import Figure
 from safetensors.numpy import save_file
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from MaxText import pyconfig, reports, runtime  # noqa: E402
-from MaxText.benchmarks import common  # noqa: E402
-from MaxText.checkpoint_conversion import mapping  # noqa: E402
+from MaxText import pyconfig, reports, runtime
+from MaxText.benchmarks import common
+from MaxText.checkpoint_conversion import mapping
 
 # The MoE cut to 4 and 8 of its 48 layers: its stacked expert projections (1.5 and 3 GiB)
 # are the largest parameters, and the peaks show what grows with the layers.
@@ -147,7 +144,8 @@ def main():
               reports.markdown_table(["model", "model", "largest parameter", "one layer of it", "step", "peak RSS",
                                       "above baseline", "above baseline / layer", "wall s"], rows))
   print(markdown)
-  figure, axes = plt.subplots(1, len(MODELS), figsize=(14, 2.8), sharey=True)
+  figure = Figure(figsize=(14, 2.8))
+  axes = figure.subplots(1, len(MODELS), sharey=True)
   for axis, (model, (title, _)) in zip(axes, MODELS.items()):
     peaks = data[model]["peak_rss_bytes"]
     axis.barh(list(peaks), [rss / 2**30 for rss in peaks.values()], color="tab:blue")

@@ -15,14 +15,11 @@ import time
 
 import jax
 import jax.numpy as jnp
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from MaxText import reports, runtime  # noqa: E402
-from MaxText.benchmarks import common  # noqa: E402
-from MaxText.layers import attentions  # noqa: E402
+from MaxText import reports, runtime
+from MaxText.benchmarks import common
+from MaxText.layers import attentions
 
 SHAPES = ((4, 8192), (1, 65536))  # (rows, tokens)
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 64
@@ -72,12 +69,12 @@ def main():
               f"`python -m MaxText.benchmarks.gpu_attention`; {HEADS} query heads, {KV_HEADS} key/value heads of "
               f"{HEAD_DIM}, bfloat16, causal; jax {jax.__version__}\n\n"
               + reports.markdown_table(["kernel", "ms", "TFLOP/s"], rows))
-  figure, axis = plt.subplots(figsize=(9, 0.5 * len(results) + 1.5))
+  figure = Figure(figsize=(9, 0.5 * len(results) + 1.5))
+  axis = figure.subplots()
   axis.barh(list(results), [r["tflops"] for r in results.values()])
   axis.set_xlabel("TFLOP/s (causal half, forward + backward)")
   axis.invert_yaxis()
   reports.save(args.output_dir, "attention_gpu", markdown, {"jax": jax.__version__, "results": results}, figure)
-  plt.close(figure)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,11 @@ import tempfile
 import time
 
 import jax
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from MaxText import reports, runtime, sharding, train, train_step  # noqa: E402
-from MaxText.input_pipeline import input_pipeline  # noqa: E402
-from MaxText.benchmarks import common  # noqa: E402
+from MaxText import reports, runtime, sharding, train, train_step
+from MaxText.benchmarks import common
+from MaxText.input_pipeline import input_pipeline
 
 SMALL = ("base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=256",
          "base_num_decoder_layers=2", "vocab_size=512", "max_target_length=128", "per_device_batch_size=8",
@@ -44,7 +41,8 @@ def device_step_seconds(steps: int, tmp: str) -> float:
   compiled = train_step.compile_train_step(trainer, config)
   with sharding.activate(trainer.mesh, config):
     state = trainer.init(jax.random.key(0))
-  batch = train_step.device_batch(trainer, next(input_pipeline.create_train_iterator(config, input_pipeline.load(config))))
+  rows = next(input_pipeline.create_train_iterator(config, input_pipeline.load(config)))
+  batch = train_step.device_batch(trainer, rows)
   state, _ = compiled(state, batch)
   jax.block_until_ready(state)
   start = time.perf_counter()
@@ -67,7 +65,8 @@ def main():
       ["loop s/step (median)", "device s/step (back to back)", "host share"],
       [[f"{loop_s * 1e3:.2f} ms", f"{device_s * 1e3:.2f} ms", f"{share:.1%}"]])
   print(markdown)
-  figure, axis = plt.subplots(figsize=(6, 2.5))
+  figure = Figure(figsize=(6, 2.5))
+  axis = figure.subplots()
   axis.barh(["device", "loop"], [device_s * 1e3, loop_s * 1e3], color=["tab:gray", "tab:blue"])
   axis.set_xlabel("ms per step")
   axis.set_title(f"host share of a small model's step: {share:.1%}")

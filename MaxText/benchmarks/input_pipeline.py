@@ -15,15 +15,12 @@ import statistics
 import tempfile
 import time
 
-import matplotlib
+from absl import flags
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from absl import flags  # noqa: E402
-
-from MaxText.input_pipeline import input_pipeline, prepare_data  # noqa: E402
-from MaxText import reports, runtime  # noqa: E402
-from MaxText.benchmarks import common  # noqa: E402
+from MaxText import reports, runtime
+from MaxText.benchmarks import common
+from MaxText.input_pipeline import input_pipeline, prepare_data
 
 WORKERS = (0, 1, 2)
 
@@ -65,7 +62,8 @@ def main():
               reports.markdown_table(["grain_worker_count", "rows/s", "tokens/s", "s/batch", "headroom (step / batch)"],
                                     table))
   print(markdown)
-  figure, axis = plt.subplots(figsize=(6, 2.5))
+  figure = Figure(figsize=(6, 2.5))
+  axis = figure.subplots()
   axis.bar([str(w) for w in seconds], [rows * length / s for s in seconds.values()], color="tab:blue")
   axis.axhline(rows * length / step, color="tab:red", label="train step's tokens/s")
   axis.set_xlabel("grain_worker_count")

@@ -26,13 +26,10 @@ import subprocess
 import sys
 
 import jax
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from MaxText import accelerators, reports, runtime  # noqa: E402
-from MaxText.benchmarks import common  # noqa: E402
+from MaxText import accelerators, reports, runtime
+from MaxText.benchmarks import common
 
 LLAMA3_8B = ("model_name=llama3-8b", "compile_topology=v5p-128", "dataset_type=synthetic",
              "per_device_batch_size=0.0625", "ici_fsdp_parallelism=4", "ici_context_parallelism=16",
@@ -72,11 +69,12 @@ def tpu_table(output_dir: str) -> None:
               "attention_head_chunks 8 "
               "(TPU compiler, compile only)\n\n"
               + reports.markdown_table(["tokens per sequence", "strategy", "remat_policy", "device GiB/chip",
-                                        "host GiB/chip", "step at peak", "MFU bound", "context-axis collectives GiB/chip",
-                                        "all shard_map collectives GiB/chip"],
+                                        "host GiB/chip", "step at peak", "MFU bound",
+                                        "context-axis collectives GiB/chip", "all shard_map collectives GiB/chip"],
                                        rows))
   print(markdown)
-  figure, axis = plt.subplots(figsize=(8, 5))
+  figure = Figure(figsize=(8, 5))
+  axis = figure.subplots()
   for strategy, policy in TPU_VARIANTS:
     points = [(length, results[f"llama3-8b v5p-128 {length} {strategy} {policy}"].get("total_bytes"))
               for length in LENGTHS if f"llama3-8b v5p-128 {length} {strategy} {policy}" in results]
@@ -105,7 +103,8 @@ def cpu_table(output_dir: str, warmup: int, steps: int) -> None:
               f"{steps} timed steps after {warmup} warm-up)\n\n"
               + reports.markdown_table(["mesh", "temp MiB", "temp / fsdp 4", "median step s", "time / fsdp 4"], rows))
   print(markdown)
-  figure, axis = plt.subplots(figsize=(8, 3))
+  figure = Figure(figsize=(8, 3))
+  axis = figure.subplots()
   axis.barh(range(len(results)), [r["time_ratio"] for r in results.values()], color="tab:blue")
   axis.set_yticks(range(len(results)), list(results), fontsize=8)
   axis.invert_yaxis()

@@ -18,13 +18,10 @@ memory per chip and the bytes each chip sends over the expert axis per step.
 import argparse
 import itertools
 
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from MaxText import metrics, reports, runtime  # noqa: E402
-from MaxText.benchmarks import common  # noqa: E402
+from MaxText import metrics, reports, runtime
+from MaxText.benchmarks import common
 
 MODEL = ("dataset_type=synthetic", "per_device_batch_size=4", "enable_checkpointing=false", "eval_interval=0")
 MOE = ("decoder_block=mixtral", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=384")
@@ -59,7 +56,8 @@ def cpu_table(output_dir: str, warmup: int, steps: int) -> None:
               + reports.markdown_table(["MLP", "model FLOPs/step", "temp MiB", "temp / dense", "median step s",
                                         "time / dense"], rows))
   print(markdown)
-  figure, axis = plt.subplots(figsize=(8, 3))
+  figure = Figure(figsize=(8, 3))
+  axis = figure.subplots()
   axis.barh(range(len(results)), [r["time_ratio"] for r in results.values()], color="tab:blue")
   axis.set_yticks(range(len(results)), list(results), fontsize=8)
   axis.invert_yaxis()
@@ -83,7 +81,8 @@ def tpu_table(output_dir: str) -> None:
               + reports.markdown_table(["slice", "mesh", "num_vocab_tiling", "remat_policy", "params+opt GiB",
                                         "temp GiB", "total GiB/chip"], rows))
   print(markdown)
-  figure, axis = plt.subplots(figsize=(9, 6))
+  figure = Figure(figsize=(9, 6))
+  axis = figure.subplots()
   axis.barh(range(len(results)), [r.get("total_bytes", 0) / 2**30 for r in results.values()], color="tab:blue")
   axis.set_yticks(range(len(results)), [n.removeprefix("qwen3-30b-a3b ") for n in results], fontsize=7)
   axis.invert_yaxis()
@@ -104,7 +103,8 @@ def exchange_table(output_dir: str) -> None:
               + reports.markdown_table(["expert_exchange", "temp GiB", "total GiB/chip",
                                         "sent over the expert axis, GiB/chip/step"], rows))
   print(markdown)
-  figure, axis = plt.subplots(figsize=(6, 2))
+  figure = Figure(figsize=(6, 2))
+  axis = figure.subplots()
   axis.barh(range(len(results)), [r.get("collective_bytes_per_device", {}).get("expert", 0) / 2**30
                                   for r in results.values()], color="tab:blue")
   axis.set_yticks(range(len(results)), list(results))

@@ -8,14 +8,12 @@ fastest that fit, measures their median step times in one run (round-robin, comm
 and reports the Spearman correlation between predicted and measured tokens/s.
 """
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from scipy import stats  # noqa: E402
+from matplotlib.figure import Figure
+from scipy import stats
 
-from MaxText import plan, pyconfig, reports, runtime, sharding  # noqa: E402
-from MaxText.benchmarks import common  # noqa: E402
+from MaxText import plan, pyconfig, reports, runtime, sharding
+from MaxText.benchmarks import common
 
 RUN = ("dataset_type=synthetic", "enable_checkpointing=false", "eval_interval=0", "enable_tensorboard=false")
 # name -> (overrides, the batch at which untiled full remat sets the budget)
@@ -55,7 +53,8 @@ def main():
   args = common.parse_args(__doc__, 9)
   results = {name: check(*model, args.warmup, args.steps) for name, model in MODELS.items()}
   sections = []
-  figure, axes = plt.subplots(1, len(results), figsize=(12, 5))
+  figure = Figure(figsize=(12, 5))
+  axes = figure.subplots(1, len(results))
   for axis, (name, result) in zip(axes, results.items()):
     table = reports.markdown_table(
         ["candidate", "GiB (plan = measured)", "bound", "predicted tokens/s", "measured tokens/s"],

@@ -15,15 +15,12 @@ import shutil
 import subprocess
 import sys
 
-import matplotlib
 import numpy as np
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from MaxText.input_pipeline import corpus, tokenizer  # noqa: E402
-from MaxText import reports, runtime  # noqa: E402
-from MaxText.benchmarks import common  # noqa: E402
+from MaxText import reports, runtime
+from MaxText.benchmarks import common
+from MaxText.input_pipeline import corpus, tokenizer
 
 _FILE_BYTES = 64 << 20
 
@@ -75,7 +72,8 @@ def main():
   markdown = reports.markdown_table(["corpus", "time", "MB/s", "tokens/s", "peak RSS main (MiB)",
                                     "peak RSS worker (MiB)", "shards on disk"], table)
   print(markdown)
-  figure, axis = plt.subplots(figsize=(6, 2.5))
+  figure = Figure(figsize=(6, 2.5))
+  axis = figure.subplots()
   sizes = [f"{g:g} GB" for g in runs]
   axis.bar(sizes, [r["peak_rss_mib"] for r in runs.values()], label="main")
   axis.bar(sizes, [r["peak_worker_rss_mib"] for r in runs.values()], bottom=[r["peak_rss_mib"] for r in runs.values()],

@@ -8,13 +8,11 @@ Table 2 (compile only): llama3-8b at 8192 tokens per device on 8 simulated devic
 """
 
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure
 
-from MaxText import remat, reports, runtime  # noqa: E402
-from MaxText.benchmarks import common  # noqa: E402
+from MaxText import remat, reports, runtime
+from MaxText.benchmarks import common
 
 MODEL = ("dataset_type=synthetic", "per_device_batch_size=4", "enable_checkpointing=false", "eval_interval=0")
 LLAMA3_8B = ("model_name=llama3-8b", "dataset_type=synthetic", "per_device_batch_size=1", "max_target_length=8192",
@@ -32,7 +30,8 @@ def variants():
 
 
 def plot(results, front):
-  figure, axis = plt.subplots(figsize=(9, 6))
+  figure = Figure(figsize=(9, 6))
+  axis = figure.subplots()
   for name, r in results.items():
     on_front = name in front
     axis.scatter(r["time_ratio"], r["memory_ratio"], s=40 if on_front else 18,
@@ -66,8 +65,8 @@ def main():
   markdown = (f"## Default model, {args.steps} timed steps after {args.warmup} warm-up\n\n{table}\n\n"
               f"## llama3-8b, 8192 tokens/device, fsdp=8, num_vocab_tiling=8 (compile only)\n\n{llama_table}")
   print(markdown)
-  reports.save(args.output_dir, "remat", markdown, {"default_model": results, "pareto_front": front, "llama3_8b": llama},
-              plot(results, front))
+  reports.save(args.output_dir, "remat", markdown,
+               {"default_model": results, "pareto_front": front, "llama3_8b": llama}, plot(results, front))
 
 
 if __name__ == "__main__":

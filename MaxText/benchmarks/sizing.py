@@ -15,13 +15,10 @@ loss side's largest arrays (those with a vocabulary dimension) on 8.
 import argparse
 import itertools
 
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from MaxText import accelerators, reports, runtime  # noqa: E402
-from MaxText.benchmarks import common  # noqa: E402
+from MaxText import accelerators, reports, runtime
+from MaxText.benchmarks import common
 
 TPU_SLICES = (("llama3-8b", "v5p-64"), ("llama3-8b", "v6e-256"), ("qwen3-0.6b", "v5e-16"))
 TPU_TILES = (1, 8, 16)
@@ -57,7 +54,8 @@ def attention_table(results: dict) -> str:
 
 def tpu_tables(output_dir: str) -> None:
   results, sections = {}, []
-  figure, axes = plt.subplots(1, len(TPU_SLICES), figsize=(16, 5))
+  figure = Figure(figsize=(16, 5))
+  axes = figure.subplots(1, len(TPU_SLICES))
   for axis, (model, topology) in zip(axes, TPU_SLICES):
     rows, bars = [], []
     for tiles, policy in itertools.product(TPU_TILES, TPU_POLICIES):
@@ -114,7 +112,8 @@ def cpu_tables(output_dir: str) -> None:
   markdown = (f"## llama3-8b, 8192 tokens per device, bfloat16 activations (XLA:CPU estimate, compile only)\n\n"
               f"{table}\n\n## The loss side per device, fsdp=8 (XLA:CPU estimate, compile only)\n\n{loss_table}")
   print(markdown)
-  figure, axis = plt.subplots(figsize=(9, 4))
+  figure = Figure(figsize=(9, 4))
+  axis = figure.subplots()
   axis.barh(range(len(results)), [r["total_bytes"] / 2**30 for r in results.values()], color="tab:blue")
   axis.set_yticks(range(len(results)), list(results), fontsize=8)
   axis.invert_yaxis()

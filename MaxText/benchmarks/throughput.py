@@ -27,12 +27,9 @@ import sys
 import tempfile
 import time
 
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from MaxText import reports, runtime  # noqa: E402
+from MaxText import reports, runtime
 
 RUN = ("dataset_type=synthetic", "enable_checkpointing=false", "enable_tensorboard=false", "eval_interval=0",
        "log_period=1")
@@ -86,8 +83,8 @@ def run_setting(overrides: list, warmup: int) -> dict:
   """In this process: trains, then returns the medians of PERF after warm-up and the memory."""
   import jax  # noqa: PLC0415 (the parent process never starts JAX: each setting has the device alone)
 
-  from MaxText import errors, train  # noqa: PLC0415
-  from MaxText.benchmarks import common  # noqa: PLC0415
+  from MaxText import errors, train  # noqa: PLC0415 (they start JAX, as above)
+  from MaxText.benchmarks import common  # noqa: PLC0415 (as above)
 
   with tempfile.TemporaryDirectory() as tmp:
     metrics_file, memory_file = os.path.join(tmp, "metrics.jsonl"), os.path.join(tmp, "memory.json")
@@ -123,7 +120,8 @@ def report(target: str, results: dict, output_dir: str) -> None:
   markdown = (f"# Training throughput, {target} ({kind})\n\n`python -m MaxText.benchmarks.throughput --target "
               f"{target}`; model: `{' '.join(MODELS[target])}`\n\n" + reports.markdown_table(header, rows))
   ok = {n: r for n, r in results.items() if "error" not in r}
-  figure, (left, right) = plt.subplots(1, 2, figsize=(12, 0.6 * len(results) + 1.5), sharey=True)
+  figure = Figure(figsize=(12, 0.6 * len(results) + 1.5))
+  (left, right) = figure.subplots(1, 2, sharey=True)
   names = list(ok)
   left.barh(names, [ok[n]["per_device_tokens_per_sec"] for n in names])
   left.set_xlabel("tokens/s per device")
@@ -132,7 +130,6 @@ def report(target: str, results: dict, output_dir: str) -> None:
   left.invert_yaxis()
   figure.suptitle(f"{' '.join(MODELS[target])} on {kind}")
   reports.save(output_dir, f"throughput_{target}", markdown, {"target": target, "results": results}, figure)
-  plt.close(figure)
 
 
 def main():
@@ -166,12 +163,12 @@ def main():
     child = subprocess.run([sys.executable, "-m", __spec__.name, "--target", args.target, "--setting", name,
                             "--warmup", str(args.warmup), "--steps", str(args.steps)],
                            capture_output=True, text=True)
-    line = next((l for l in child.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((out for out in child.stdout.splitlines() if out.startswith("RESULT ")), None)
     if line:
       results[name] = json.loads(line[len("RESULT "):])
     else:  # the exception's line, not JAX's note on filtered frames printed after it
       lines = child.stderr.strip().splitlines() or ["no result"]
-      results[name] = {"error": next((l for l in reversed(lines) if "Error" in l), lines[-1]).strip()}
+      results[name] = {"error": next((err for err in reversed(lines) if "Error" in err), lines[-1]).strip()}
       print(child.stderr[-3000:], flush=True)
     print(json.dumps(results[name]), flush=True)
     order = [n for n, _ in SETTINGS[args.target]]

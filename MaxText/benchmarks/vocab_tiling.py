@@ -11,13 +11,11 @@ num_vocab_tiling 1 and 8.
 """
 
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure
 
-from MaxText import reports, runtime  # noqa: E402
-from MaxText.benchmarks import common  # noqa: E402
+from MaxText import reports, runtime
+from MaxText.benchmarks import common
 
 HEAD_DOMINATED = ("dataset_type=synthetic", "base_emb_dim=256", "vocab_size=32768", "base_num_decoder_layers=2",
                   "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=512", "max_target_length=256",
@@ -53,7 +51,8 @@ def body_table(full_temp_bytes: int):
       "MLP 4 x D, fused x8": ("base_mlp_dim=1024", "num_vocab_tiling=8"),
   }
   results = {name: common.compiled_memory(common.config(*HEAD_DOMINATED, *o)) for name, o in variants.items()}
-  rows = [[name, reports.mib(r["temp_bytes"]), f"{r['temp_bytes'] / full_temp_bytes:.3f}"] for name, r in results.items()]
+  rows = [[name, reports.mib(r["temp_bytes"]), f"{r['temp_bytes'] / full_temp_bytes:.3f}"]
+          for name, r in results.items()]
   return reports.markdown_table(["variant (compile only)", "temp MiB", "temp / table 1 full"], rows), results
 
 
@@ -68,7 +67,8 @@ def llama3_8b_table():
 
 
 def plot(results):
-  figure, (memory, time) = plt.subplots(1, 2, figsize=(10, 4))
+  figure = Figure(figsize=(10, 4))
+  (memory, time) = figure.subplots(1, 2)
   for mode in MODES:
     names = [f"{mode} x{t}" for t in TILES]
     memory.plot(TILES, [results[n]["memory_ratio"] for n in names], "o-", label=mode)

@@ -234,9 +234,10 @@ def hf_config(config, dtype: str) -> dict:
           "vocab_size": config.vocab_size, "hidden_size": config.base_emb_dim, "intermediate_size": dense_width,
           "num_hidden_layers": config.base_num_decoder_layers,
           "num_attention_heads": config.base_num_query_heads, "num_key_value_heads": config.base_num_kv_heads,
-          "head_dim": config.head_dim, family.hf_activation_key: family.hf_activation, "rms_norm_eps": config.normalization_layer_epsilon,
-          "max_position_embeddings": config.max_target_length, "tie_word_embeddings": config.logits_via_embedding,
-          "rope_theta": float(config.rope_max_timescale), "rope_scaling": rope if config.rope_type != "default" else None,
+          "head_dim": config.head_dim, family.hf_activation_key: family.hf_activation,
+          "rms_norm_eps": config.normalization_layer_epsilon, "max_position_embeddings": config.max_target_length,
+          "tie_word_embeddings": config.logits_via_embedding, "rope_theta": float(config.rope_max_timescale),
+          "rope_scaling": rope if config.rope_type != "default" else None,
           # dtype for transformers 5, torch_dtype for 4
           "rope_parameters": rope, "attention_bias": False, "torch_dtype": dtype, "dtype": dtype,
           "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim,
@@ -248,7 +249,8 @@ def hf_config(config, dtype: str) -> dict:
 
 def _moe_config(config) -> dict:
   """config.json's mixture-of-experts keys; every layer routed."""
-  return {FAMILIES[config.decoder_block].hf_num_experts_key: config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
+  return {FAMILIES[config.decoder_block].hf_num_experts_key: config.num_experts,
+          "num_experts_per_tok": config.num_experts_per_tok,
           "moe_intermediate_size": config.base_moe_mlp_dim, "norm_topk_prob": config.norm_topk_prob,
           "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": config.load_balance_loss_weight}
 
@@ -334,5 +336,6 @@ def check_tensors(config, tensors: dict, hf_path: str) -> None:
   tied_head = {"lm_head.weight"} if config.logits_via_embedding else set()
   extra = [n for n in tensors if n not in wanted and n not in tied_head and not n.endswith(IGNORED_SUFFIXES)]
   if extra:
-    raise errors.ConfigError(f"hf_model_path={hf_path!r}: tensor {extra[0]} is not part of a "
-                             f"{FAMILIES[config.decoder_block].hf_architecture} of this shape ({len(extra)} such tensors)")
+    architecture = FAMILIES[config.decoder_block].hf_architecture
+    raise errors.ConfigError(f"hf_model_path={hf_path!r}: tensor {extra[0]} is not part of a {architecture} of this "
+                             f"shape ({len(extra)} such tensors)")

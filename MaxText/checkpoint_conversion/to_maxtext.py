@@ -55,8 +55,8 @@ def _write(config, tensors: dict, dtype, path: str) -> None:
     node = tree
     for key in keys[:-1]:
       node = node.setdefault(key, {})
-    node[keys[-1]] = sliced.Slices(stack + shape, dtype or mapping.tensor_dtype(tensors, mapping.hf_names(config, entry)[0]),
-                                   len(stack), read)
+    stored = mapping.tensor_dtype(tensors, mapping.hf_names(config, entry)[0])
+    node[keys[-1]] = sliced.Slices(stack + shape, dtype or stored, len(stack), read)
   sliced.save(path, {"params": tree})
   checkpointing.write_checksums(path, {key: running.value() for key, running in sums.items()})
   with open(os.path.join(path, pyconfig.MODEL_KEYS_FILE), "w") as f:

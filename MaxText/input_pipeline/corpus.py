@@ -90,8 +90,7 @@ def _jsonl_records(f, path: str, text_column: str) -> Iterator[tuple[str | BadRe
 
 
 def _parquet_records(path: str, text_column: str) -> Iterator[tuple[str | BadRecord, int]]:
-  import pyarrow  # noqa: PLC0415 (only parquet needs it)
-  import pyarrow.parquet  # noqa: PLC0415
+  import pyarrow.parquet  # noqa: PLC0415 (only parquet needs it)
   try:
     parquet = pyarrow.parquet.ParquetFile(path)
     if text_column not in parquet.schema_arrow.names:

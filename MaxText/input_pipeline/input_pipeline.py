@@ -27,8 +27,9 @@ import numpy as np
 from absl import logging
 from tokenizers import Tokenizer
 
-from MaxText.input_pipeline import corpus, token_shards, tokenizer as tokenizers
 from MaxText.errors import ConfigError, first_line
+from MaxText.input_pipeline import corpus, token_shards
+from MaxText.input_pipeline import tokenizer as tokenizers
 
 
 def synthetic_rows(config) -> grain.MapDataset:
@@ -163,8 +164,7 @@ def _parquet_rows(config, key: str, tokenizer: Tokenizer, shuffle: bool) -> grai
   """This process's rows of the parquet files named by config key `key` (every P-th file),
   tokenized on the fly and cut into windows of L + 1 tokens by grain's concat-then-split:
   resumable from grain's iterator state, but, unlike the shards' rows, only on as many hosts."""
-  import pyarrow  # noqa: PLC0415 (only parquet needs it)
-  import pyarrow.parquet  # noqa: PLC0415
+  import pyarrow.parquet  # noqa: PLC0415 (only parquet needs it)
   pattern = getattr(config, key)
   files = sorted(glob.glob(pattern))[jax.process_index()::jax.process_count()]
   if not files:

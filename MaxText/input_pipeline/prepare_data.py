@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 from absl import logging
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from MaxText import errors, pyconfig, run_control, runtime
@@ -117,7 +118,6 @@ _worker_tokenizer = None
 
 def _init_worker(tokenizer_json: str) -> None:
   global _worker_tokenizer
-  from tokenizers import Tokenizer  # noqa: PLC0415
   _worker_tokenizer = Tokenizer.from_str(tokenizer_json)
 
 

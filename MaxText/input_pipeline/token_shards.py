@@ -23,8 +23,8 @@ import numpy as np
 from array_record.python import array_record_module
 from tokenizers import Tokenizer
 
-from MaxText.input_pipeline import tokenizer as tokenizers
 from MaxText.errors import ConfigError, first_line
+from MaxText.input_pipeline import tokenizer as tokenizers
 
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
@@ -61,8 +61,8 @@ class ShardWriter:
 
   def __init__(self, path: str):
     self.path = path
-    self._spill = open(_spill_path(path), "wb")  # noqa: SIM115 (closed in close())
-    self._offsets = open(offsets_path(path), "wb")  # noqa: SIM115 (closed in close())
+    self._spill = open(_spill_path(path), "wb")  # closed in close()
+    self._offsets = open(offsets_path(path), "wb")  # closed in close()
     self.documents = self.stream_tokens = 0
 
   def add(self, ids: np.ndarray) -> None:
@@ -143,7 +143,8 @@ def open_split(key: str, pattern: str):
                       f"({first_line(e)}); is this a prepare_data output?") from None
   if tokenizers.fingerprint([tokenizer.to_str()]) != manifest.get("tokenizer_fingerprint"):
     raise ConfigError(f"{key}={pattern!r}: {os.path.join(directory, manifest['tokenizer'])} is not the tokenizer the "
-                      f"shards were tokenized with (its fingerprint differs from {manifest_path}'s); prepare them again")
+                      f"shards were tokenized with (its fingerprint differs from {manifest_path}'s); prepare them "
+                      "again")
   listed = {s["file"]: s for split in manifest["splits"].values() for s in split["shards"]}
   for path in paths:  # `-of-N` promises N shards: one gone would silently drop its documents
     named = re.fullmatch(r"(.+)-\d+-of-(\d+)\.arrayrecord", os.path.basename(path))

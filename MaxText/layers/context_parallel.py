@@ -131,7 +131,8 @@ def _in_chunks(kernel, num_chunks):
 
   def chunked(q, k, v, q_index, k_index, q_segments, k_segments, window):
     step = jax.checkpoint(lambda args: kernel(args[0], k, v, args[1], k_index, args[2], k_segments, window))
-    out, lse = jax.lax.map(step, (_split(q, num_chunks), q_index.reshape(num_chunks, -1), _split(q_segments, num_chunks)))
+    chunks = (_split(q, num_chunks), q_index.reshape(num_chunks, -1), _split(q_segments, num_chunks))
+    out, lse = jax.lax.map(step, chunks)
     return _join(out), _join(lse)
 
   return chunked
@@ -159,7 +160,8 @@ def _over_key_blocks(kernel, block_size):
     num_blocks = _key_blocks(k, block_size)
     if num_blocks == 1:
       return kernel(q, k, v, q_index, k_index, q_segments, k_segments, window)
-    blocks = (_split(k, num_blocks), _split(v, num_blocks), k_index.reshape(num_blocks, -1), _split(k_segments, num_blocks))
+    blocks = (_split(k, num_blocks), _split(v, num_blocks), k_index.reshape(num_blocks, -1),
+              _split(k_segments, num_blocks))
     attend = lambda block: kernel(q, block[0], block[1], q_index, block[2], q_segments, block[3], window)
 
     def step(carry, block):
@@ -259,7 +261,8 @@ def _grads_in_blocks(grads, num_chunks, block_size):
 
   def blocked(q, k, v, q_index, k_index, q_segments, k_segments, window, lse, d_out, d_lse):
     num_blocks = _key_blocks(k, block_size)
-    blocks = (_split(k, num_blocks), _split(v, num_blocks), k_index.reshape(num_blocks, -1), _split(k_segments, num_blocks))
+    blocks = (_split(k, num_blocks), _split(v, num_blocks), k_index.reshape(num_blocks, -1),
+              _split(k_segments, num_blocks))
     chunks = (_split(q, num_chunks), q_index.reshape(num_chunks, -1), _split(q_segments, num_chunks),
               _split(lse, num_chunks), _split(d_out, num_chunks), _split(d_lse, num_chunks))
 

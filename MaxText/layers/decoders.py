@@ -151,11 +151,11 @@ def regroup(cfg, layers):
   reads it: block j of the scan holds layers j*N .. j*N+N-1. At interval 1 with scan_layers
   this is the stored tree itself (no copy)."""
   depth, interval = cfg.base_num_decoder_layers, cfg.remat_layer_interval
-  layer = lambda i: jax.tree.map(lambda p: p[i], layers)  # noqa: E731
+  layer = lambda i: jax.tree.map(lambda p: p[i], layers)
   if not cfg.scan_layers:
     return {f"layer_{i}": layer(i) for i in range(depth)}
   groups, rest = divmod(depth, interval)
-  grouped = {"blocks": {f"layer_{i}": jax.tree.map(lambda p: p[i:groups * interval:interval], layers)
+  grouped = {"blocks": {f"layer_{i}": jax.tree.map(lambda p, i=i: p[i:groups * interval:interval], layers)
                         for i in range(interval)}}
   if rest:
     grouped["rest"] = {f"layer_{i}": layer(groups * interval + i) for i in range(rest)}

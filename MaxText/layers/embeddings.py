@@ -71,7 +71,7 @@ def lookup(table, tokens):
         x = jax.lax.all_gather(x, axis, axis=2, tiled=True)
     return x
 
-  spec = lambda *axes: PartitionSpec(*(a or None for a in axes))  # noqa: E731
+  spec = lambda *axes: PartitionSpec(*(a or None for a in axes))
   return jax.shard_map(local, in_specs=(spec(vocab, embed), spec(batch, length)), out_specs=spec(batch, length, ()),
                        check_vma=True)(table, tokens)
 

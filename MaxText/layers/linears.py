@@ -15,7 +15,10 @@ def kernel_init(num_in_axes: int, in_last: bool = False):
 
   def init(key, shape, dtype):
     axes = tuple(range(len(shape)))
-    inputs, outputs = (axes[-num_in_axes:], axes[:-num_in_axes]) if in_last else (axes[:num_in_axes], axes[num_in_axes:])
+    if in_last:
+      inputs, outputs = axes[-num_in_axes:], axes[:-num_in_axes]
+    else:
+      inputs, outputs = axes[:num_in_axes], axes[num_in_axes:]
     return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=inputs,
                                             out_axis=outputs)(key, shape, dtype)
 

@@ -12,9 +12,10 @@ The kept copies fill a fixed [E, rows * C, D] buffer, multiplied with the stacke
 The routing runs inside a shard_map over the mesh axes that shard the tokens, so each device
 sorts only its own tokens. The expert weights arrive gathered along `embed` (FSDP, as for the
 dense MLP) and split along `exp` (expert parallelism: see _local_moe) and `mlp` (tensor
-parallelism), whose partial outputs are summed. The router's statistics (load-balancing loss, z-loss, load imbalance) are
-taken over all tokens of the batch and sown into the `intermediates` collection, one value per
-MoE layer; `aux_means` averages them over layers for the loss and the metrics.
+parallelism), whose partial outputs are summed. The router's statistics (load-balancing loss,
+z-loss, load imbalance) are taken over all tokens of the batch and sown into the `intermediates`
+collection, one value per MoE layer; `aux_means` averages them over layers for the loss and the
+metrics.
 """
 
 import functools
@@ -70,7 +71,7 @@ def _as_cotangent_of(x, like):
   """x, a per-shard cotangent, as like's: its dtype, summed over the manual mesh axes (shard_map)
   x varies over and like does not (like is the same on each of their shards, so its cotangent
   is the sum of theirs, as JAX's own transpose makes it), marked varying over those like does."""
-  varying = lambda y: jax.typeof(y).manual_axis_type.varying  # noqa: E731
+  varying = lambda y: jax.typeof(y).manual_axis_type.varying
   summed, missing = tuple(sorted(varying(x) - varying(like))), tuple(sorted(varying(like) - varying(x)))
   x = (jax.lax.psum(x, summed) if summed else x).astype(like.dtype)
   return jax.lax.pcast(x, missing, to="varying") if missing else x
@@ -97,7 +98,7 @@ def _tokamax_ragged_dot_fwd(a, w, group_sizes):
 
 
 def _tokamax_ragged_dot_bwd(residuals, d_out):
-  import tokamax  # noqa: PLC0415
+  import tokamax  # noqa: PLC0415 (heavy, and only the GPU uses it)
   a, w, group_sizes = residuals
   rhs_transposed = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
                                                      rhs_group_dimensions=[0])
@@ -182,8 +183,8 @@ def _all_to_all_copies(x, experts, wi_0, wi_1, wo, cfg, axes: tuple):
   counts = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)  # this device's copies per expert
   every = jax.lax.all_gather(counts, axes)  # [devices, E]: every device's counts
   me = jax.lax.axis_index(axes)
-  mine = lambda v: jax.lax.dynamic_slice_in_dim(v, me * local, local, axis=-1)  # noqa: E731 (this device's experts)
-  exclusive = lambda v, axis: jnp.cumsum(v, axis=axis) - v  # noqa: E731
+  mine = lambda v: jax.lax.dynamic_slice_in_dim(v, me * local, local, axis=-1)  # this device's experts
+  exclusive = lambda v, axis: jnp.cumsum(v, axis=axis) - v
   totals = jnp.sum(every, axis=0).reshape(-1, local)  # [devices, local]: copies per expert, all senders
   expert_start = exclusive(totals, 1).reshape(-1)  # on its device, where expert e's copies start
   sender_start = exclusive(every, 0)  # [devices, E]: where each sender's copies of e start within e's
@@ -233,7 +234,7 @@ def _router_stats(logits, cfg, token_axes: tuple) -> dict:
   token_axes) from this device's router logits [b, t, E]."""
   num_experts = cfg.num_experts
   probs, _, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-  total = lambda v: jax.lax.psum(v, token_axes) if token_axes else v  # noqa: E731
+  total = lambda v: jax.lax.psum(v, token_axes) if token_axes else v
   tokens = total(jnp.float32(probs.size // num_experts))
   load = total(jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.float32))
   mean_probs = total(jnp.sum(probs.reshape(-1, num_experts), axis=0)) / tokens
