@@ -59,6 +59,11 @@ FAMILIES = {
     # Llama 2, 3, 3.1, 3.2.
     "llama2": _LLAMA,
     "qwen3": _QWEN3,
+    # Gemma 2's published config.json names neither a tied head nor layer_types.
+    "gemma2": Family(
+        sandwich_norms=True, norm_plus_one=True, scale_embedding=True, mlp_activation="gelu_tanh",
+        hf_architecture="Gemma2ForCausalLM", hf_model_type="gemma2", hf_activation_key="hidden_activation",
+        hf_activation="gelu_pytorch_tanh", hf_tied_by_default=True, hf_sliding_on_even_layers_by_default=True),
     "qwen3_moe": dataclasses.replace(
         _QWEN3, moe=True, hf_architecture="Qwen3MoeForCausalLM", hf_model_type="qwen3_moe",
         hf_expert_names=("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
@@ -69,9 +74,4 @@ FAMILIES = {
         hf_expert_names=("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
                          "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
         hf_num_experts_key="num_local_experts", hf_expert_width_key="intermediate_size", hf_norm_topk_prob=True),
-    # Gemma 2's published config.json names neither a tied head nor layer_types.
-    "gemma2": Family(
-        sandwich_norms=True, norm_plus_one=True, scale_embedding=True, mlp_activation="gelu_tanh",
-        hf_architecture="Gemma2ForCausalLM", hf_model_type="gemma2", hf_activation_key="hidden_activation",
-        hf_activation="gelu_pytorch_tanh", hf_tied_by_default=True, hf_sliding_on_even_layers_by_default=True),
 }

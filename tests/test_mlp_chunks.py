@@ -18,7 +18,10 @@ from MaxText import losses, metrics, sharding, train_step
 from MaxText.layers import decoders
 from MaxText.layers.linears import MlpBlock
 
-RTOL = 1e-6
+# The project's bound for a memory setting. Slices sum in another order than the whole, and how
+# far apart float32 sums land depends on the CPU's vector width: on an AVX-512 machine two
+# sliced-attention gradients differ by 1.2e-5 of an element (2e-6 of their leaf's scale).
+RTOL = 1e-5
 MODEL = ("max_target_length=32", "per_device_batch_size=2")
 # Scan and loop stacks, a policy that keeps the MLP's named tensors, no remat, every-other-layer
 # remat, and Gemma 2's norm after the MLP.
@@ -43,7 +46,7 @@ def compiled_loss_and_grads(config, params, batch):
 
 
 def assert_setting_changes_nothing(overrides, setting, what):
-  """The model of MODEL + `overrides` gives the same loss and gradients (rtol 1e-6) with the
+  """The model of MODEL + `overrides` gives the same loss and gradients (rtol 1e-5) with the
   memory `setting` as without it, from the same parameters on the same batch."""
   reference = tiny_config(*MODEL, *overrides)
   params = jax.device_get(trainer_and_state(reference)[1].params)
