@@ -48,6 +48,7 @@ MESHES = {"fsdp2_context4_ring": ("ici_fsdp_parallelism=2", "ici_context_paralle
           "tensor2_fsdp4": ("ici_tensor_parallelism=2", "ici_fsdp_parallelism=4")}
 
 
+@pytest.mark.slow
 def test_slices_under_sharded_meshes_give_one_devices_gradients(tmp_path):
   """8 simulated devices, 2 slices of the attention, against one device without slices."""
   assert_mesh_gradients_equal_one_device(tmp_path, MESHES, "attention_head_chunks=2")

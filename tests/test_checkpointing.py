@@ -68,6 +68,7 @@ def test_a_stopped_run_resumes_exactly(tmp_path, reference, text_cache):
   assert resumed == reference[1]  # float equality, every step
 
 
+@pytest.mark.slow
 def test_a_mixture_of_experts_run_resumes_exactly(tmp_path, text_cache):
   """A stopped MoE run (router and experts in the checkpoint, the router's losses in the loss)
   resumes to the losses of an uninterrupted one, float equal, and decode continues a prompt from it."""

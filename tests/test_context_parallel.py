@@ -38,6 +38,7 @@ def one_device():
   return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(CONTEXT_VARIANTS))
 def test_context_parallel_loss_and_gradients_equal_one_device(context_results, one_device, variant):
   got = np.load(context_results / f"{variant.replace(' ', '_')}.npz")

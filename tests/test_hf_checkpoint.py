@@ -127,6 +127,7 @@ def test_greedy_decoding_of_an_imported_model_gives_the_hugging_face_tokens(tmp_
   assert decode.generate(config) == words(golden["greedy_prompt"]) + tokenizer.decode(golden["greedy"].tolist())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "llama3.1", "gemma2", "qwen3_moe", "mixtral_tied"])
 def test_import_export_round_trip_and_continued_pretraining(tmp_path, family):
   """The command lines of docs/huggingface.md: Hugging Face -> checkpoint ->

@@ -219,6 +219,7 @@ def test_batches_from_a_step_on_follow_from_the_step_alone_for_any_number_of_pro
       np.testing.assert_array_equal(np.concatenate([parts[0][step][key], parts[1][step][key]]), whole[step][key])
 
 
+@pytest.mark.slow
 def test_a_damaged_cache_entry_is_rebuilt_not_fatal(tmp_path):
   config = text_config(tmp_path)
   first = input_pipeline.TextData(config)

@@ -10,10 +10,12 @@ import shlex
 import subprocess
 import sys
 
+import pytest
 from conftest import BASE_YML, ROOT, TINY
 
 from MaxText import pyconfig
 
+pytestmark = pytest.mark.e2e
 XPK_PATH = ROOT / ".venv" / "xpk"
 PARSE = """
 import argparse, json, sys
@@ -32,6 +34,7 @@ def launch(tpu_type, *extra):
                         capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_the_launch_command_is_one_xpk_accepts_and_trains_the_compiled_config():
   result = launch("v5p-8")
   assert result.returncode == 0, result.stderr[-3000:]

@@ -134,6 +134,7 @@ def loss_and_gradients(config, params, batch):
   return float(loss), jax.device_get(grads)
 
 
+@pytest.mark.slow
 def test_memory_settings_give_the_same_loss_and_gradients():
   reference = tiny_config(*WEIGHTED, "remat_policy=none", "scan_layers=false")
   _, state = trainer_and_state(reference)
@@ -238,6 +239,7 @@ def one_device_loss_and_gradients(*overrides):
       tiny_config(*moe_mesh_runs.MOE, "per_device_batch_size=8", *overrides, num_devices=1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [*moe_mesh_runs.EXPERT_MESHES, *moe_mesh_runs.TOKAMAX_MESHES])
 def test_expert_parallel_meshes_equal_one_device(expert_mesh_results, mesh):
   overrides = {**moe_mesh_runs.EXPERT_MESHES, **moe_mesh_runs.TOKAMAX_MESHES}[mesh]

@@ -5,9 +5,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
+pytestmark = pytest.mark.e2e
 
+
+@pytest.mark.slow
 def test_two_processes_match_one_process_through_a_checkpoint_and_a_sigterm_to_one_of_them(tmp_path):
   env = {**os.environ, "PYTHON": sys.executable, "LIMIT_SECONDS": "240"}
   result = subprocess.run(["bash", str(ROOT / "end_to_end" / "test_multiprocess.sh"), str(tmp_path)],

@@ -34,6 +34,7 @@ def searched():
   return plan.search(_argv(*search), plan.search_space(config, free), budget, rates, workers=1), budget
 
 
+@pytest.mark.slow
 def test_the_search_stops_each_ladder_where_the_issue_says(searched):
   records, budget = searched
   ladder = [2, 4, 8, 16]
@@ -141,6 +142,7 @@ def test_auto_trains_exactly_as_the_setting_it_chose_given_explicitly(tmp_path, 
   assert metrics_losses(tmp_path / "auto.jsonl") == metrics_losses(tmp_path / "explicit.jsonl")
 
 
+@pytest.mark.slow
 def test_a_mixture_of_experts_is_planned_by_its_active_flops_and_trains_as_its_choice(tmp_path, caplog):
   moe = ("decoder_block=qwen3_moe", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=24",
          "router_z_loss_weight=0.001")
@@ -163,6 +165,7 @@ def test_a_mixture_of_experts_is_planned_by_its_active_flops_and_trains_as_its_c
   assert metrics_losses(tmp_path / "auto.jsonl") == metrics_losses(tmp_path / "explicit.jsonl")
 
 
+@pytest.mark.slow
 def test_the_context_degree_and_strategy_are_searched():
   """On a v5p-8 (4 chips) at 1024 tokens: every context degree x strategy is compiled (one
   strategy at context 1), and the candidates name them."""
@@ -202,6 +205,7 @@ def test_matmul_bytes_count_operands_and_result_at_loop_trip_counts():
   assert metrics.matmul_bytes(jaxpr) == 3 * 4 * (8 * 16 + 16 * 16 + 8 * 16)
 
 
+@pytest.mark.slow
 def test_the_longest_sequence_that_fits_is_searched_with_mlp_and_attention_chunks():
   """max_target_length=auto: lengths up the ladder until nothing fits; the budget is what 32
   tokens need with full remat, so 32 is the answer and 64 the last length compiled."""

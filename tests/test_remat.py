@@ -49,6 +49,7 @@ def gradients():
   return results
 
 
+@pytest.mark.slow
 def test_every_policy_and_interval_gives_the_loss_and_gradients_of_none(gradients):
   _, want_loss, want_grads = gradients["none, loop"]
   for name, (_, loss, grads) in gradients.items():

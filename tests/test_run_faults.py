@@ -35,6 +35,7 @@ def test_a_step_too_big_for_memory_fails_before_anything_is_allocated_or_written
   assert not (tmp_path / "big").exists()
 
 
+@pytest.mark.e2e
 def test_a_signal_before_the_loop_ends_the_process_at_once(tmp_path):
   """SIGTERM while the state is restored or initialised: nothing to save yet, so the default
   action, not a step trained and saved after it."""
@@ -48,6 +49,7 @@ def test_a_signal_before_the_loop_ends_the_process_at_once(tmp_path):
   assert not (tmp_path / "r" / "checkpoints").exists() or not os.listdir(tmp_path / "r" / "checkpoints")
 
 
+@pytest.mark.e2e
 def test_a_second_signal_ends_the_process_at_once():
   script = ("import os, signal\nfrom MaxText import run_control\nwith run_control.stop_signals() as received:\n"
             "  os.kill(os.getpid(), signal.SIGTERM)\n  print('recorded', received, flush=True)\n"

@@ -8,6 +8,8 @@ import sys
 import pytest
 from conftest import ROOT
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def checkout(tmp_path):

@@ -37,6 +37,7 @@ def one_device(tmp_path_factory):
   return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("tiles", [1, 4])
 def test_mesh_losses_equal_one_device(mesh_results, one_device, mesh, tiles):

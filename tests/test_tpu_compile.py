@@ -46,6 +46,7 @@ def tpu_memory():
   return stats
 
 
+@pytest.mark.slow
 def test_vocab_tiling_lowers_tpu_temp_memory_of_a_head_heavy_model(tpu_memory):
   logits = 4 * 512 * 32768 * 4
   assert tpu_memory["untiled"]["temp_bytes"] > logits
@@ -73,6 +74,7 @@ GEMMA2_ATTENTION = ("decoder_block=gemma2", "sliding_window_size=512", "attn_log
                     "query_pre_attn_scalar=16")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [(), ("ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
                                   ("ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", *GEMMA2_ATTENTION)],
                          ids=["fsdp", "fsdp-tensor", "gemma2-fsdp-tensor"])
