@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from MaxText import sharding
 from MaxText.layers import context_parallel, moe
 
 TILE_TOKENS = (None, "activation_batch", "activation_length")
@@ -46,12 +47,6 @@ def to_tiles(x, num_tiles):
   x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
   x = x.reshape(batch, (length + pad) // num_tiles, num_tiles, *x.shape[2:])
   return jnp.moveaxis(x, 2, 0)
-
-
-def from_tiles(x):
-  """to_tiles' inverse for a length divisible by the tile count: [N, B, T / N, ...] -> [B, T, ...]."""
-  x = jnp.moveaxis(x, 0, 2)
-  return x.reshape(x.shape[0], -1, *x.shape[3:])
 
 
 def _tile_logits(hidden, kernel):
@@ -75,12 +70,6 @@ def token_sums(logits, targets, weights, z_loss_multiplier):
   return jnp.stack([loss, z_loss, correct])
 
 
-def _mesh_axes(logical_names) -> list[tuple[str, ...]]:
-  """The mesh axes each logical axis name maps to under the active rules, as tuples."""
-  spec = nn.logical_to_mesh_axes(logical_names)
-  return [() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in spec]
-
-
 def _kernel_grad(hidden, d_logits):
   """sum over tokens of hidden^T d_logits: [D, V] in float32, laid out as the kernel.
 
@@ -92,9 +81,9 @@ def _kernel_grad(hidden, d_logits):
   chunk of the same size. The sums are the same; only their order of reduction differs.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  batch, length, act_embed = _mesh_axes(TILE_HIDDEN[1:])
-  vocab = _mesh_axes(TILE_LOGITS)[2]
-  rows, cols = _mesh_axes(KERNEL)
+  batch, length, act_embed = sharding.mesh_axes(*TILE_HIDDEN[1:])
+  vocab = sharding.mesh_axes(*TILE_LOGITS)[2]
+  rows, cols = sharding.mesh_axes(*KERNEL)
   tokens = batch + length
   shards = math.prod(mesh.shape[a] for a in rows) if not mesh.empty else 1
   if (shards == 1 or act_embed or cols != vocab or not set(rows) <= set(tokens) or set(vocab) & set(tokens)
@@ -135,9 +124,9 @@ def _head_matmul(x, kernel, transpose: bool):
   than its shard plus one chunk. The sums are the same; only their order may differ."""
   spec = "btv,dv->btd" if transpose else "btd,dv->btv"
   mesh = jax.sharding.get_abstract_mesh()
-  batch, length, act_embed = _mesh_axes(TILE_HIDDEN[1:])
-  vocab = _mesh_axes(TILE_LOGITS)[2]
-  rows, cols = _mesh_axes(KERNEL)
+  batch, length, act_embed = sharding.mesh_axes(*TILE_HIDDEN[1:])
+  vocab = sharding.mesh_axes(*TILE_LOGITS)[2]
+  rows, cols = sharding.mesh_axes(*KERNEL)
   shards = math.prod(mesh.shape[a] for a in rows) if not mesh.empty else 1
   if shards == 1 or act_embed or cols != vocab or set(vocab) & set(batch + length):
     return jnp.einsum(spec, x, kernel, preferred_element_type=jnp.float32)  # a layout this scheme does not cover

@@ -276,7 +276,7 @@ def _validate_paths(v: dict) -> None:
 
 
 def _validate_mesh(v: dict) -> None:
-  _validate_axis_rules(v["logical_axis_rules"])
+  v["logical_axis_rules"] = _axis_rules(v["logical_axis_rules"])
   if v["compile_topology"]:
     try:
       accelerators.parse_slice(v["compile_topology"])
@@ -288,7 +288,9 @@ def _validate_mesh(v: dict) -> None:
   _one_of(v, "context_parallel_strategy", tuple(STRATEGIES))
 
 
-def _validate_axis_rules(rules: list) -> None:
+def _axis_rules(rules: list) -> list:
+  """The rules checked, each as [name, list of mesh axes]: a rule may give one axis, or null for none."""
+  normalised = []
   for rule in rules:
     ok = isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)
     if ok:
@@ -297,6 +299,8 @@ def _validate_axis_rules(rules: list) -> None:
     if not ok:
       raise ConfigError(f"logical_axis_rules: bad rule {rule!r}; each rule is "
                         f"[logical_name, [distinct mesh axes from {', '.join(sharding.MESH_AXES)}]]")
+    normalised.append([rule[0], axes])
+  return normalised
 
 
 def _validate_remat(v: dict) -> None:

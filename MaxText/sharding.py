@@ -105,7 +105,7 @@ def check_divisible(v: dict) -> None:
   }
   rules = {}
   for name, axes in v["logical_axis_rules"]:
-    rules.setdefault(name, axes if isinstance(axes, list) else [] if axes is None else [axes])
+    rules.setdefault(name, axes)
   checks = list(sizes.items())
   if v["moe"]:  # the experts' weights: [exp, embed, mlp]
     checks += [("exp", ("num_experts", v["num_experts"])), ("mlp", ("base_moe_mlp_dim", v["base_moe_mlp_dim"]))]
@@ -121,7 +121,7 @@ def logical_shards(v: dict, name: str) -> int:
   """How many shards the mesh splits logical axis `name` into (its first rule, ici x dcn)."""
   shards = {axis: ici * dcn for axis, ici, dcn in zip(MESH_AXES, v["mesh_shape"], v["dcn_mesh_shape"])}
   axes = next((axes for rule, axes in v["logical_axis_rules"] if rule == name), [])
-  return math.prod(shards[a] for a in (axes if isinstance(axes, (list, tuple)) else [] if axes is None else [axes]))
+  return math.prod(shards[a] for a in axes)
 
 
 def create_mesh(config) -> jax.sharding.Mesh:
@@ -140,6 +140,11 @@ def create_mesh(config) -> jax.sharding.Mesh:
   devices = mesh_utils.create_hybrid_device_mesh(config.mesh_shape, config.dcn_mesh_shape, devices,
                                                  process_is_granule=devices[0].platform != "tpu")
   return jax.sharding.Mesh(devices, MESH_AXES, axis_types=axis_types)
+
+
+def mesh_axes(*logical_names) -> list[tuple[str, ...]]:
+  """The mesh axes each logical axis name (or None) maps to under the active rules, as tuples."""
+  return [() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in nn.logical_to_mesh_axes(logical_names)]
 
 
 def axis_rules(config) -> tuple:

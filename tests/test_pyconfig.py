@@ -7,7 +7,7 @@ import sys
 import pytest
 from conftest import BASE_YML, ROOT, run_cli, tiny_config
 
-from MaxText import errors, pyconfig
+from MaxText import errors, pyconfig, sharding
 
 
 def test_overrides_are_parsed_to_the_type_of_the_default():
@@ -16,6 +16,18 @@ def test_overrides_are_parsed_to_the_type_of_the_default():
   assert cfg.learning_rate == 1.0 and isinstance(cfg.learning_rate, float)
   assert cfg.scan_layers is False and cfg.steps == 7 and cfg.run_name == "x" and cfg.adam_eps == 1e-6
   assert cfg.logical_axis_rules == (("vocab", ("tensor",)),)
+
+
+def test_an_axis_rule_of_one_axis_or_none_reads_as_its_list():
+  """["mlp", "tensor"] and ["mlp", null] are the rules ["mlp", ["tensor"]] and ["mlp", []]: the
+  divisibility check, the shard counts and flax's rules all see the same."""
+  short = tiny_config("ici_tensor_parallelism=2", "ici_fsdp_parallelism=1", "base_mlp_dim=66",
+                      'logical_axis_rules=[["mlp", "tensor"], ["vocab", null]]', num_devices=2)
+  assert short.logical_axis_rules == (("mlp", ("tensor",)), ("vocab", ()))
+  assert sharding.axis_rules(short) == (("mlp", ("tensor",)), ("vocab", None))
+  with pytest.raises(errors.ConfigError, match=r"base_mlp_dim=65: not divisible by .* tensor \(2\)"):
+    tiny_config("ici_tensor_parallelism=2", "ici_fsdp_parallelism=1", "base_mlp_dim=65",
+                'logical_axis_rules=[["mlp", "tensor"]]', num_devices=2)
 
 
 def test_model_name_layers_the_model_file_over_base_and_cli_wins():

@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from MaxText import sharding
+
 # std 1/sqrt(emb_dim): with the table tied to the output head, logits of a unit-RMS
 # hidden state then start with unit scale.
 embedding_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=1, out_axis=0)
@@ -27,11 +29,6 @@ class Embed(nn.Module):
     return lookup(self.embedding, tokens).astype(self.dtype)
 
 
-def _mesh_axes(logical_name) -> tuple[str, ...]:
-  axes = nn.logical_to_mesh_axes((logical_name,))[0]
-  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-
-
 def lookup(table, tokens):
   """table [V, D] rows for tokens [B, T]: [B, T, D], laid out as the activations (batch, length).
 
@@ -43,9 +40,9 @@ def lookup(table, tokens):
   an all-to-all returns each device its own tokens with every column. The backward is the
   transpose: the table's gradient is a scatter-add into the device's own block."""
   mesh = jax.sharding.get_abstract_mesh()
-  vocab, embed = _mesh_axes("vocab"), _mesh_axes("embed")
-  batch, length = _mesh_axes("activation_batch"), _mesh_axes("activation_length")
-  if mesh.empty or _mesh_axes("activation_embed") or not (vocab or embed) or set(vocab) & set(batch + length):
+  vocab, embed, batch, length, act_embed = sharding.mesh_axes(
+      "vocab", "embed", "activation_batch", "activation_length", "activation_embed")
+  if mesh.empty or act_embed or not (vocab or embed) or set(vocab) & set(batch + length):
     return jnp.take(table, tokens, axis=0)
   token_dim = {**{a: 0 for a in batch}, **{a: 1 for a in length}}  # the token dimension each axis shards
   vocab_size = table.shape[0]

@@ -283,12 +283,6 @@ def _local_moe(x, logits, wi_0, wi_1, wo, cfg, token_axes: tuple, expert_axes: t
   return out, stats
 
 
-def _axes(logical_name) -> tuple:
-  """The mesh axes a logical axis name maps to under the active rules."""
-  (axes,) = nn.logical_to_mesh_axes((logical_name,))
-  return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-
-
 def expert_init(in_axis: int):
   """Initialiser of [experts, D, F] kernels whose input is axis `in_axis`: each expert's kernel
   truncated normal with std 1/sqrt(inputs)."""
@@ -344,10 +338,9 @@ class MoeBlock(nn.Module):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
       return _local_moe(x, logits, wi_0, wi_1, wo, cfg, (), (), (), all_to_all=False)
-    batch, length = _axes(TOKENS[0]), _axes(TOKENS[1])
+    batch, length, expert_axes, mlp = sharding.mesh_axes(*TOKENS[:2], "exp", "mlp")
     token_axes = batch + length
-    expert_axes = _axes("exp")
-    mlp_axes = tuple(a for a in _axes("mlp") if a not in token_axes + expert_axes)
+    mlp_axes = tuple(a for a in mlp if a not in token_axes + expert_axes)
     tokens = PartitionSpec(batch or None, length or None, None)
     kernels = PartitionSpec(expert_axes or None, None, mlp_axes or None)
     all_to_all = self._exchange(mesh, token_axes, expert_axes) == "all_to_all"
