@@ -33,7 +33,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from MaxText import accelerators, errors, metrics, pyconfig, remat, reports, runtime, sharding, train_step
+from MaxText import accelerators, costs, errors, pyconfig, remat, reports, runtime, sharding, train_step
 
 # Search key -> the key listing the values the planner tries, in search order.
 SEARCH_KEYS = {
@@ -98,7 +98,7 @@ def budget_bytes(config, device) -> tuple[int, str]:
   """(bytes a step may use per device, how that was set)."""
   if config.hbm_budget_gib:
     return int(config.hbm_budget_gib * 2**30), f"hbm_budget_gib={config.hbm_budget_gib:g}"
-  limit = metrics.memory_limit_bytes(device)
+  limit = costs.memory_limit_bytes(device)
   if limit is None:
     raise errors.ConfigError(f"hbm_budget_gib=0: the memory of a {device.device_kind} is not known here; give "
                       "hbm_budget_gib")
@@ -140,17 +140,17 @@ def evaluate(argv: list, settings: dict, rates: tuple) -> dict:
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   jaxpr = train_step.trace_train_step(trainer, config).jaxpr
-  step_flops = metrics.matmul_flops(jaxpr)
+  flops = costs.flops_report(config, jaxpr)
+  model_flops, step_flops = flops["model_flops_per_step"], flops["traced_flops_per_step"]
   per_device = step_flops / config.num_devices
   # XLA's bytes count a loop body (scanned layers, vocabulary tiles) once; the matmuls' operand
   # and result bytes at their trip counts are added (so a loop body's matmuls count once more).
-  hbm_bytes = cost.get("bytes accessed", 0.0) + metrics.matmul_bytes(jaxpr) / config.num_devices
+  hbm_bytes = cost.get("bytes accessed", 0.0) + costs.matmul_bytes(jaxpr) / config.num_devices
   peak, bandwidth, _ = rates
   compute_s, memory_s = per_device / peak, hbm_bytes / bandwidth
   seconds = max(compute_s, memory_s)
   tokens = config.global_batch_size_to_train_on * config.max_target_length
-  model_flops = metrics.training_flops_per_step(config)
-  return {**record, "status": "ok", **metrics.memory_stats(compiled), "tokens_per_step": tokens,
+  return {**record, "status": "ok", **costs.memory_stats(compiled), "tokens_per_step": tokens,
           "model_flops_per_step": model_flops, "step_flops_per_step": step_flops,
           "recompute_ratio": step_flops / model_flops, "cost_analysis_flops_per_device": cost.get("flops", 0.0),
           "cost_analysis_bytes_per_device": cost.get("bytes accessed", 0.0),

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from MaxText import auto, checkpointing, errors, metrics, run_control, runtime, sharding, train_step
+from MaxText import auto, checkpointing, costs, errors, metrics, run_control, runtime, sharding, train_step
 from MaxText.input_pipeline import input_pipeline
 from MaxText.train_step import Trainer, device_batch
 
@@ -74,7 +74,7 @@ def train(config) -> None:
   with run_control.run_lock(config.run_dir):
     run_control.record_run_files(config, data.tokenizer)
     manager = checkpointing.create_manager(config)
-    logging.info("train step memory per device:\n%s", metrics.format_memory_stats(stats))
+    logging.info("train step memory per device:\n%s", costs.format_memory_stats(stats))
     try:
       with sharding.activate(mesh, config):
         state, train_iterator = initial_state(trainer, config, manager, data)
@@ -93,15 +93,12 @@ def _compile_to_fit(trainer: Trainer, config):
   """(The compiled train step, its memory stats), before anything is allocated: a step that
   cannot fit fails now, with one line, not in its first allocation."""
   compiled = train_step.compile_train_step(trainer, config)
-  stats = metrics.memory_stats(compiled)
-  device = trainer.mesh.devices.flat[0]
-  problem = metrics.fit_message(stats, device)
+  report, problem = costs.memory_report(compiled, trainer.mesh.devices.flat[0])
   if config.memory_stats_file:
-    metrics.write_json(config.memory_stats_file, {**stats, "fits": problem is None,
-                                                  "device_memory_bytes": metrics.memory_limit_bytes(device)})
+    metrics.write_json(config.memory_stats_file, report)
   if problem:
     raise errors.UserError(problem)
-  return compiled, stats
+  return compiled, costs.memory_stats(compiled)
 
 
 def _train_steps(trainer, config, compiled, state, data, train_iterator, manager, signals) -> None:

@@ -12,7 +12,7 @@ or N simulated CPU devices: JAX_NUM_CPU_DEVICES=N python -m MaxText.train_compil
 
 import sys
 
-from MaxText import auto, errors, metrics, run_control, runtime, sharding, train_step
+from MaxText import auto, costs, errors, metrics, run_control, runtime, sharding, train_step
 
 
 def main(argv):
@@ -29,21 +29,20 @@ def main(argv):
   device = trainer.mesh.devices.flat[0]
   where = (f"{config.compile_topology} x {config.compile_topology_num_slices} slice(s)" if config.compile_topology
            else device.platform)
-  stats = metrics.memory_stats(compiled)
+  report, problem = costs.memory_report(compiled, device)
+  stats = costs.memory_stats(compiled)
   print(f"train step memory per device ({config.num_devices} {device.device_kind} devices of {where}, "
         f"mesh {config.mesh_shape}, dcn {config.dcn_mesh_shape}):")
-  print(metrics.format_memory_stats(stats))
-  limit = metrics.memory_limit_bytes(device)
+  print(costs.format_memory_stats(stats))
+  limit = report["device_memory_bytes"]
   if limit:
     print(f"  device memory   {limit:16,d} bytes  {limit / 2**30:9.3f} GiB  ({device.device_kind})")
-  vocab_arrays = metrics.largest_vocab_arrays(compiled, config.vocab_size, config.num_devices)
+  report["largest_vocab_arrays"] = costs.largest_vocab_arrays(compiled, config.vocab_size, config.num_devices)
   print("largest arrays with a vocabulary dimension, per device:")
-  print("\n".join(f"  {shape:28s} {size / 2**20:12,.1f} MiB" for shape, size in vocab_arrays))
-  model_flops = metrics.training_flops_per_step(config)
-  traced = train_step.trace_train_step(trainer, config).jaxpr
-  step_flops = metrics.matmul_flops(traced)
-  sent = {axes: bytes_ / config.num_devices for axes, bytes_ in metrics.collective_bytes(traced).items()}
-  peak = metrics.peak_tflops(device.device_kind)
+  print("\n".join(f"  {shape:28s} {size / 2**20:12,.1f} MiB" for shape, size in report["largest_vocab_arrays"]))
+  report.update(costs.flops_report(config, train_step.trace_train_step(trainer, config).jaxpr))
+  model_flops, step_flops = report["model_flops_per_step"], report["traced_flops_per_step"]
+  peak = costs.peak_tflops(device.device_kind)
   print(f"FLOPs per step, all devices: model {model_flops:.4g}; matmuls and attention kernels as traced "
         f"{step_flops:.4g} ({step_flops / model_flops - 1:+.1%}: recomputation, and the causal mask's half of the "
         "attention products)")
@@ -51,21 +50,15 @@ def main(argv):
     seconds = step_flops / config.num_devices / (peak * 1e12)
     print(f"at the {device.device_kind} peak of {peak:g} TFLOP/s: a step takes at least {seconds:.3g} s, "
           f"MFU at most {model_flops / step_flops:.1%}")
-  if sent:
+  if report["collective_bytes_per_device"]:
     print("collectives called in shard_map, GiB sent per device per step, by the mesh axes they run over (the "
           "partitioner's own, such as FSDP's gathers, not counted): "
-          + ", ".join(f"{axes} {bytes_ / 2**30:.3f}" for axes, bytes_ in sent.items()))
-  problem = metrics.fit_message(stats, device)
+          + ", ".join(f"{axes} {bytes_ / 2**30:.3f}" for axes, bytes_ in report["collective_bytes_per_device"].items()))
   if config.memory_stats_file:
-    metrics.write_json(config.memory_stats_file, {**stats, "fits": problem is None, "device_memory_bytes": limit,
-                                                 "model_flops_per_step": model_flops,
-                                                 "traced_flops_per_step": step_flops,
-                                                 "collective_bytes_per_device": sent,
-                                                 "largest_vocab_arrays": vocab_arrays})
+    metrics.write_json(config.memory_stats_file, report)
   if problem:
     print(f"error: {problem}", file=sys.stderr)
     sys.exit(1)
-
 
 if __name__ == "__main__":
   runtime.run(main)

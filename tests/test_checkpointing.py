@@ -236,10 +236,9 @@ def test_reads_that_fail_after_orbax_closed_its_event_loop_print_no_traceback(ca
     raise ValueError("DATA_LOSS")
 
   async def restore():
-    first = asyncio.ensure_future(read())
-    asyncio.ensure_future(read())  # the second
+    reads = [asyncio.ensure_future(read()) for _ in range(2)]  # held until the restore ends, as orbax holds them
     await asyncio.sleep(0)  # both fail; the restore raises the first and abandons the second
-    await first
+    await reads[0]
 
   def fail_on(loop, close):
     with pytest.raises(ValueError):

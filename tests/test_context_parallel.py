@@ -19,7 +19,7 @@ from conftest import (
 )
 from jax.sharding import PartitionSpec as P
 
-from MaxText import errors, metrics
+from MaxText import costs, errors
 from MaxText.layers import context_parallel
 
 
@@ -99,7 +99,7 @@ def test_collective_bytes_count_what_each_ring_algorithm_sends_at_loop_trip_coun
   # Over "c": the ring's 3 ppermutes, the all-gather, the reduce-scatter, the all-to-all, the
   # ragged all-to-all; over both axes, the psum.
   per_device = {"c": 3 * 32 + 3 * 32 + 3 / 4 * 128 + 3 / 4 * 32 + 3 / 4 * 32, "c+t": 2 * 7 / 8 * 32}
-  assert metrics.collective_bytes(jaxpr) == {axes: 8 * sent for axes, sent in per_device.items()}
+  assert costs.collective_bytes(jaxpr) == {axes: 8 * sent for axes, sent in per_device.items()}
 
 
 @pytest.mark.parametrize("block_size", [10, 14, 17, 70])

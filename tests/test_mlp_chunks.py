@@ -14,7 +14,7 @@ from conftest import (
   trainer_and_state,
 )
 
-from MaxText import losses, metrics, sharding, train_step
+from MaxText import costs, losses, sharding, train_step
 from MaxText.layers import decoders
 from MaxText.layers.linears import MlpBlock
 
@@ -42,7 +42,7 @@ def compiled_loss_and_grads(config, params, batch):
     args = (jax.device_put(params, trainer.state_sharding.params), train_step.device_batch(trainer, batch))
     compiled = fn.lower(*args).compile()
     loss, grads = compiled(*args)
-  return metrics.memory_stats(compiled)["temp_bytes"], float(loss), jax.device_get(grads)
+  return costs.memory_stats(compiled)["temp_bytes"], float(loss), jax.device_get(grads)
 
 
 def assert_setting_changes_nothing(overrides, setting, what):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import assert_trees_close, fixed_batch, run_cli, run_on_eight_devices, tiny_config, trainer_and_state
 
-from MaxText import errors, losses, metrics, sharding, train, train_step
+from MaxText import costs, errors, losses, sharding, train, train_step
 from MaxText.layers import moe
 from MaxText.layers.models import Transformer
 
@@ -162,7 +162,7 @@ def test_model_flops_count_active_parameters_only():
   tokens = cfg.global_batch_size_to_train_on * cfg.max_target_length
   scores = 3 * 2 * 2 * tokens * cfg.max_target_length / 2 * cfg.base_num_query_heads * cfg.head_dim
   want = 6 * tokens * active + scores * cfg.base_num_decoder_layers
-  assert metrics.training_flops_per_step(cfg) == pytest.approx(want, rel=1e-12)
+  assert costs.training_flops_per_step(cfg) == pytest.approx(want, rel=1e-12)
 
 
 @pytest.mark.parametrize("override, message", [

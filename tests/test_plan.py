@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import BASE_YML, TINY, metrics_losses, run_cli
 
-from MaxText import auto, errors, metrics, plan, pyconfig, sharding, train
+from MaxText import auto, costs, errors, plan, pyconfig, sharding, train
 
 # Head-heavy: 2048-token vocabulary, 32 positions, so vocabulary tiling changes the memory.
 HEAD_HEAVY = (*TINY, "vocab_size=2048", "max_target_length=32")
@@ -202,7 +202,7 @@ def test_matmul_bytes_count_operands_and_result_at_loop_trip_counts():
     return jax.lax.scan(lambda h, _: (h @ w, None), x, None, length=3)[0]
 
   jaxpr = jax.make_jaxpr(layers)(jnp.ones((8, 16), jnp.float32), jnp.ones((16, 16), jnp.float32)).jaxpr
-  assert metrics.matmul_bytes(jaxpr) == 3 * 4 * (8 * 16 + 16 * 16 + 8 * 16)
+  assert costs.matmul_bytes(jaxpr) == 3 * 4 * (8 * 16 + 16 * 16 + 8 * 16)
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import assert_trees_close, fixed_batch, tiny_config, trainer_and_state
 
-from MaxText import losses, metrics, remat, sharding, train_step
+from MaxText import costs, losses, remat, sharding, train_step
 
 # docs/remat.md states this tolerance.
 RTOL = 1e-5
@@ -45,7 +45,7 @@ def gradients():
       args = (jax.device_put(params, trainer.state_sharding.params), train_step.device_batch(trainer, batch))
       compiled = loss_and_grads.lower(*args).compile()
       loss, grads = compiled(*args)
-    results[name] = (metrics.memory_stats(compiled)["temp_bytes"], float(loss), jax.device_get(grads))
+    results[name] = (costs.memory_stats(compiled)["temp_bytes"], float(loss), jax.device_get(grads))
   return results
 
 

@@ -12,7 +12,7 @@ import re
 import pytest
 from conftest import TINY, run_cli, tiny_config
 
-from MaxText import accelerators, errors, metrics, sharding, train_step
+from MaxText import accelerators, costs, errors, sharding, train_step
 
 # A head-dominated model: float32 logits [4 x 512, 32768] per chip are 256 MiB, the layers little.
 HEAD_HEAVY = ("vocab_size=32768", "base_emb_dim=64", "max_target_length=512", "per_device_batch_size=4",
@@ -42,7 +42,7 @@ def tpu_memory():
     config = tiny_config(*HEAD_HEAVY, *overrides)
     trainer = train_step.build(config, sharding.create_mesh(config))
     assert {d.platform for d in trainer.mesh.devices.flat} == {"tpu"} and config.num_devices == 4
-    stats[name] = metrics.memory_stats(train_step.compile_train_step(trainer, config))
+    stats[name] = costs.memory_stats(train_step.compile_train_step(trainer, config))
   return stats
 
 
@@ -64,7 +64,7 @@ def test_offloading_the_layer_inputs_moves_them_off_the_device():
   for policy in ("full", "input_offloaded"):
     config = tiny_config("base_emb_dim=64", "max_target_length=512", "per_device_batch_size=4",
                          "base_num_decoder_layers=8", "compile_topology=v5p-8", f"remat_policy={policy}")
-    stats[policy] = metrics.memory_stats(train_step.compile_train_step(
+    stats[policy] = costs.memory_stats(train_step.compile_train_step(
         train_step.build(config, sharding.create_mesh(config)), config))
   assert stats["full"]["host_bytes"] == 0 and stats["input_offloaded"]["host_bytes"] > 0
   assert stats["input_offloaded"]["total_bytes"] < stats["full"]["total_bytes"]
@@ -87,7 +87,7 @@ def test_flash_attention_compiles_for_tpu_without_the_score_matrix(mesh):
   for attention in ("dot_product", "flash"):
     config = tiny_config(*long_rows, f"attention={attention}")
     compiled = train_step.compile_train_step(train_step.build(config, sharding.create_mesh(config)), config)
-    temp[attention] = metrics.memory_stats(compiled)["temp_bytes"]
+    temp[attention] = costs.memory_stats(compiled)["temp_bytes"]
   assert temp["flash"] < temp["dot_product"] - 4 * 2048**2 * 4 // math.prod(config.mesh_shape[2:])
 
 
@@ -101,8 +101,8 @@ def test_the_flash_kernels_flops_are_counted_by_hand():
   # (query, key) blocks of 512 the causal mask keeps 3 whole, 2 FLOPs per multiply-add.
   per_kernel_matmul = 2 * 3 * 512 * 512 * config.head_dim
   hand = config.base_num_decoder_layers * 4 * config.base_num_query_heads * per_kernel_matmul * (2 + 2 + 3 + 4)
-  assert metrics.kernel_flops(jaxpr) == hand
-  assert metrics.matmul_flops(jaxpr) > hand
+  assert costs.kernel_flops(jaxpr) == hand
+  assert costs.matmul_flops(jaxpr) > hand
 
 
 def test_dcn_axes_span_the_slices_of_a_multi_slice_compile():
@@ -111,7 +111,7 @@ def test_dcn_axes_span_the_slices_of_a_multi_slice_compile():
   assert config.mesh_shape == (1, 4, 1, 1, 1) and config.dcn_mesh_shape == (2, 1, 1, 1, 1)
   # The data axis crosses slices; every other axis stays inside one.
   assert [{d.slice_index for d in mesh.devices[i].flat} for i in range(2)] == [{0}, {1}]
-  stats = metrics.memory_stats(train_step.compile_train_step(train_step.build(config, mesh), config))
+  stats = costs.memory_stats(train_step.compile_train_step(train_step.build(config, mesh), config))
   assert stats["total_bytes"] > 0
 
 

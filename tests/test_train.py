@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import TINY, assert_trees_close, fixed_batch, run_cli, tiny_config, trainer_and_state
 
-from MaxText import losses, metrics, sharding, train, train_step
+from MaxText import costs, losses, metrics, sharding, train, train_step
 
 
 def run_steps(config, batch, steps):
@@ -69,14 +69,14 @@ def test_flops_match_a_hand_count():
   # QK^T and PV over the causal half of the 16 x 16 score matrix, 4 heads of width 8.
   attention_flops = 2 * 2 * 3 * (16 * 16 / 2) * 4 * 8
   forward = 2 * (layer_flops + attention_flops) + head_flops
-  assert metrics.training_flops_per_step(config) == pytest.approx(3 * forward)
+  assert costs.training_flops_per_step(config) == pytest.approx(3 * forward)
 
 
 @pytest.mark.parametrize("overrides", [(), ("scan_layers=false", "gradient_accumulation_steps=2")])
 def test_traced_matmul_flops_count_loops_and_recomputation(overrides):
   def traced(*more):
     config = tiny_config(*overrides, *more)
-    return metrics.matmul_flops(train_step.trace_train_step(train_step.build(config, sharding.create_mesh(config)),
+    return costs.matmul_flops(train_step.trace_train_step(train_step.build(config, sharding.create_mesh(config)),
                                                        config).jaxpr), config
   untiled, config = traced("remat_policy=none")
   # Without remat the backward is twice the forward for every product, and attention's scores
@@ -84,7 +84,7 @@ def test_traced_matmul_flops_count_loops_and_recomputation(overrides):
   b, t, h, hd, layers = (config.global_batch_size_to_train_on, config.max_target_length,
                          config.base_num_query_heads, config.head_dim, config.base_num_decoder_layers)
   causal_half = 2 * 2 * b * t * t * h * hd * layers / 2
-  assert untiled == metrics.training_flops_per_step(config) + 3 * causal_half
+  assert untiled == costs.training_flops_per_step(config) + 3 * causal_half
   assert traced("remat_policy=none", "num_vocab_tiling=4")[0] == untiled
   full = traced("remat_policy=full", "num_vocab_tiling=4")[0]
   assert full > untiled
@@ -120,14 +120,14 @@ def test_train_compile_reports_the_train_step_memory(tmp_path):
   # XLA:CPU: a device's share of the host's memory to fit into, and no chip peak for an MFU bound.
   host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   assert stats.pop("fits") is True and stats.pop("device_memory_bytes") == host
-  assert stats.pop("model_flops_per_step") == metrics.training_flops_per_step(tiny_config())
+  assert stats.pop("model_flops_per_step") == costs.training_flops_per_step(tiny_config())
   assert stats.pop("traced_flops_per_step") > 0 and "MFU" not in result.stdout
   # One device: the shard_maps' collectives run over axes of size 1 and send nothing; none printed.
   assert stats.pop("collective_bytes_per_device") == {} and "collectives called" not in result.stdout
   assert stats["temp_bytes"] > 0 and stats["total_bytes"] > 0
   config = tiny_config()
   trainer, _ = trainer_and_state(config)
-  assert metrics.memory_stats(train_step.compile_train_step(trainer, config)) == stats
+  assert costs.memory_stats(train_step.compile_train_step(trainer, config)) == stats
   # Untiled, the largest array with a vocabulary dimension is the float32 [batch, length, vocab] logits.
   batch, length, vocab = config.global_batch_size_to_train_on, config.max_target_length, config.vocab_size
   assert vocab_arrays[0][0].startswith("f32[") and vocab_arrays[0][1] == batch * length * vocab * 4
@@ -190,9 +190,9 @@ def test_the_host_fetches_metrics_a_step_late_and_prepares_the_next_batch_while_
 
 
 def test_mfu_is_reported_against_the_chip_peak_where_it_is_known(tmp_path, monkeypatch):
-  assert metrics.peak_tflops("TPU v5 lite") == 197 and metrics.peak_tflops("TPU v5p") == 459
-  assert metrics.peak_tflops("TPU v4") == 275 and metrics.peak_tflops("NVIDIA H100 80GB HBM3") == 989
-  assert metrics.peak_tflops("cpu") is None
+  assert costs.peak_tflops("TPU v5 lite") == 197 and costs.peak_tflops("TPU v5p") == 459
+  assert costs.peak_tflops("TPU v4") == 275 and costs.peak_tflops("NVIDIA H100 80GB HBM3") == 989
+  assert costs.peak_tflops("cpu") is None
   metrics_file = tmp_path / "m.jsonl"
   monkeypatch.setattr(metrics, "peak_tflops", lambda kind: 0.5)  # pretend this CPU peaks at 0.5 TFLOP/s
   train.train(tiny_config(f"base_output_directory={tmp_path}", "steps=2", f"metrics_file={metrics_file}"))

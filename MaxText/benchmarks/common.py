@@ -19,7 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from MaxText import metrics, pyconfig, reports, sharding, train_step
+from MaxText import costs, pyconfig, reports, sharding, train_step
 from MaxText.input_pipeline import input_pipeline
 
 BASE_YML = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "base.yml")
@@ -42,7 +42,7 @@ def config(*overrides, num_devices=None):
 def compiled_memory(cfg) -> dict:
   """Memory stats of cfg's train step, compiled for this process's devices; runs nothing."""
   trainer = train_step.build(cfg, sharding.create_mesh(cfg))
-  return metrics.memory_stats(train_step.compile_train_step(trainer, cfg))
+  return costs.memory_stats(train_step.compile_train_step(trainer, cfg))
 
 
 def compiled_memory_on(num_devices: int | None, *overrides) -> dict:
@@ -77,7 +77,7 @@ def measure(variants: dict, warmup: int, steps: int) -> dict:
                                [jnp.copy(x) for x in jax.tree.leaves(initialised[layout])])
     batch = train_step.device_batch(trainer, next(input_pipeline.create_train_iterator(cfg, input_pipeline.load(cfg))))
     runs[name] = {"compiled": compiled, "state": state, "batch": batch, "times": [],
-                  **metrics.memory_stats(compiled)}
+                  **costs.memory_stats(compiled)}
     print(f"compiled {name}: temp {runs[name]['temp_bytes'] / 2**20:,.1f} MiB", flush=True)
   for round_index in range(warmup + steps):
     for run in runs.values():

@@ -20,7 +20,7 @@ import itertools
 
 from matplotlib.figure import Figure
 
-from MaxText import metrics, reports, runtime
+from MaxText import costs, reports, runtime
 from MaxText.benchmarks import common
 
 MODEL = ("dataset_type=synthetic", "per_device_batch_size=4", "enable_checkpointing=false", "eval_interval=0")
@@ -46,7 +46,7 @@ def cpu_table(output_dir: str, warmup: int, steps: int) -> None:
   base = results["dense (mlp 768)"]
   rows = []
   for name, r in results.items():
-    r["model_flops_per_step"] = metrics.training_flops_per_step(configs[name])
+    r["model_flops_per_step"] = costs.training_flops_per_step(configs[name])
     r["memory_ratio"] = r["temp_bytes"] / base["temp_bytes"]
     r["time_ratio"] = r["step_seconds"] / base["step_seconds"]
     rows.append([name, f"{r['model_flops_per_step']:.4g}", reports.mib(r["temp_bytes"]), f"{r['memory_ratio']:.3f}",

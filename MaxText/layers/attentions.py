@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText import losses, remat, sharding
+from MaxText import costs, losses, remat, sharding
 from MaxText.layers import context_parallel
 from MaxText.layers.embeddings import apply_rope, rope_timescales
 from MaxText.layers.linears import dense, kernel_run
@@ -144,11 +144,12 @@ def flash_attention(q, k, v, segment_ids, platform, scale=None, soft_cap=0.0, wi
                        out_specs=rows, check_vma=False)(q, k, v, segment_ids)
 
 
-# What train_compile counts for the flash kernels' pallas_calls, which are custom calls, not
-# dot_generals: pallas kernel name (prefix) -> (matmuls per (query, key) pair and head feature,
-# the axis of the queries holding the sequence, the kernel metadata's keys of its (query, key)
-# block sizes, or None where the metadata has none: then the exact causal half is counted, at
-# most a block's share of the row below what the kernel runs).
+# What the cost model counts for the flash kernels' pallas_calls, which are custom calls, not
+# dot_generals (registered in costs.KERNEL_FLOPS below): pallas kernel name (prefix) ->
+# (matmuls per (query, key) pair and head feature, the axis of the queries holding the sequence,
+# the kernel metadata's keys of its (query, key) block sizes, or None where the metadata has
+# none: then the exact causal half is counted, at most a block's share of the row below what the
+# kernel runs).
 # Splash's backward is a dq kernel (scores, dP, dQ) and a dk/dv kernel (scores, dV, dP, dK);
 # the Triton backward is one kernel doing both, 7 matmuls.
 FLASH_KERNEL_MATMULS = {
@@ -170,15 +171,9 @@ def causal_pairs(length: int, block_q: int, block_k: int) -> int:
   return pairs
 
 
-def kernel_flops(eqn) -> float:
-  """FLOPs of a pallas_call of a flash kernel (FLASH_KERNEL_MATMULS), every kernel causal (a
-  sliding window's skipped blocks are counted); its own cost estimate for another kernel that
-  has one; else 0."""
-  name = eqn.params.get("name") or ""
-  kind = next((v for k, v in FLASH_KERNEL_MATMULS.items() if name.startswith(k)), None)
-  if kind is None:
-    estimate = eqn.params.get("cost_estimate")
-    return float(estimate.flops) if estimate is not None else 0.0
+def flash_kernel_flops(kind: tuple, eqn) -> float:
+  """FLOPs of a pallas_call of the flash kernel `kind` (a FLASH_KERNEL_MATMULS value), every
+  kernel causal (a sliding window's skipped blocks are counted)."""
   matmuls, axis, block_keys = kind
   q = next(v.aval for v in eqn.invars if jnp.issubdtype(v.aval.dtype, jnp.floating))
   length, head_dim = q.shape[axis], q.shape[-1]
@@ -189,6 +184,10 @@ def kernel_flops(eqn) -> float:
   else:
     pairs = causal_pairs(length, 1, 1)
   return 2.0 * matmuls * rows * head_dim * pairs
+
+
+costs.KERNEL_FLOPS.update({name: functools.partial(flash_kernel_flops, kind)
+                           for name, kind in FLASH_KERNEL_MATMULS.items()})
 
 
 def _layer_window(window, sliding, length):

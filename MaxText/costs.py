@@ -1,0 +1,267 @@
+"""What a train step costs: the model's FLOPs (training_flops_per_step), the FLOPs, bytes and
+collectives a traced step executes (a walk of its jaxpr at loop trip counts), the compiled
+step's memory against one device's, and the report train, train_compile and the planner all read
+(memory_report, flops_report).
+
+A Pallas kernel is a custom call whose FLOPs XLA does not see: the module that calls one
+registers a count for it in KERNEL_FLOPS (layers/attentions registers the flash kernels); a
+kernel that is not registered counts its own cost estimate, if it has one.
+"""
+
+import math
+import os
+import re
+from typing import Callable
+
+import jax
+import jax.extend
+
+from MaxText import accelerators
+
+# pallas_call name prefix -> its FLOPs (eqn -> float), registered by the module that calls it.
+KERNEL_FLOPS: dict[str, Callable] = {}
+
+
+def _kernel_flops(eqn) -> float:
+  name = eqn.params.get("name") or ""
+  count = next((count for prefix, count in KERNEL_FLOPS.items() if name.startswith(prefix)), None)
+  if count is not None:
+    return count(eqn)
+  estimate = eqn.params.get("cost_estimate")
+  return float(estimate.flops) if estimate is not None else 0.0
+
+
+def training_flops_per_step(config) -> float:
+  """Model FLOPs of one optimizer step, all devices together (recomputation not counted).
+
+  Matmuls: 2 FLOPs per multiply-add, forward plus a backward twice the forward. Causal
+  attention scores and context count only the half of the T x T products that the mask keeps.
+  A mixture of experts counts its active parameters only: the router and the
+  num_experts_per_tok experts each token goes to.
+  """
+  d, m, v, hd = config.base_emb_dim, config.base_mlp_dim, config.vocab_size, config.head_dim
+  hq, hkv, layers, length = (config.base_num_query_heads, config.base_num_kv_heads,
+                             config.base_num_decoder_layers, config.max_target_length)
+  batch = config.global_batch_size_to_train_on
+  if config.moe:
+    mlp_params = d * config.num_experts + config.num_experts_per_tok * 3 * d * config.base_moe_mlp_dim
+  else:
+    mlp_params = 3 * d * m
+  layer_params = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + mlp_params
+  matmul = 2 * batch * length * (layers * layer_params + d * v)
+  attention = 2 * 2 * batch * length * length * hq * hd * layers / 2
+  return 3 * (matmul + attention)
+
+
+def _dot_flops(eqn) -> float:
+  if eqn.primitive.name == "pallas_call":
+    return _kernel_flops(eqn)
+  if eqn.primitive.name == "ragged_dot_general":
+    return _ragged_dot_flops(eqn)
+  (contracting, _), _ = eqn.params["dimension_numbers"]
+  lhs = eqn.invars[0].aval
+  return 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in contracting)
+
+
+def _ragged_dot_flops(eqn) -> float:
+  """A grouped matmul does one group's product per row: every lhs element meets one group's
+  rhs, so 2 * |lhs| * |rhs| / (contracted size * groups) (a dW product has no rhs groups)."""
+  numbers = eqn.params["ragged_dot_dimension_numbers"]
+  (_, rhs_contracting), _ = numbers.dot_dimension_numbers
+  lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+  per_row = math.prod(rhs[d] for d in (*rhs_contracting, *numbers.rhs_group_dimensions))
+  return 2 * math.prod(lhs) * math.prod(rhs) / per_row
+
+
+def _dot_bytes(eqn) -> float:
+  return sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in (*eqn.invars, *eqn.outvars))
+
+
+# The matrix products: dots, and Pallas kernels (custom calls to XLA, which counts no FLOPs in them).
+_PRODUCTS = ("dot_general", "ragged_dot_general", "pallas_call")
+
+
+def _executed(jaxpr, cost, axis_sizes=None) -> float:
+  """cost(eqn, axis_sizes) summed over the equations a jaxpr executes (None: not counted, its
+  sub-jaxprs are), all devices together:
+  loop bodies times their trip counts, remat's recomputation included (it is in the traced
+  backward pass), the larger branch of a cond. XLA's cost analysis counts a loop body once,
+  which undercounts scanned layers and vocabulary tiles. axis_sizes: {mesh axis: size} of the
+  enclosing shard_map, for collectives."""
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    own = cost(eqn, axis_sizes)
+    if own is not None:
+      total += own
+      continue
+    sizes = dict(eqn.params["mesh"].shape) if eqn.primitive.name == "shard_map" else axis_sizes
+    inner = [_executed(getattr(sub, "jaxpr", sub), cost, sizes) for value in eqn.params.values()
+             for sub in (value if isinstance(value, (tuple, list)) else (value,))
+             if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr))]
+    if eqn.primitive.name == "scan":
+      total += eqn.params["length"] * sum(inner)
+    elif eqn.primitive.name == "cond":
+      total += max(inner)
+    elif eqn.primitive.name == "shard_map":  # the body sees one device's shard
+      total += eqn.params["mesh"].size * sum(inner)
+    else:
+      total += sum(inner)
+  return total
+
+
+def _products(cost):
+  """cost restricted to the matrix products."""
+  return lambda eqn, _: cost(eqn) if eqn.primitive.name in _PRODUCTS else None
+
+
+def matmul_flops(jaxpr) -> float:
+  """FLOPs of the matrix products a jaxpr executes (see _executed), grouped (ragged) ones and the
+  Pallas kernels' (KERNEL_FLOPS) included."""
+  return _executed(jaxpr, _products(_dot_flops))
+
+
+def kernel_flops(jaxpr) -> float:
+  """The part of matmul_flops in Pallas kernels."""
+  return _executed(jaxpr, _products(lambda eqn: _dot_flops(eqn) if eqn.primitive.name == "pallas_call" else 0.0))
+
+
+def matmul_bytes(jaxpr) -> float:
+  """Bytes the matrix products a jaxpr executes read and write, each operand and result once
+  (see _executed): the memory traffic of the matmuls, fusion aside."""
+  return _executed(jaxpr, _products(_dot_bytes))
+
+
+# Bytes one device sends per byte of its operand in a collective over n devices, by the ring
+# algorithms: an all-gather forwards n - 1 shards, an all-reduce reduce-scatters then gathers.
+_SENT_PER_BYTE = {"ppermute": lambda n: 1.0, "all_gather": lambda n: n - 1.0, "reduce_scatter": lambda n: (n - 1) / n,
+                  "all_to_all": lambda n: (n - 1) / n, "psum": lambda n: 2 * (n - 1) / n,
+                  "psum_invariant": lambda n: 2 * (n - 1) / n, "ragged_all_to_all": lambda n: (n - 1) / n}
+
+
+def _axes_of(eqn) -> str:
+  """The mesh axes a collective runs over, joined by "+" ("context", "fsdp+context+expert")."""
+  axes = eqn.params.get("axis_name", eqn.params.get("axes"))
+  return "+".join((axes,) if isinstance(axes, str) else axes)
+
+
+def _sent_bytes(eqn, axis_sizes, over: str) -> float | None:
+  """Bytes one device sends in collective `eqn` if it runs over the axes `over`, 0 if over
+  others, None if it is no collective."""
+  if eqn.primitive.name not in _SENT_PER_BYTE:
+    return None
+  if _axes_of(eqn) != over:
+    return 0.0
+  n = math.prod(axis_sizes[a] for a in over.split("+"))
+  sizes = [math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.invars]
+  # A ragged all-to-all sends data-dependent slices: counted as when they are balanced, the
+  # smaller of its operand and its output buffer (the MoE's token copies; the other is sized
+  # for the worst case).
+  operand = min(sizes[:2]) if eqn.primitive.name == "ragged_all_to_all" else sum(sizes)
+  return _SENT_PER_BYTE[eqn.primitive.name](n) * operand
+
+
+def collective_bytes(jaxpr) -> dict:
+  """{mesh axes joined by "+": bytes sent over them, where any} by the collectives a jaxpr calls
+  inside shard_map (context parallelism's gathers or ring over "context", expert parallelism's
+  exchange, the sharded vocabulary arrays' gathers over every batch axis), all devices
+  together, at loop trip counts. The partitioner's own collectives (FSDP's weight gathers) are
+  not in a jaxpr."""
+  groups = set()
+
+  def collect(eqn, _):
+    if eqn.primitive.name not in _SENT_PER_BYTE:
+      return None
+    groups.add(_axes_of(eqn))
+    return 0.0
+
+  _executed(jaxpr, collect)
+  sent = {over: _executed(jaxpr, lambda eqn, sizes, over=over: _sent_bytes(eqn, sizes, over))
+          for over in sorted(groups)}
+  return {over: bytes_ for over, bytes_ in sent.items() if bytes_}  # axes of size 1 send nothing
+
+
+def peak_tflops(device_kind: str) -> float | None:
+  """The chip's peak dense bfloat16 TFLOP/s, or None where unknown (CPUs among them)."""
+  chip = accelerators.chip_of(device_kind)
+  return chip.peak_bf16_tflops if chip else None
+
+
+def memory_limit_bytes(device) -> int | None:
+  """Memory of one device: what the runtime reports for a device this process drives, the
+  chip's HBM for one it only compiles for (compile_topology), for a CPU device its share of the
+  host's memory (the local CPU devices share it), None for a chip of unknown memory."""
+  if device.platform == "cpu":
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
+  if device in jax.local_devices():
+    stats = device.memory_stats()
+    if stats and "bytes_limit" in stats:
+      return int(stats["bytes_limit"])
+  chip = accelerators.chip_of(device.device_kind)
+  return int(chip.hbm_gib * 2**30) if chip else None
+
+
+def fit_message(stats: dict, device) -> str | None:
+  """None when the compiled step fits one device's memory (or that is unknown); else one line."""
+  limit = memory_limit_bytes(device)
+  if limit is None or stats["total_bytes"] <= limit:
+    return None
+  return (f"does not fit: the train step needs {stats['total_bytes'] / 2**30:.2f} GiB per device, "
+          f"{(stats['total_bytes'] - limit) / 2**30:.2f} GiB more than the {limit / 2**30:.1f} GiB of one "
+          f"{device.device_kind}")
+
+
+def memory_stats(compiled) -> dict:
+  """Per-device bytes of a compiled step. total = arguments + outputs - aliased + temporaries,
+  all in device memory; host_bytes the same sum in host memory."""
+  m = compiled.memory_analysis()
+  stats = {
+      "argument_bytes": int(m.argument_size_in_bytes),
+      "output_bytes": int(m.output_size_in_bytes),
+      "alias_bytes": int(m.alias_size_in_bytes),
+      "temp_bytes": int(m.temp_size_in_bytes),
+  }
+  stats["total_bytes"] = (stats["argument_bytes"] + stats["output_bytes"] - stats["alias_bytes"]
+                          + stats["temp_bytes"])
+  # Host memory (pinned_host): what *_offloaded remat policies move off the device.
+  stats["host_bytes"] = int(m.host_argument_size_in_bytes + m.host_output_size_in_bytes
+                            - m.host_alias_size_in_bytes + m.host_temp_size_in_bytes)
+  return stats
+
+
+# Bytes per element of the HLO element types an array of a train step can have.
+_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+              "f64": 8, "s64": 8, "u64": 8}
+
+
+def largest_vocab_arrays(compiled, vocab_size: int, num_devices: int, count: int = 5) -> list:
+  """[(shape, bytes)] of the `count` largest distinct array shapes in the per-device program
+  with a vocabulary dimension (vocab_size, or a shard of it), largest first: the loss side's
+  buffers (logits tiles, the head kernel as the matmuls see it, its gradient and optimizer
+  state), as named by the compiled HLO."""
+  vocab = {vocab_size // k for k in range(1, num_devices + 1) if vocab_size % k == 0}
+  sizes = {}
+  for dtype, dims in re.findall(r"= (\w+)\[([\d,]+)\]", compiled.as_text()):
+    shape = [int(d) for d in dims.split(",")]
+    if dtype in _HLO_BYTES and vocab & set(shape):
+      sizes[f"{dtype}[{dims}]"] = math.prod(shape) * _HLO_BYTES[dtype]
+  return sorted(sizes.items(), key=lambda item: -item[1])[:count]
+
+
+def format_memory_stats(stats: dict) -> str:
+  return "\n".join(f"  {k:15s} {v:16,d} bytes  {v / 2**30:9.3f} GiB" for k, v in stats.items())
+
+
+def memory_report(compiled, device) -> tuple[dict, str | None]:
+  """(memory_stats with the device's memory and whether the step fits it, None or the one line
+  saying by how much it does not): what train checks before a run and memory_stats_file holds."""
+  stats = memory_stats(compiled)
+  problem = fit_message(stats, device)
+  return {**stats, "fits": problem is None, "device_memory_bytes": memory_limit_bytes(device)}, problem
+
+
+def flops_report(config, jaxpr) -> dict:
+  """The model's FLOPs per step, those the traced step executes (recomputation, masked attention
+  blocks and all) and the bytes each device sends in shard_map collectives, by mesh axes."""
+  return {"model_flops_per_step": training_flops_per_step(config), "traced_flops_per_step": matmul_flops(jaxpr),
+          "collective_bytes_per_device": {axes: sent / config.num_devices
+                                          for axes, sent in collective_bytes(jaxpr).items()}}
