@@ -8,17 +8,16 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText import costs, losses, remat, sharding
+from MaxText import costs, losses, sharding
 from MaxText.layers import context_parallel
 from MaxText.layers.embeddings import apply_rope, rope_timescales
-from MaxText.layers.linears import dense, kernel_run
-from MaxText.layers.normalizations import rms_norm, rms_norm_with
+from MaxText.layers.linears import kernel, kernel_run, sum_of_slices
+from MaxText.layers.normalizations import norm_scale, rms_norm_with
 
 BATCH_LENGTH_HEADS = ("activation_batch", "activation_length", "activation_heads", None)
 BATCH_LENGTH_KV_HEADS = ("activation_batch", "activation_length", "activation_kv_heads", None)
 # Without context parallelism keys and values are whole rows (no `activation_length`).
 BATCH_FULL_LENGTH_KV_HEADS = ("activation_batch", None, "activation_kv_heads", None)
-BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
 
 
 def attention_mask(query_index, segment_ids, window=None):
@@ -210,27 +209,37 @@ ATTENTIONS = {
 
 class Attention(nn.Module):
   """Self-attention; base_num_kv_heads divides base_num_query_heads (GQA, MQA at 1). With
-  attention_head_chunks > 1 it runs as sliced_attention over the same parameters."""
+  attention_head_chunks > 1, projections included, in that many slices of its key/value heads,
+  each with the query heads that share them (linears.sum_of_slices); slice k is the k-th run of
+  every tensor shard's own heads (linears.kernel_run), so no head moves between devices."""
 
   config: object
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, layer_index):
     cfg = self.config
-    if cfg.attention_head_chunks > 1 and not self.is_initializing():
-      return sliced_attention(cfg, self.variables["params"], x, positions, segment_ids, layer_index)
-    heads, kv_heads, head_dim = cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
-    q = dense((heads, head_dim), ("embed", "q_heads", "kv"), cfg, "query")(x)
-    k = dense((kv_heads, head_dim), ("embed", "kv_heads", "kv"), cfg, "key")(x)
-    v = dense((kv_heads, head_dim), ("embed", "kv_heads", "kv"), cfg, "value")(x)
-    q = checkpoint_name(q, "query_proj")
-    k = checkpoint_name(k, "key_proj")
-    v = checkpoint_name(v, "value_proj")
+    dim, heads, kv_heads, head_dim = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
+    projections = (kernel(cfg, "query", (dim, heads, head_dim), ("embed", "q_heads", "kv")),
+                   kernel(cfg, "key", (dim, kv_heads, head_dim), ("embed", "kv_heads", "kv")),
+                   kernel(cfg, "value", (dim, kv_heads, head_dim), ("embed", "kv_heads", "kv")))
+    out = kernel(cfg, "out", (heads, head_dim, dim), ("heads", "kv", "embed"), num_in_axes=2)
     if cfg.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
-      q, k = rms_norm(cfg, "query_norm")(q), rms_norm(cfg, "key_norm")(k)
-    context = attend_heads(cfg, q, k, v, positions, segment_ids, layer_index)
-    out = dense(cfg.base_emb_dim, ("heads", "kv", "embed"), cfg, "out", num_in_axes=2)(context)
-    return checkpoint_name(out, "out_proj")
+      q_scale, k_scale = norm_scale(cfg, "query_norm", head_dim), norm_scale(cfg, "key_norm", head_dim)
+    chunks, dtype = cfg.attention_head_chunks, jnp.dtype(cfg.dtype)
+    shards = sharding.logical_shards(cfg.to_dict(), "kv_heads")
+
+    def attention_slice(x, k, out_dtype):
+      wq, wk, wv = (kernel_run(w, 1, shards, chunks, k, dtype) for w in projections)  # [D, n, H]
+      q = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, wq), "query_proj")
+      kk = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, wk), "key_proj")
+      v = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, wv), "value_proj")
+      if cfg.qk_norm:
+        q, kk = rms_norm_with(cfg, q_scale, q), rms_norm_with(cfg, k_scale, kk)
+      context = attend_heads(cfg, q, kk, v, positions, segment_ids, layer_index)
+      wo = kernel_run(out, 0, shards, chunks, k, dtype)  # [n, H, D]
+      return jnp.einsum("btnh,nhd->btd", context, wo, preferred_element_type=out_dtype)
+
+    return checkpoint_name(sum_of_slices(cfg, x, chunks, attention_slice), "out_proj")
 
 
 def attend_heads(cfg, q, k, v, positions, segment_ids, layer_index):
@@ -253,37 +262,3 @@ def attend_heads(cfg, q, k, v, positions, segment_ids, layer_index):
   else:
     context = ATTENTIONS[cfg.attention](q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding)
   return checkpoint_name(nn.with_logical_constraint(context, BATCH_LENGTH_HEADS), "attention_out")
-
-
-def sliced_attention(cfg, params, x, positions, segment_ids, layer_index):
-  """Attention (its `params`) on x [B, T, D] in cfg.attention_head_chunks slices of its
-  key/value heads, each with its query heads, one at a time in a scan, each checkpointed:
-  forward and backward hold one slice's projections, scores and accumulators, and under FSDP
-  gather one slice of each kernel, not all of them. Heads act independently until the output
-  projection sums over them, so the output is the slices' sum, taken in float32: the unsliced
-  attention's up to the order of that sum. Slice k is the k-th run of every tensor shard's own
-  heads (so no head moves; linears.kernel_run), as sliced_mlp slices the MLP's units."""
-  chunks, dtype = cfg.attention_head_chunks, jnp.dtype(cfg.dtype)
-  shards = sharding.logical_shards(cfg.to_dict(), "kv_heads")
-
-  def add_slice(total, k):
-    wq, wk, wv = (kernel_run(params[name]["kernel"], 1, shards, chunks, k, dtype)  # [D, n, H]
-                  for name in ("query", "key", "value"))
-    wo = kernel_run(params["out"]["kernel"], 0, shards, chunks, k, dtype)  # [n, H, D]
-    xs = x.astype(dtype)
-    q = checkpoint_name(jnp.einsum("btd,dnh->btnh", xs, wq), "query_proj")
-    kk = checkpoint_name(jnp.einsum("btd,dnh->btnh", xs, wk), "key_proj")
-    v = checkpoint_name(jnp.einsum("btd,dnh->btnh", xs, wv), "value_proj")
-    if cfg.qk_norm:
-      q, kk = rms_norm_with(cfg, params["query_norm"]["scale"], q), rms_norm_with(cfg, params["key_norm"]["scale"], kk)
-    context = attend_heads(cfg, q, kk, v, positions, segment_ids, layer_index)
-    return total + jnp.einsum("btnh,nhd->btd", context, wo, preferred_element_type=jnp.float32), None
-
-  # As in sliced_mlp: x closed over in float32 so the backward sums the slices' input gradients
-  # in float32, and each slice keeps what remat_policy keeps of its named tensors.
-  x = x.astype(jnp.float32)
-  total = nn.with_logical_constraint(jnp.zeros(x.shape, jnp.float32), BATCH_LENGTH_EMBED)
-  policy = None if cfg.remat_policy == "none" else remat.checkpoint_policy(cfg)
-  add_slice = jax.checkpoint(add_slice, policy=policy, prevent_cse=False)
-  total, _ = jax.lax.scan(add_slice, total, jnp.arange(chunks))
-  return checkpoint_name(total.astype(dtype), "out_proj")

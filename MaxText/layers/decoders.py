@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText import remat, sharding
-from MaxText.layers.attentions import BATCH_LENGTH_EMBED, Attention
-from MaxText.layers.linears import ACTIVATIONS, MlpBlock, kernel_run
+from MaxText import remat
+from MaxText.layers.attentions import Attention
+from MaxText.layers.linears import BATCH_LENGTH_EMBED, MlpBlock
 from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import rms_norm
 
@@ -30,54 +30,17 @@ class DecoderLayer(nn.Module):
     if cfg.sandwich_norms:
       attn = rms_norm(cfg, "post_self_attention_norm")(attn)
     h = nn.with_logical_constraint(x + attn, BATCH_LENGTH_EMBED)
-    if cfg.mlp_chunks == 1 or self.is_initializing():
-      mlp = mlp_sublayer(cfg, h)
-    else:
-      mlp = mlp_sublayer(cfg, h, lambda x: sliced_mlp(cfg, self.variables["params"]["mlp"], x))
+    mlp = mlp_sublayer(cfg, h)
     return nn.with_logical_constraint(h + mlp, BATCH_LENGTH_EMBED)
 
 
-def mlp_sublayer(cfg, h, block=None):
-  """The MLP's input norm, the MLP (or `block` in its place), and with sandwich_norms its
+def mlp_sublayer(cfg, h):
+  """The MLP's input norm, the MLP (or the mixture of experts), and with sandwich_norms its
   output norm."""
   mlp_norm = "pre_ffw_norm" if cfg.sandwich_norms else "post_self_attention_norm"
-  block = block or (MoeBlock(cfg, name="moe_block") if cfg.moe else MlpBlock(cfg, name="mlp"))
+  block = MoeBlock(cfg, name="moe_block") if cfg.moe else MlpBlock(cfg, name="mlp")
   mlp = block(rms_norm(cfg, mlp_norm)(h))
   return rms_norm(cfg, "post_ffw_norm")(mlp) if cfg.sandwich_norms else mlp
-
-
-def sliced_mlp(cfg, params, x):
-  """MlpBlock (its `params`) on x [B, T, D] in cfg.mlp_chunks slices of its hidden units, one
-  at a time in a scan, each checkpointed: forward and backward hold one slice's [B, T, mlp /
-  chunks] intermediate and, under FSDP, gather one slice of each kernel, not all of it. The
-  hidden units act independently until wo sums over them, so the output is the slices' sum,
-  taken in float32: the untiled MLP's up to the order of that sum. Slice k is the k-th run of
-  every shard's own units where tensor parallelism shards them (so no unit moves), a window of
-  the kernel otherwise; it is indexed in place, as a transposed copy of the kernels cost memory."""
-  chunks, dtype, act = cfg.mlp_chunks, jnp.dtype(cfg.dtype), ACTIVATIONS[cfg.mlp_activation]
-  shards = sharding.logical_shards(cfg.to_dict(), "mlp")
-  kernels = tuple(params[name]["kernel"] for name in ("wi_0", "wi_1", "wo"))  # each [D, mlp]
-
-  def add_slice(total, k):
-    wi_0, wi_1, wo = (kernel_run(kernel, 1, shards, chunks, k, dtype) for kernel in kernels)
-    xs = x.astype(dtype)
-    gate = checkpoint_name(jnp.einsum("btd,dm->btm", xs, wi_0), "mlpwi_0")
-    up = checkpoint_name(jnp.einsum("btd,dm->btm", xs, wi_1), "mlpwi_1")
-    h = nn.with_logical_constraint(act(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
-    return total + jnp.einsum("btm,dm->btd", h, wo, preferred_element_type=jnp.float32), None
-
-  # Closed over in float32, cast per slice: the backward's scan then sums the slices' input
-  # gradients in float32, not bfloat16 (whose sum over 64 slices had 1.8x the untiled MLP's
-  # error). The 64k-token llama3-8b step (docs/attention.md) compiles to the same memory.
-  x = x.astype(jnp.float32)
-  total = nn.with_logical_constraint(jnp.zeros(x.shape, jnp.float32), BATCH_LENGTH_EMBED)
-  # Each slice keeps what remat_policy keeps of its named tensors (nothing under `none`, which
-  # checkpoints no layer), the rest recomputed.
-  policy = None if cfg.remat_policy == "none" else remat.checkpoint_policy(cfg)
-  add_slice = jax.checkpoint(add_slice, policy=policy, prevent_cse=False)  # inside a loop, as in layer_class
-  total, _ = jax.lax.scan(add_slice, total, jnp.arange(chunks))
-  # Named once whole: a policy that keeps the MLP's output keeps it, not a partial sum per slice.
-  return checkpoint_name(total.astype(dtype), "mlpwo")
 
 
 class ScannedDecoderLayer(DecoderLayer):

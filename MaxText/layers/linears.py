@@ -1,9 +1,15 @@
-"""Projections and the gated MLP (SwiGLU, GeGLU)."""
+"""Projections, the gated MLP (SwiGLU, GeGLU), and a layer's output as a sum over slices of its
+units (mlp_chunks, attention_head_chunks): the MLP and the attention are each written once, over
+the k-th slice of their kernels, the unsliced layer being the one slice."""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from MaxText import remat, sharding
+
+BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
 
 # mlp_activation -> the gate's nonlinearity: SwiGLU (Llama, Qwen) or GeGLU with tanh GELU (Gemma)
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -55,15 +61,68 @@ def weights_as(kernel, dtype):
 def kernel_run(kernel, axis, shards, runs, k, dtype):
   """The k-th of `runs` runs of each of `shards` equal shards of kernel's `axis`, joined in shard
   order and cast (weights_as): a slice of the units (hidden units, heads) on that axis in which
-  every tensor shard keeps its own, indexed in place, with no transposed copy of the kernel."""
+  every tensor shard keeps its own, indexed in place, with no transposed copy of the kernel. One
+  run is the kernel, cast."""
+  if runs == 1:
+    return weights_as(kernel, dtype)
   split = kernel.reshape(*kernel.shape[:axis], shards, runs, -1, *kernel.shape[axis + 1:])
   run = jax.lax.dynamic_index_in_dim(split, k, axis=axis + 1, keepdims=False)
   return weights_as(run.reshape(*kernel.shape[:axis], -1, *kernel.shape[axis + 1:]), dtype)
 
 
+def sum_of_slices(cfg, x, chunks: int, out_of_slice):
+  """A layer's output on x [B, T, D] as the sum over its `chunks` slices of out_of_slice(x in
+  cfg.dtype, k, the output's dtype). One chunk: slice 0 alone, the layer whole. More: one slice
+  at a time in a scan, each checkpointed, so forward and backward hold one slice's intermediates
+  and, under FSDP, one slice of each gathered kernel; the units of a slice act independently
+  until the output projection sums over them, so the sum is the whole layer's up to its order,
+  taken in float32."""
+  dtype = jnp.dtype(cfg.dtype)
+  if chunks == 1:
+    return out_of_slice(x.astype(dtype), 0, dtype)
+
+  def add_slice(total, k):
+    return total + out_of_slice(x.astype(dtype), k, jnp.float32), None
+
+  # Closed over in float32, cast per slice: the backward's scan then sums the slices' input
+  # gradients in float32, not bfloat16 (whose sum over 64 MLP slices had 1.8x the untiled
+  # MLP's error).
+  x = x.astype(jnp.float32)
+  total = nn.with_logical_constraint(jnp.zeros(x.shape, jnp.float32), BATCH_LENGTH_EMBED)
+  # Each slice keeps what remat_policy keeps of its named tensors (nothing under `none`, which
+  # checkpoints no layer), the rest recomputed; inside a loop, as in decoders.layer_class.
+  policy = None if cfg.remat_policy == "none" else remat.checkpoint_policy(cfg)
+  add_slice = jax.checkpoint(add_slice, policy=policy, prevent_cse=False)
+  total, _ = jax.lax.scan(add_slice, total, jnp.arange(chunks))
+  return total.astype(dtype)
+
+
+def _kernel_param(module, shape, axes, weight_dtype, num_in_axes, in_last):
+  return module.param("kernel", nn.with_logical_partitioning(kernel_init(num_in_axes, in_last), axes), shape,
+                      weight_dtype)
+
+
+class Kernel(nn.Module):
+  """A projection's kernel [*in, *out], or [*out, *in] with in_last, as the parameter `kernel`
+  under this module's name: for layers that contract it themselves, a slice at a time."""
+
+  shape: tuple
+  axes: tuple
+  weight_dtype: jnp.dtype
+  num_in_axes: int = 1
+  in_last: bool = False
+
+  @nn.compact
+  def __call__(self):
+    return _kernel_param(self, self.shape, self.axes, self.weight_dtype, self.num_in_axes, self.in_last)
+
+
+def kernel(cfg, name, shape, axes, num_in_axes=1, in_last=False):
+  return Kernel(shape, axes, jnp.dtype(cfg.weight_dtype), num_in_axes, in_last, name=name)()
+
+
 class DenseGeneral(nn.Module):
-  """x contracted over its trailing `num_in_axes` dims with a kernel [*in, *features], or
-  [*features, *in] with in_last, no bias.
+  """x contracted over its trailing `num_in_axes` dims with a kernel [*in, *features], no bias.
 
   (flax's own DenseGeneral initialises a flattened 2-D kernel, which cannot carry the
   per-dimension logical axis names that sharding needs.)
@@ -74,36 +133,37 @@ class DenseGeneral(nn.Module):
   dtype: jnp.dtype
   weight_dtype: jnp.dtype
   num_in_axes: int = 1
-  in_last: bool = False
 
   @nn.compact
   def __call__(self, x):
-    n, features = self.num_in_axes, tuple(self.features)
-    shape = features + x.shape[-n:] if self.in_last else x.shape[-n:] + features
-    kernel = self.param("kernel", nn.with_logical_partitioning(kernel_init(n, self.in_last), self.kernel_axes),
-                        shape, self.weight_dtype)
-    kernel_in = range(len(features), len(shape)) if self.in_last else range(n)
-    contract = (tuple(range(x.ndim - n, x.ndim)), tuple(kernel_in))
+    n = self.num_in_axes
+    kernel = _kernel_param(self, x.shape[-n:] + tuple(self.features), self.kernel_axes, self.weight_dtype, n, False)
+    contract = (tuple(range(x.ndim - n, x.ndim)), tuple(range(n)))
     return jax.lax.dot_general(x.astype(self.dtype), weights_as(kernel, self.dtype), (contract, ((), ())))
 
 
-def dense(features, kernel_axes, config, name, num_in_axes=1, in_last=False):
-  features = features if isinstance(features, tuple) else (features,)
-  return DenseGeneral(features, kernel_axes, jnp.dtype(config.dtype), jnp.dtype(config.weight_dtype),
-                      num_in_axes, in_last, name=name)
-
-
 class MlpBlock(nn.Module):
-  """wo(act(wi_0 x) * wi_1 x), act from mlp_activation."""
+  """wo(act(wi_0 x) * wi_1 x), act from mlp_activation; wo is stored [D, mlp], as wi_0 and wi_1.
+  With mlp_chunks > 1, in that many slices of its hidden units (sum_of_slices); slice k is the
+  k-th run of every tensor shard's own units (kernel_run), so no unit moves between devices."""
 
   config: object
 
   @nn.compact
   def __call__(self, x):
     cfg = self.config
-    gate = checkpoint_name(dense(cfg.base_mlp_dim, ("embed", "mlp"), cfg, "wi_0")(x), "mlpwi_0")
-    up = checkpoint_name(dense(cfg.base_mlp_dim, ("embed", "mlp"), cfg, "wi_1")(x), "mlpwi_1")
-    h = nn.with_logical_constraint(ACTIVATIONS[cfg.mlp_activation](gate) * up,
-                                   ("activation_batch", "activation_length", "activation_mlp"))
-    out = dense(cfg.base_emb_dim, ("embed", "mlp"), cfg, "wo", in_last=True)(h)
-    return checkpoint_name(out, "mlpwo")
+    dim, units = cfg.base_emb_dim, cfg.base_mlp_dim
+    kernels = (kernel(cfg, "wi_0", (dim, units), ("embed", "mlp")), kernel(cfg, "wi_1", (dim, units), ("embed", "mlp")),
+               kernel(cfg, "wo", (dim, units), ("embed", "mlp"), in_last=True))
+    chunks, act = cfg.mlp_chunks, ACTIVATIONS[cfg.mlp_activation]
+    shards = sharding.logical_shards(cfg.to_dict(), "mlp")
+
+    def mlp_slice(x, k, out_dtype):
+      wi_0, wi_1, wo = (kernel_run(w, 1, shards, chunks, k, jnp.dtype(cfg.dtype)) for w in kernels)
+      gate = checkpoint_name(jnp.einsum("btd,dm->btm", x, wi_0), "mlpwi_0")
+      up = checkpoint_name(jnp.einsum("btd,dm->btm", x, wi_1), "mlpwi_1")
+      h = nn.with_logical_constraint(act(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
+      return jnp.einsum("btm,dm->btd", h, wo, preferred_element_type=out_dtype)
+
+    # Named once whole: a policy that keeps the MLP's output keeps it, not a partial sum per slice.
+    return checkpoint_name(sum_of_slices(cfg, x, chunks, mlp_slice), "mlpwo")

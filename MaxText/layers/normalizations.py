@@ -18,9 +18,26 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
-    scale = self.param("scale", nn.with_logical_partitioning(init, ("norm",)), (x.shape[-1],), self.weight_dtype)
-    return normalize(x, scale, self.epsilon, self.plus_one, self.dtype)
+    return normalize(x, _scale_param(self, x.shape[-1], self.weight_dtype, self.plus_one), self.epsilon,
+                     self.plus_one, self.dtype)
+
+
+def _scale_param(module, features, weight_dtype, plus_one):
+  init = nn.initializers.zeros if plus_one else nn.initializers.ones
+  return module.param("scale", nn.with_logical_partitioning(init, ("norm",)), (features,), weight_dtype)
+
+
+class NormScale(nn.Module):
+  """An RMSNorm's stored scale (the parameter `scale` under this module's name), for a layer that
+  applies the norm itself, a slice of heads at a time (rms_norm_with)."""
+
+  features: int
+  weight_dtype: jnp.dtype
+  plus_one: bool = False
+
+  @nn.compact
+  def __call__(self):
+    return _scale_param(self, self.features, self.weight_dtype, self.plus_one)
 
 
 def normalize(x, scale, epsilon, plus_one, dtype):
@@ -35,6 +52,10 @@ def normalize(x, scale, epsilon, plus_one, dtype):
 def rms_norm(cfg, name: str) -> RMSNorm:
   return RMSNorm(cfg.normalization_layer_epsilon, jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype),
                  cfg.norm_plus_one, name=name)
+
+
+def norm_scale(cfg, name: str, features: int):
+  return NormScale(features, jnp.dtype(cfg.weight_dtype), cfg.norm_plus_one, name=name)()
 
 
 def rms_norm_with(cfg, scale, x):
