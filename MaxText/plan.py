@@ -2,27 +2,31 @@
 
 Finds the fastest num_vocab_tiling x remat_policy x remat_layer_interval x per_device_batch_size
 (x mlp_chunks x attention_head_chunks x gradient_accumulation_steps x ici_context_parallelism x
-context_parallel_strategy)
-whose train step fits hbm_budget_gib per device, for the devices
+context_parallel_strategy) whose train step fits hbm_budget_gib per device, for the devices
 train_compile compiles for: a TPU slice (compile_topology=v5p-64), or the visible devices
 (JAX_NUM_CPU_DEVICES=N simulates N). Every other key is held as given, and so is a search key
 given on the command line. Each candidate is the train step `train` runs, AOT-compiled: memory
-from memory_analysis(), HBM bytes from cost_analysis() plus the matmuls' bytes at their loop
-trip counts, FLOPs from the traced step (recomputation included). Its predicted step time is a
-roofline per device, max(FLOPs / peak FLOP/s, bytes / HBM bandwidth), from the chip table (on
-CPU, both rates are measured once at start-up).
+from memory_analysis(), HBM bytes from cost_analysis() plus the matmuls' bytes at their loop trip
+counts, FLOPs from the traced step (recomputation included). Its predicted step time is a roofline
+per device, max(FLOPs / peak FLOP/s, bytes / HBM bandwidth), from the chip table (on CPU, both
+rates are measured once at start-up).
 
-The search walks, for each context setting x remat_policy x remat_layer_interval x mlp_chunks x
-attention_head_chunks x gradient_accumulation_steps, up the plan_per_device_batch_sizes ladder; at
-each batch size, up plan_num_vocab_tiling until the step fits or one more tile count saves less than
-1% (the layers, not the loss head, set the peak from there); a setting that fits at no tile count is
-not tried at a larger batch. Settings are compiled in parallel processes (plan_workers) when the
-devices are simulated CPUs or a compile_topology. It prints every compile, the Pareto front of
-memory vs predicted tokens/s as Markdown and the fastest candidate that fits as a `python -m
-MaxText.train` line, and writes base_output_directory/run_name/plan/plan.{md,json,png}. Exit code 2
-when nothing fits the budget. With max_target_length=auto it answers the longest sequence that fits:
-the search at each of plan_max_target_lengths, ascending, until one has no candidate that fits.
-MaxText.auto runs the same search for `auto` keys at the start of train and train_compile. """
+The search walks, for each context setting x remat_policy x mlp_chunks x attention_head_chunks x
+gradient_accumulation_steps, up plan_remat_layer_intervals, and at each interval up the
+plan_per_device_batch_sizes ladder; at each batch size, up plan_num_vocab_tiling until the step
+fits or one more tile count saves less than 1% (the layers, not the loss head, set the peak from
+there). Memory grows with the batch and the interval, so a batch starts from the tiles that fit
+the batch below it and the same batch at the interval below, a batch that fits at no tile count
+ends the ladder, and an interval tries no batch that did not fit at the interval below. Policies
+that keep the same tensors where they count are compiled once (on CPU, where host memory is device
+memory, an offloaded policy equals the one that keeps those tensors). Settings are compiled in
+parallel processes (plan_workers) when the devices are simulated CPUs or a compile_topology. It
+prints every compile, the Pareto front of memory vs predicted tokens/s as Markdown and the fastest
+candidate that fits as a `python -m MaxText.train` line, and writes
+base_output_directory/run_name/plan/plan.{md,json,png}. Exit code 2 when nothing fits the budget.
+With max_target_length=auto it answers the longest sequence that fits: the search at each of
+plan_max_target_lengths, ascending, until one has no candidate that fits. MaxText.auto runs the
+same search for `auto` keys at the start of train and train_compile. """
 
 import concurrent.futures
 import functools
@@ -111,8 +115,9 @@ def search_space(config, free) -> dict:
   space = {}
   for key, plan_key in SEARCH_KEYS.items():
     values = list(getattr(config, plan_key)) if key in free else [getattr(config, key)]
-    if key == "remat_policy" and not values:
-      values = list(remat.SEARCHABLE_POLICIES)
+    if key == "remat_policy":
+      # Policies that keep the same tensors where they count on this platform compile alike.
+      values = remat.distinct_policies(values or remat.SEARCHABLE_POLICIES, config.platform)[0]
     if key in ("ici_context_parallelism", "context_parallel_strategy") and not values:
       values = [getattr(config, key)]
     if key == "remat_layer_interval":
@@ -167,46 +172,73 @@ def _line(record: dict) -> str:
 
 
 def _chain(argv: list, space: dict, budget: int, rates: tuple, verbose: bool, fixed: dict) -> list:
-  """The batch ladder x tile ladder of one remat/accumulation setting (see the module doc)."""
-  records = []
-  for batch in space["per_device_batch_size"]:
-    sized, fits, previous = False, False, None
-    for tiles in space["num_vocab_tiling"]:
-      record = evaluate(argv, {**fixed, "per_device_batch_size": batch, "num_vocab_tiling": tiles}, rates)
-      record["fits"] = record["status"] == "ok" and record["total_bytes"] <= budget
-      records.append(record)
-      if verbose:
-        print(_line(record), flush=True)
-      if record["status"] == "invalid":  # larger tile counts are no more valid
+  """One setting's candidates (see the module doc): for each remat_layer_interval, ascending,
+  the batch ladder, and at each batch the tile ladder from the fewest tiles that could fit.
+  Memory grows with the batch and with the interval (fewer layers checkpointed), so a batch
+  needs at least the tiles that fit the batch below it and the same batch at the interval
+  below, and an interval tries no batch that did not fit at the interval below."""
+  records, tiles, below = [], space["num_vocab_tiling"], None  # below: {batch: tile index that fit}
+  intervals = space["remat_layer_interval"][:1] if fixed["remat_policy"] == "none" else space["remat_layer_interval"]
+  for interval in intervals:
+    fitted, start = {}, 0
+    for batch in space["per_device_batch_size"]:
+      if below is not None and batch not in below:
         break
-      sized = True
-      if record["fits"]:
-        fits = True
-        break
-      if record["status"] == "ok":
-        if previous and previous - record["total_bytes"] < TILE_GAIN * previous:
+      sized, previous = False, None
+      for index in range(max(start, (below or {}).get(batch, 0)), len(tiles)):
+        settings = {**fixed, "remat_layer_interval": interval, "per_device_batch_size": batch,
+                    "num_vocab_tiling": tiles[index]}
+        record = evaluate(argv, settings, rates)
+        record["fits"] = record["status"] == "ok" and record["total_bytes"] <= budget
+        records.append(record)
+        if verbose:
+          print(_line(record), flush=True)
+        if record["status"] == "invalid":  # larger tile counts are no more valid
           break
-        previous = record["total_bytes"]
-    if sized and not fits:
+        sized = True
+        if record["fits"]:
+          fitted[batch] = start = index
+          break
+        if record["status"] == "ok":
+          if previous and previous - record["total_bytes"] < TILE_GAIN * previous:
+            break
+          previous = record["total_bytes"]
+      if sized and batch not in fitted:
+        break
+    if not fitted:
       break
+    below = fitted
   return records
+
+
+def candidate_bound(space: dict) -> tuple[int, int]:
+  """(settings searched in parallel, most compiles the search can make): each setting's
+  intervals x batches x tile counts; the ladders stop early."""
+  settings = len(_settings(space))
+  per_setting = (len(space["remat_layer_interval"]) * len(space["per_device_batch_size"])
+                 * len(space["num_vocab_tiling"]))
+  return settings, settings * per_setting
+
+
+def _settings(space: dict, fixed: dict | None = None) -> list:
+  """One dict per chain of the search: the context, policy, slicing and accumulation settings
+  (the interval, set along the chain, keeps its place in the candidates' settings)."""
+  strategies = space["context_parallel_strategy"]
+  # The context keys appear in the candidates' settings (and the train line) only when searched.
+  searched = len(space["ici_context_parallelism"]) > 1 or len(strategies) > 1
+  contexts = [{"ici_context_parallelism": x, "context_parallel_strategy": s} if searched else {}
+              for x in space["ici_context_parallelism"] for s in (strategies if x > 1 else strategies[:1])]
+  return [{**(fixed or {}), **context, "remat_policy": p, "remat_layer_interval": None, "mlp_chunks": c,
+           "attention_head_chunks": a, "gradient_accumulation_steps": g}
+          for context in contexts for p in space["remat_policy"] for c in space["mlp_chunks"]
+          for a in space["attention_head_chunks"] for g in space["gradient_accumulation_steps"]]
 
 
 def search(argv: list, space: dict, budget: int, rates: tuple, workers: int, verbose: bool = False,
            fixed: dict | None = None) -> list:
   """Every candidate the pruned search compiled, as evaluate() records with `fits`; `fixed`
   settings go into every candidate's."""
-  strategies = space["context_parallel_strategy"]
-  # The context keys appear in the candidates' settings (and the train line) only when searched.
-  searched = len(space["ici_context_parallelism"]) > 1 or len(strategies) > 1
-  contexts = [{"ici_context_parallelism": x, "context_parallel_strategy": s} if searched else {}
-              for x in space["ici_context_parallelism"] for s in (strategies if x > 1 else strategies[:1])]
-  chains = [{**(fixed or {}), **context, "remat_policy": p, "remat_layer_interval": i, "mlp_chunks": c,
-             "attention_head_chunks": a, "gradient_accumulation_steps": g}
-            for context in contexts
-            for p in space["remat_policy"] for i in space["remat_layer_interval"] for c in space["mlp_chunks"]
-            for a in space["attention_head_chunks"] for g in space["gradient_accumulation_steps"]
-            if not (p == "none" and i > 1 and len(space["remat_layer_interval"]) > 1)]  # none checkpoints no layer
+  chains = _settings(space, fixed)
   run = functools.partial(_chain, argv, space, budget, rates, verbose)
   if workers > 1 and len(chains) > 1:
     # Separate processes: compiles in one process serialize. spawn, not fork: JAX is running.
@@ -321,6 +353,14 @@ def main(argv):
         f"searching {', '.join(f'{k} {v}' for k, v in space.items() if len(v) > 1)} with {workers} worker(s)"
         + (f", at max_target_length {list(config.plan_max_target_lengths)} up to the longest that fits" if longest
            else ""), flush=True)
+  if "remat_policy" in free:
+    equal = remat.distinct_policies(config.plan_remat_policies or remat.SEARCHABLE_POLICIES, config.platform)[1]
+    if equal:
+      print(f"not compiled, as they keep what another keeps on {config.platform}: "
+            + ", ".join(f"{p} (= {q})" for p, q in equal.items()), flush=True)
+  chains, most = candidate_bound(space)
+  print(f"{chains} settings, searched in parallel, at most {most} compiles"
+        + (" per length" if longest else "") + "; each ladder stops at its first fit", flush=True)
   start = time.perf_counter()
   if longest:
     records = search_longest(fixed_argv, space, budget, rates, workers, list(config.plan_max_target_lengths))

@@ -56,3 +56,25 @@ def checkpoint_policy(config):
         names_which_can_be_saved=list(device), names_which_can_be_offloaded=list(offload),
         offload_src="device", offload_dst="pinned_host")
   return jax.checkpoint_policies.save_only_these_names(*device)
+
+
+def distinct_policies(policies, platform: str) -> tuple[list, dict]:
+  """(the policies that keep different tensors where they count on `platform`, in order; {each
+  other policy: the earlier one it equals}). A checkpoint keeps its input (the layer input)
+  whatever a policy names, so naming it on the device changes nothing; on CPU host memory is
+  device memory, so an offloaded tensor is a kept one."""
+  kept, equal, seen = [], {}, {}
+  for policy in policies:
+    if policy in ("none", "custom"):
+      key = policy
+    else:
+      device, offload = (frozenset(names) for names in POLICIES[policy])
+      device -= {"decoder_layer_input"}
+      key = device | (offload - {"decoder_layer_input"}) if platform == "cpu" else (device, offload)
+    if key in seen:
+      equal[policy] = seen[key]
+    else:
+      seen[key] = policy
+      kept.append(policy)
+  return kept, equal
+

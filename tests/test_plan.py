@@ -221,3 +221,53 @@ def test_the_longest_sequence_that_fits_is_searched_with_mlp_and_attention_chunk
   assert {r["settings"]["mlp_chunks"] for r in records} == {1, 2}
   assert {r["settings"]["attention_head_chunks"] for r in records} == {1, 2}
   assert plan.choose(records, budget, "test")["settings"]["max_target_length"] == 32
+
+
+def test_policies_that_keep_the_same_tensors_on_cpu_compile_once_and_to_the_same_step():
+  """On CPU host memory is device memory: an offloaded policy keeps what its on-device twin
+  keeps, so the search compiles one of them, and compiled, the two steps are the same size and
+  speed."""
+  config = pyconfig.initialize(_argv("plan_remat_policies=[save_qkv_proj,qkv_proj_offloaded,full,input_offloaded]"))
+  assert plan.search_space(config, {"remat_policy"})["remat_policy"] == ["save_qkv_proj", "full"]
+  rates = plan.roofline_rates(sharding.run_devices("", 1)[0])
+  fixed = {"per_device_batch_size": 2, "num_vocab_tiling": 1}
+  for kept, twin in (("save_qkv_proj", "qkv_proj_offloaded"), ("full", "input_offloaded")):
+    a, b = (plan.evaluate(_argv(), {**fixed, "remat_policy": p}, rates) for p in (kept, twin))
+    assert (a["total_bytes"], a["step_flops_per_step"]) == (b["total_bytes"], b["step_flops_per_step"])
+  tpu = pyconfig.initialize(_argv("compile_topology=v5p-8", "plan_remat_policies=[full,input_offloaded]"))
+  assert plan.search_space(tpu, {"remat_policy"})["remat_policy"] == ["full", "input_offloaded"]
+
+
+@pytest.mark.slow
+def test_the_pruned_search_chooses_what_compiling_every_candidate_chooses():
+  """Intervals, batches and tiles, with the budget where full remat fits batch 4 untiled: the
+  pruned search (fewer compiles) picks the candidate the whole grid picks, and no interval tries
+  a batch that did not fit at the interval below."""
+  search = ("plan_remat_policies=[save_out_proj,full]", "plan_remat_layer_intervals=[1,2]",
+            "plan_per_device_batch_sizes=[2,4,8]", "plan_num_vocab_tiling=[1,4]", "base_num_decoder_layers=2")
+  config = pyconfig.initialize(_argv(*search))
+  rates = plan.roofline_rates(sharding.run_devices("", 1)[0])
+  budget = plan.evaluate(_argv("base_num_decoder_layers=2"), {"remat_policy": "full", "per_device_batch_size": 4,
+                                                              "num_vocab_tiling": 1}, rates)["total_bytes"]
+  space = plan.search_space(config, set(plan.SEARCH_KEYS) - {"mlp_chunks", "attention_head_chunks",
+                                                             "gradient_accumulation_steps"})
+  pruned = plan.search(_argv(*search), space, budget, rates, workers=1)
+  every = []
+  for policy in space["remat_policy"]:
+    for interval in space["remat_layer_interval"]:
+      for batch in space["per_device_batch_size"]:
+        for tiles in space["num_vocab_tiling"]:
+          settings = {"remat_policy": policy, "remat_layer_interval": interval, "per_device_batch_size": batch,
+                      "num_vocab_tiling": tiles}
+          record = plan.evaluate(_argv(*search), settings, rates)
+          every.append({**record, "fits": record["status"] == "ok" and record["total_bytes"] <= budget})
+  assert len(pruned) < len(every)
+  key = lambda r: tuple(r["settings"][k] for k in ("remat_policy", "remat_layer_interval", "per_device_batch_size",
+                                                   "num_vocab_tiling"))
+  assert key(plan.choose(pruned, budget, "test")) == key(plan.choose(every, budget, "test"))
+  for policy in space["remat_policy"]:
+    fit_at_1 = {r["settings"]["per_device_batch_size"] for r in pruned
+                if r["fits"] and r["settings"]["remat_policy"] == policy and r["settings"]["remat_layer_interval"] == 1}
+    tried_at_2 = {r["settings"]["per_device_batch_size"] for r in pruned
+                  if r["settings"]["remat_policy"] == policy and r["settings"]["remat_layer_interval"] == 2}
+    assert tried_at_2 <= fit_at_1
