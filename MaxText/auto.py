@@ -67,7 +67,7 @@ def initialize(argv: list) -> pyconfig.Config:
   else:
     budget, how = plan.budget_bytes(config, device)
     start = time.perf_counter()
-    records = plan.search(fixed_argv, plan.search_space(config, set(auto)), budget, plan.roofline_rates(device),
+    records = plan.search(config, plan.search_space(config, set(auto)), budget, plan.roofline_rates(device),
                           workers=1)
     chosen = plan.choose(records, budget, how)
     settings = {k: chosen["settings"][k] for k in auto}

@@ -129,11 +129,12 @@ def search_space(config, free) -> dict:
   return space
 
 
-def evaluate(argv: list, settings: dict, rates: tuple) -> dict:
-  """One candidate: argv with `settings`, compiled; its memory and predicted speed, or why not."""
+def evaluate(base, settings: dict, rates: tuple) -> dict:
+  """One candidate: the config `base` with `settings` (pyconfig.replace), compiled; its memory
+  and predicted speed, or why not."""
   record = {"settings": settings}
   try:
-    config = pyconfig.initialize([*argv, *_assignments(settings)])
+    config = pyconfig.replace(base, settings)
     trainer = train_step.build(config, sharding.create_mesh(config))
     compiled = train_step.compile_train_step(trainer, config)
   except errors.ConfigError as e:
@@ -171,7 +172,7 @@ def _line(record: dict) -> str:
           f"{'' if record['fits'] else ' (over budget)'}, {record['tokens_per_second_per_chip']:,.0f} tokens/s/chip")
 
 
-def _chain(argv: list, space: dict, budget: int, rates: tuple, verbose: bool, fixed: dict) -> list:
+def _chain(base, space: dict, budget: int, rates: tuple, verbose: bool, fixed: dict) -> list:
   """One setting's candidates (see the module doc): for each remat_layer_interval, ascending,
   the batch ladder, and at each batch the tile ladder from the fewest tiles that could fit.
   Memory grows with the batch and with the interval (fewer layers checkpointed), so a batch
@@ -188,7 +189,7 @@ def _chain(argv: list, space: dict, budget: int, rates: tuple, verbose: bool, fi
       for index in range(max(start, (below or {}).get(batch, 0)), len(tiles)):
         settings = {**fixed, "remat_layer_interval": interval, "per_device_batch_size": batch,
                     "num_vocab_tiling": tiles[index]}
-        record = evaluate(argv, settings, rates)
+        record = evaluate(base, settings, rates)
         record["fits"] = record["status"] == "ok" and record["total_bytes"] <= budget
         records.append(record)
         if verbose:
@@ -234,12 +235,12 @@ def _settings(space: dict, fixed: dict | None = None) -> list:
           for a in space["attention_head_chunks"] for g in space["gradient_accumulation_steps"]]
 
 
-def search(argv: list, space: dict, budget: int, rates: tuple, workers: int, verbose: bool = False,
+def search(base, space: dict, budget: int, rates: tuple, workers: int, verbose: bool = False,
            fixed: dict | None = None) -> list:
-  """Every candidate the pruned search compiled, as evaluate() records with `fits`; `fixed`
-  settings go into every candidate's."""
+  """Every candidate the pruned search compiled from the config `base`, as evaluate() records
+  with `fits`; `fixed` settings go into every candidate's."""
   chains = _settings(space, fixed)
-  run = functools.partial(_chain, argv, space, budget, rates, verbose)
+  run = functools.partial(_chain, base, space, budget, rates, verbose)
   if workers > 1 and len(chains) > 1:
     # Separate processes: compiles in one process serialize. spawn, not fork: JAX is running.
     with concurrent.futures.ProcessPoolExecutor(min(workers, len(chains)),
@@ -250,14 +251,14 @@ def search(argv: list, space: dict, budget: int, rates: tuple, workers: int, ver
   return [r for chain in results for r in chain]
 
 
-def search_longest(argv: list, space: dict, budget: int, rates: tuple, workers: int, lengths: list) -> list:
+def search_longest(base, space: dict, budget: int, rates: tuple, workers: int, lengths: list) -> list:
   """max_target_length=auto: the search at each of `lengths` (ascending) until one has no
   candidate that fits; the records of the longest at which one does (each with its
   max_target_length in its settings), or, when none fits even the shortest, the shortest's."""
   longest = None
   for length in lengths:
     print(f"max_target_length={length}:", flush=True)
-    records = search(argv, space, budget, rates, workers, verbose=True, fixed={"max_target_length": length})
+    records = search(base, space, budget, rates, workers, verbose=True, fixed={"max_target_length": length})
     if not any(r["fits"] for r in records):
       return longest or records
     longest = records
@@ -363,9 +364,9 @@ def main(argv):
         + (" per length" if longest else "") + "; each ladder stops at its first fit", flush=True)
   start = time.perf_counter()
   if longest:
-    records = search_longest(fixed_argv, space, budget, rates, workers, list(config.plan_max_target_lengths))
+    records = search_longest(config, space, budget, rates, workers, list(config.plan_max_target_lengths))
   else:
-    records = search(fixed_argv, space, budget, rates, workers, verbose=True)
+    records = search(config, space, budget, rates, workers, verbose=True)
   seconds = time.perf_counter() - start
   chosen = choose(records, budget, how)
   drop = set(SEARCH_KEYS) | set(SEARCH_KEYS.values()) | {"hbm_budget_gib", "plan_workers", "compile_topology",

@@ -55,6 +55,9 @@ class Config:
   def to_dict(self) -> dict:
     return dict(self._values)
 
+  def __reduce__(self):  # to the planner's worker processes
+    return Config, (dict(self._values),)
+
 
 # The shipped schema: every key and its type. Any config file's values are checked against it.
 SCHEMA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")

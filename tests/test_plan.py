@@ -28,10 +28,10 @@ def searched():
   config = pyconfig.initialize(_argv(*search))
   device = sharding.run_devices("", 1)[0]
   rates = plan.roofline_rates(device)
-  reference = plan.evaluate(_argv(), {"remat_policy": "full", "per_device_batch_size": 4, "num_vocab_tiling": 1}, rates)
+  reference = plan.evaluate(config, {"remat_policy": "full", "per_device_batch_size": 4, "num_vocab_tiling": 1}, rates)
   budget = reference["total_bytes"]
   free = ("remat_policy", "per_device_batch_size", "num_vocab_tiling")
-  return plan.search(_argv(*search), plan.search_space(config, free), budget, rates, workers=1), budget
+  return plan.search(config, plan.search_space(config, free), budget, rates, workers=1), budget
 
 
 @pytest.mark.slow
@@ -150,7 +150,7 @@ def test_a_mixture_of_experts_is_planned_by_its_active_flops_and_trains_as_its_c
             "plan_num_vocab_tiling=[1]")
   config = pyconfig.initialize(_argv(*moe, *search))
   rates = plan.roofline_rates(sharding.run_devices("", 1)[0])
-  records = plan.search(_argv(*moe, *search), plan.search_space(config, {"remat_policy"}), 2**40, rates, workers=1)
+  records = plan.search(config, plan.search_space(config, {"remat_policy"}), 2**40, rates, workers=1)
   # Model FLOPs count the routed experts only, and the step's traced FLOPs count the grouped
   # matmuls: without recomputation the two agree up to attention's masked half, never below 1.
   by_policy = {r["settings"]["remat_policy"]: r["recompute_ratio"] for r in records}
@@ -176,7 +176,7 @@ def test_the_context_degree_and_strategy_are_searched():
   config = pyconfig.initialize(argv)
   device = sharding.run_devices(config.compile_topology, 1)[0]
   space = plan.search_space(config, {"ici_context_parallelism", "context_parallel_strategy"})
-  records = plan.search(argv, space, 2**40, plan.roofline_rates(device), workers=1)
+  records = plan.search(config, space, 2**40, plan.roofline_rates(device), workers=1)
   total = {(r["settings"]["ici_context_parallelism"], r["settings"]["context_parallel_strategy"]): r["total_bytes"]
            for r in records}
   assert set(total) == {(1, "all_gather"), (2, "all_gather"), (2, "ring"), (4, "all_gather"), (4, "ring")}
@@ -212,11 +212,12 @@ def test_the_longest_sequence_that_fits_is_searched_with_mlp_and_attention_chunk
   device = sharding.run_devices("", 1)[0]
   rates = plan.roofline_rates(device)
   fixed = {"remat_policy": "full", "per_device_batch_size": 2, "num_vocab_tiling": 1}
-  budget = plan.evaluate(_argv(), {**fixed, "max_target_length": 32}, rates)["total_bytes"]
+  budget = plan.evaluate(pyconfig.initialize(_argv()), {**fixed, "max_target_length": 32}, rates)["total_bytes"]
   argv = _argv("plan_remat_policies=[full]", "plan_remat_layer_intervals=[1]", "plan_per_device_batch_sizes=[2]",
                "plan_num_vocab_tiling=[1]", "plan_mlp_chunks=[1,2]", "plan_attention_head_chunks=[1,2]")
-  space = plan.search_space(pyconfig.initialize(argv), set(plan.SEARCH_KEYS))
-  records = plan.search_longest(argv, space, budget, rates, 1, [16, 32, 64, 128])
+  config = pyconfig.initialize(argv)
+  records = plan.search_longest(config, plan.search_space(config, set(plan.SEARCH_KEYS)), budget, rates, 1,
+                                [16, 32, 64, 128])
   assert {r["settings"]["max_target_length"] for r in records} == {32}
   assert {r["settings"]["mlp_chunks"] for r in records} == {1, 2}
   assert {r["settings"]["attention_head_chunks"] for r in records} == {1, 2}
@@ -232,7 +233,7 @@ def test_policies_that_keep_the_same_tensors_on_cpu_compile_once_and_to_the_same
   rates = plan.roofline_rates(sharding.run_devices("", 1)[0])
   fixed = {"per_device_batch_size": 2, "num_vocab_tiling": 1}
   for kept, twin in (("save_qkv_proj", "qkv_proj_offloaded"), ("full", "input_offloaded")):
-    a, b = (plan.evaluate(_argv(), {**fixed, "remat_policy": p}, rates) for p in (kept, twin))
+    a, b = (plan.evaluate(pyconfig.initialize(_argv()), {**fixed, "remat_policy": p}, rates) for p in (kept, twin))
     assert (a["total_bytes"], a["step_flops_per_step"]) == (b["total_bytes"], b["step_flops_per_step"])
   tpu = pyconfig.initialize(_argv("compile_topology=v5p-8", "plan_remat_policies=[full,input_offloaded]"))
   assert plan.search_space(tpu, {"remat_policy"})["remat_policy"] == ["full", "input_offloaded"]
@@ -247,11 +248,11 @@ def test_the_pruned_search_chooses_what_compiling_every_candidate_chooses():
             "plan_per_device_batch_sizes=[2,4,8]", "plan_num_vocab_tiling=[1,4]", "base_num_decoder_layers=2")
   config = pyconfig.initialize(_argv(*search))
   rates = plan.roofline_rates(sharding.run_devices("", 1)[0])
-  budget = plan.evaluate(_argv("base_num_decoder_layers=2"), {"remat_policy": "full", "per_device_batch_size": 4,
-                                                              "num_vocab_tiling": 1}, rates)["total_bytes"]
+  budget = plan.evaluate(config, {"remat_policy": "full", "per_device_batch_size": 4, "num_vocab_tiling": 1},
+                         rates)["total_bytes"]
   space = plan.search_space(config, set(plan.SEARCH_KEYS) - {"mlp_chunks", "attention_head_chunks",
                                                              "gradient_accumulation_steps"})
-  pruned = plan.search(_argv(*search), space, budget, rates, workers=1)
+  pruned = plan.search(config, space, budget, rates, workers=1)
   every = []
   for policy in space["remat_policy"]:
     for interval in space["remat_layer_interval"]:
@@ -259,7 +260,7 @@ def test_the_pruned_search_chooses_what_compiling_every_candidate_chooses():
         for tiles in space["num_vocab_tiling"]:
           settings = {"remat_policy": policy, "remat_layer_interval": interval, "per_device_batch_size": batch,
                       "num_vocab_tiling": tiles}
-          record = plan.evaluate(_argv(*search), settings, rates)
+          record = plan.evaluate(config, settings, rates)
           every.append({**record, "fits": record["status"] == "ok" and record["total_bytes"] <= budget})
   assert len(pruned) < len(every)
   key = lambda r: tuple(r["settings"][k] for k in ("remat_policy", "remat_layer_interval", "per_device_batch_size",

@@ -30,9 +30,9 @@ def check(model: tuple, budget_batch: int, warmup: int, steps: int) -> dict:
   argv = [common.BASE_YML, *RUN, *model]
   config = pyconfig.initialize([*argv, *SEARCH])
   rates = plan.roofline_rates(sharding.run_devices("", 1)[0])
-  budget = plan.evaluate(argv, {"remat_policy": "full", "per_device_batch_size": budget_batch, "num_vocab_tiling": 1},
+  budget = plan.evaluate(config, {"remat_policy": "full", "per_device_batch_size": budget_batch, "num_vocab_tiling": 1},
                          rates)["total_bytes"]
-  records = plan.search(argv, plan.search_space(config, plan.SEARCH_KEYS), budget, rates, workers=1)
+  records = plan.search(config, plan.search_space(config, plan.SEARCH_KEYS), budget, rates, workers=1)
   top = sorted((r for r in records if r["fits"]), key=lambda r: -r["tokens_per_second_per_chip"])[:TOP]
   names = [plan.describe({k: r["settings"][k] for k in ("remat_policy", "per_device_batch_size", "num_vocab_tiling")})
            for r in top]
