@@ -77,7 +77,7 @@ def _load_yaml(path: str) -> dict:
   return values
 
 
-def _type_name(default) -> str:
+def type_name(default) -> str:
   return {bool: "a bool (true/false)", int: "an integer", float: "a number", str: "a string",
           list: "a list"}[type(default)]
 
@@ -96,7 +96,7 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
       else:
         value = yaml.safe_load(value)
     except (ValueError, yaml.YAMLError):
-      raise ConfigError(f"{key}={value}: must be {_type_name(default)}") from None
+      raise ConfigError(f"{key}={value}: must be {type_name(default)}") from None
   ok = (
       (kind is bool and isinstance(value, bool))
       or (kind is int and isinstance(value, int) and not isinstance(value, bool))
@@ -105,7 +105,7 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
       or (kind is list and isinstance(value, list))
   )
   if not ok:
-    raise ConfigError(f"{key}={value!r}: must be {_type_name(default)}")
+    raise ConfigError(f"{key}={value!r}: must be {type_name(default)}")
   if kind is int and abs(value) > _INT_LIMIT:
     raise ConfigError(f"{key}={value}: must be at most {_INT_LIMIT} in magnitude")
   if kind is float and not math.isfinite(value):

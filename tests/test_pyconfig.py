@@ -7,7 +7,7 @@ import sys
 import pytest
 from conftest import BASE_YML, ROOT, run_cli, tiny_config
 
-from MaxText import errors, pyconfig, sharding
+from MaxText import config_reference, errors, pyconfig, sharding
 
 
 def test_overrides_are_parsed_to_the_type_of_the_default():
@@ -219,3 +219,15 @@ def test_cli_empty_config_file_is_one_line_exit_2(tmp_path):
                           capture_output=True, text=True, cwd=ROOT)
   assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
   assert "lacks" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_config_reference_is_current_and_every_key_has_a_section():
+  """docs/config.md is what config_reference writes from base.yml (rewrite it with
+  `python -m MaxText.config_reference > docs/config.md`), and every key of base.yml is under a
+  section header, with a description."""
+  assert (ROOT / "docs" / "config.md").read_text() == config_reference.markdown(), "docs/config.md is stale"
+  found = config_reference.sections()
+  assert "" not in found, f"keys before any section: {list(found.get('', {}))}"
+  keys = {key: description for section in found.values() for key, description in section.items()}
+  assert sorted(keys) == sorted(pyconfig._load_yaml(pyconfig.SCHEMA))
+  assert [key for key, description in keys.items() if not description] == []
