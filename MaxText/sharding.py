@@ -143,7 +143,9 @@ def create_mesh(config) -> jax.sharding.Mesh:
 
 
 def mesh_axes(*logical_names) -> list[tuple[str, ...]]:
-  """The mesh axes each logical axis name (or None) maps to under the active rules, as tuples."""
+  """The mesh axes of each dimension of an array whose dimensions have these logical names (or
+  None), under the active rules, as tuples. The names resolve together, as flax resolves one
+  array's: a mesh axis an earlier name took is not given to a later one."""
   return [() if a is None else (a,) if isinstance(a, str) else tuple(a) for a in nn.logical_to_mesh_axes(logical_names)]
 
 
