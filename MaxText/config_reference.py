@@ -45,7 +45,7 @@ def _cell(text: str) -> str:
 
 
 def markdown(path: str = pyconfig.SCHEMA) -> str:
-  defaults = pyconfig._load_yaml(path)
+  defaults = pyconfig.load_yaml(path)
   lines = ["# Configuration keys", "",
            "Every key of `configs/base.yml`, by section, with its type and default; `key=value` on the command",
            "line or a config file overrides it (see the top of `base.yml`). Written by",

@@ -251,10 +251,10 @@ def format_memory_stats(stats: dict) -> str:
   return "\n".join(f"  {k:15s} {v:16,d} bytes  {v / 2**30:9.3f} GiB" for k, v in stats.items())
 
 
-def memory_report(compiled, device) -> tuple[dict, str | None]:
-  """(memory_stats with the device's memory and whether the step fits it, None or the one line
-  saying by how much it does not): what train checks before a run and memory_stats_file holds."""
-  stats = memory_stats(compiled)
+def memory_report(stats: dict, device) -> tuple[dict, str | None]:
+  """(a compiled step's memory_stats with the device's memory and whether the step fits it, None
+  or the one line saying by how much it does not): what train checks before a run and
+  memory_stats_file holds."""
   problem = fit_message(stats, device)
   return {**stats, "fits": problem is None, "device_memory_bytes": memory_limit_bytes(device)}, problem
 

@@ -64,7 +64,7 @@ SCHEMA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 _INT_LIMIT = 2**31 - 1  # JAX's default integers are 32-bit: a larger step, size or seed overflows on device
 
 
-def _load_yaml(path: str) -> dict:
+def load_yaml(path: str) -> dict:
   if not os.path.isfile(path):
     raise ConfigError(f"config file {path!r} does not exist")
   try:
@@ -116,10 +116,10 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
 def _load_config(path: str, depth: int = 0) -> dict:
   """The keys of config file `path`, each checked against the schema's type: over those of the
   file its `base_config` names (relative to it), as in MaxText, or else all of them itself."""
-  values = _load_yaml(path)
+  values = load_yaml(path)
   base = values.pop("base_config", None)
   if base is None:
-    schema = values if os.path.abspath(path) == SCHEMA else _load_yaml(SCHEMA)
+    schema = values if os.path.abspath(path) == SCHEMA else load_yaml(SCHEMA)
     missing = [key for key in schema if key not in values]
     if missing:
       raise ConfigError(f"config file {path!r} lacks {len(missing)} of the keys of {SCHEMA} (first: {missing[0]!r}); "
@@ -396,7 +396,7 @@ def saved_model_keys(checkpoint: str) -> tuple[dict, str] | None:
     return None
   for path in (os.path.join(checkpoint, MODEL_KEYS_FILE), os.path.join(checkpoint, "..", "..", "config.yml")):
     if os.path.isfile(path):
-      values = _load_yaml(path)
+      values = load_yaml(path)
       return {key: values[key] for key in MODEL_KEYS if key in values}, os.path.normpath(path)
   return None
 
@@ -438,7 +438,7 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
     model_path = os.path.join(os.path.dirname(os.path.abspath(config_path)), "models", f"{model_name}.yml")
     if not os.path.isfile(model_path):
       raise ConfigError(f"model_name={model_name!r}: no file {model_path}")
-    _merge(values, _load_yaml(model_path), model_path)
+    _merge(values, load_yaml(model_path), model_path)
   saved = saved_model_keys(_coerce("load_parameters_path", overrides.get("load_parameters_path",
                                                                           values["load_parameters_path"]), ""))
   if saved:

@@ -142,6 +142,12 @@ def create_mesh(config) -> jax.sharding.Mesh:
   return jax.sharding.Mesh(devices, MESH_AXES, axis_types=axis_types)
 
 
+def axes_of(logical_name) -> tuple[str, ...]:
+  """The mesh axes one logical axis name maps to under the active rules, on its own (as in an
+  array with no other named dimension)."""
+  return mesh_axes(logical_name)[0]
+
+
 def mesh_axes(*logical_names) -> list[tuple[str, ...]]:
   """The mesh axes of each dimension of an array whose dimensions have these logical names (or
   None), under the active rules, as tuples. The names resolve together, as flax resolves one

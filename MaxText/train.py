@@ -93,12 +93,13 @@ def _compile_to_fit(trainer: Trainer, config):
   """(The compiled train step, its memory stats), before anything is allocated: a step that
   cannot fit fails now, with one line, not in its first allocation."""
   compiled = train_step.compile_train_step(trainer, config)
-  report, problem = costs.memory_report(compiled, trainer.mesh.devices.flat[0])
+  stats = costs.memory_stats(compiled)
+  report, problem = costs.memory_report(stats, trainer.mesh.devices.flat[0])
   if config.memory_stats_file:
     metrics.write_json(config.memory_stats_file, report)
   if problem:
     raise errors.UserError(problem)
-  return compiled, costs.memory_stats(compiled)
+  return compiled, stats
 
 
 def _train_steps(trainer, config, compiled, state, data, train_iterator, manager, signals) -> None:

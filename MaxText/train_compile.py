@@ -29,8 +29,8 @@ def main(argv):
   device = trainer.mesh.devices.flat[0]
   where = (f"{config.compile_topology} x {config.compile_topology_num_slices} slice(s)" if config.compile_topology
            else device.platform)
-  report, problem = costs.memory_report(compiled, device)
   stats = costs.memory_stats(compiled)
+  report, problem = costs.memory_report(stats, device)
   print(f"train step memory per device ({config.num_devices} {device.device_kind} devices of {where}, "
         f"mesh {config.mesh_shape}, dcn {config.dcn_mesh_shape}):")
   print(costs.format_memory_stats(stats))

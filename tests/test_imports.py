@@ -22,8 +22,8 @@ def module_names() -> dict:
   return names
 
 
-def imported(path: Path, modules) -> set:
-  """The MaxText modules a file imports, anywhere in it."""
+def imports(path: Path, modules) -> set:
+  """Every module a file imports, anywhere in it."""
   found = set()
   for node in ast.walk(ast.parse(path.read_text())):
     if isinstance(node, ast.Import):
@@ -31,7 +31,12 @@ def imported(path: Path, modules) -> set:
     elif isinstance(node, ast.ImportFrom) and node.module:
       # `from MaxText import train` imports the module MaxText.train; `from MaxText.train import x` MaxText.train.
       found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names}
-  return found & set(modules)
+  return found
+
+
+def imported(path: Path, modules) -> set:
+  """The MaxText modules a file imports, anywhere in it."""
+  return imports(path, modules) & set(modules)
 
 
 def import_graph() -> dict:
@@ -87,16 +92,9 @@ def test_only_benchmarks_import_benchmarks():
   assert not {name: found for name, found in offenders.items() if found}
 
 
-def libraries(paths) -> set:
-  """The top-level names of every non-MaxText module the files import, anywhere in them."""
-  found = set()
-  for path in paths:
-    for node in ast.walk(ast.parse(path.read_text())):
-      if isinstance(node, ast.Import):
-        found |= {a.name for a in node.names}
-      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-        found.add(node.module)
-  return {name for name in found if name.split(".")[0] != "MaxText"}
+def libraries(modules: dict) -> set:
+  """Every non-MaxText module the files of `modules` ({name: file}) import, anywhere in them."""
+  return {name for path in modules.values() for name in imports(path, modules) if name.split(".")[0] != "MaxText"}
 
 
 def test_importing_the_package_changes_nothing_in_the_process():
@@ -107,7 +105,7 @@ def test_importing_the_package_changes_nothing_in_the_process():
   modules = {name: path for name, path in module_names().items() if not name.startswith(BENCHMARKS)
              and not name.endswith(("__main__", "beam_pipeline"))}
   script = ("import asyncio, importlib, json, os, sys\n"
-            f"for name in {sorted(n for n in libraries(modules.values()) if not n.startswith('matplotlib'))!r}:\n"
+            f"for name in {sorted(n for n in libraries(modules) if not n.startswith('matplotlib'))!r}:\n"
             "  try:\n    importlib.import_module(name)\n  except ImportError:\n    pass\n"
             "env = dict(os.environ)\n"
             "loop = dict(vars(asyncio.BaseEventLoop))\n"

@@ -240,32 +240,41 @@ def test_policies_that_keep_the_same_tensors_on_cpu_compile_once_and_to_the_same
 
 
 @pytest.mark.slow
-def test_the_pruned_search_chooses_what_compiling_every_candidate_chooses():
-  """Intervals, batches and tiles, with the budget where full remat fits batch 4 untiled: the
-  pruned search (fewer compiles) picks the candidate the whole grid picks, and no interval tries
-  a batch that did not fit at the interval below."""
+def test_the_pruned_search_keeps_every_candidate_the_ladders_keep():
+  """Intervals, batches and tiles, with the budget where full remat fits batch 2 at 4 tiles only.
+  From the whole grid compiled, the ladders keep at each interval and batch the fewest tiles
+  that fit, up to the first batch where none does; the pruned search (fewer compiles) finds each
+  of those, so it chooses as they do, and no interval tries a batch that did not fit at the
+  interval below."""
   search = ("plan_remat_policies=[full]", "plan_remat_layer_intervals=[1,2]",
-            "plan_per_device_batch_sizes=[2,4,8]", "plan_num_vocab_tiling=[1,4]", "base_num_decoder_layers=2")
+            "plan_per_device_batch_sizes=[2,4]", "plan_num_vocab_tiling=[1,4]", "base_num_decoder_layers=2")
   config = pyconfig.initialize(_argv(*search))
   rates = plan.roofline_rates(sharding.run_devices("", 1)[0])
-  budget = plan.evaluate(config, {"remat_policy": "full", "per_device_batch_size": 4, "num_vocab_tiling": 1},
+  budget = plan.evaluate(config, {"remat_policy": "full", "per_device_batch_size": 2, "num_vocab_tiling": 4},
                          rates)["total_bytes"]
   space = plan.search_space(config, set(plan.SEARCH_KEYS) - {"mlp_chunks", "attention_head_chunks",
                                                              "gradient_accumulation_steps"})
   pruned = plan.search(config, space, budget, rates, workers=1)
-  every = []
+  key = lambda r: tuple(r["settings"][k] for k in ("remat_policy", "remat_layer_interval", "per_device_batch_size",
+                                                   "num_vocab_tiling"))
+  every, kept = 0, []
   for policy in space["remat_policy"]:
     for interval in space["remat_layer_interval"]:
       for batch in space["per_device_batch_size"]:
+        fitting = []
         for tiles in space["num_vocab_tiling"]:
           settings = {"remat_policy": policy, "remat_layer_interval": interval, "per_device_batch_size": batch,
                       "num_vocab_tiling": tiles}
           record = plan.evaluate(config, settings, rates)
-          every.append({**record, "fits": record["status"] == "ok" and record["total_bytes"] <= budget})
-  assert len(pruned) < len(every)
-  key = lambda r: tuple(r["settings"][k] for k in ("remat_policy", "remat_layer_interval", "per_device_batch_size",
-                                                   "num_vocab_tiling"))
-  assert key(plan.choose(pruned, budget, "test")) == key(plan.choose(every, budget, "test"))
+          every += 1
+          if record["status"] == "ok" and record["total_bytes"] <= budget:
+            fitting.append({**record, "fits": True})
+        if not fitting:
+          break
+        kept.append(fitting[0])
+  assert len(pruned) < every
+  assert {key(r) for r in kept} == {key(r) for r in pruned if r["fits"]}
+  assert key(plan.choose(pruned, budget, "test")) == key(plan.choose(kept, budget, "test"))
   for policy in space["remat_policy"]:
     fit_at_1 = {r["settings"]["per_device_batch_size"] for r in pruned
                 if r["fits"] and r["settings"]["remat_policy"] == policy and r["settings"]["remat_layer_interval"] == 1}

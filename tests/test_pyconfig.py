@@ -229,5 +229,5 @@ def test_the_config_reference_is_current_and_every_key_has_a_section():
   found = config_reference.sections()
   assert "" not in found, f"keys before any section: {list(found.get('', {}))}"
   keys = {key: description for section in found.values() for key, description in section.items()}
-  assert sorted(keys) == sorted(pyconfig._load_yaml(pyconfig.SCHEMA))
+  assert sorted(keys) == sorted(pyconfig.load_yaml(pyconfig.SCHEMA))
   assert [key for key, description in keys.items() if not description] == []

@@ -40,9 +40,8 @@ def lookup(table, tokens):
   an all-to-all returns each device its own tokens with every column. The backward is the
   transpose: the table's gradient is a scatter-add into the device's own block."""
   mesh = jax.sharding.get_abstract_mesh()
-  # Each name resolved on its own: together, one name's mesh axes would be unavailable to the next.
-  vocab, embed, batch, length, act_embed = (sharding.mesh_axes(name)[0] for name in (
-      "vocab", "embed", "activation_batch", "activation_length", "activation_embed"))
+  vocab, embed, batch, length, act_embed = map(
+      sharding.axes_of, ("vocab", "embed", "activation_batch", "activation_length", "activation_embed"))
   if mesh.empty or act_embed or not (vocab or embed) or set(vocab) & set(batch + length):
     return jnp.take(table, tokens, axis=0)
   token_dim = {**{a: 0 for a in batch}, **{a: 1 for a in length}}  # the token dimension each axis shards

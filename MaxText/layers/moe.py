@@ -338,8 +338,7 @@ class MoeBlock(nn.Module):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
       return _local_moe(x, logits, wi_0, wi_1, wo, cfg, (), (), (), all_to_all=False)
-    # Each name resolved on its own: together, one name's mesh axes would be unavailable to the next.
-    batch, length, expert_axes, mlp = (sharding.mesh_axes(name)[0] for name in (*TOKENS[:2], "exp", "mlp"))
+    batch, length, expert_axes, mlp = map(sharding.axes_of, (*TOKENS[:2], "exp", "mlp"))
     token_axes = batch + length
     mlp_axes = tuple(a for a in mlp if a not in token_axes + expert_axes)
     tokens = PartitionSpec(batch or None, length or None, None)
