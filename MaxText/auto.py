@@ -13,21 +13,16 @@ import time
 
 from absl import logging
 
-from MaxText import plan, pyconfig, remat, sharding
+from MaxText import config_schema, plan, pyconfig, remat, sharding
 from MaxText.errors import ConfigError
 
-AUTO_KEYS = ("num_vocab_tiling", "remat_policy", "per_device_batch_size")
+# The keys train and train_compile resolve; max_target_length=auto is the planner command's.
+AUTO_KEYS = tuple(k for k in pyconfig.AUTO_KEYS if k != "max_target_length")
 # Keys that change neither the compiled step's memory nor its speed: changing them (more steps,
-# another output directory) keeps a run's `auto` decision. compile_topology is here so that a
+# another output directory) keeps a run's `auto` decision. compile_topology is among them so that a
 # decision train_compile made for a slice is the one train reuses on it (the device kind and
 # count are in the fingerprint).
-RUN_CONTROL_KEYS = frozenset((
-    "run_name", "base_output_directory", "run_dir", "steps", "learning_rate_schedule_steps", "log_period",
-    "metrics_file", "enable_tensorboard", "memory_stats_file", "compile_topology", "compile_topology_num_slices",
-    "enable_checkpointing", "checkpoint_period", "max_to_keep", "async_checkpointing", "load_parameters_path",
-    "eval_interval", "eval_steps", "dataset_cache_dir", "plan_workers", "prompt", "max_decode_length",
-    "decode_sampling_strategy", "decode_sampling_temperature", "jax_distributed_coordinator", "jax_num_processes",
-    "jax_process_id"))
+RUN_CONTROL_KEYS = frozenset((*config_schema.fields("run"), "run_dir"))
 CACHE_FILE = "auto_plan.json"
 
 
@@ -46,18 +41,18 @@ def _read_decision(path: str, fingerprint: str) -> dict | None:
   return decision if decision.get("fingerprint") == fingerprint else None
 
 
-def initialize(argv: list) -> pyconfig.Config:
-  """pyconfig.initialize(argv), with `auto` values of AUTO_KEYS replaced by the planner's choice."""
-  given = dict(a.partition("=")[::2] for a in argv[1:])  # a key given twice: the last value holds
-  auto = [k for k in AUTO_KEYS if given.get(k) == "auto"]
-  contradicting = [k for k in remat.TENSOR_NAMES if k in given]
+def resolve(config: pyconfig.Config, auto: tuple) -> pyconfig.Config:
+  """config with the keys in `auto` (given as `auto`, holding their defaults in config) replaced by
+  the planner's choice."""
+  if not auto:
+    return config
+  refused = [k for k in auto if k not in AUTO_KEYS]
+  if refused:
+    raise ConfigError(f"{refused[0]}=auto: only python -m MaxText.plan chooses it; give a value")
+  contradicting = [k for k in remat.TENSOR_NAMES if getattr(config, k) != "remat"]
   if "remat_policy" in auto and contradicting:
     raise ConfigError(f"remat_policy=auto: {', '.join(contradicting)} only apply to remat_policy=custom, "
                       "which auto never picks; drop them or name the policy")
-  fixed_argv = [a for a in argv if a.partition("=")[0] not in auto]
-  config = pyconfig.initialize(fixed_argv)
-  if not auto:
-    return config
   device = sharding.run_devices(config.compile_topology, config.compile_topology_num_slices)[0]
   fingerprint = _fingerprint(config, auto, device)
   path = os.path.join(config.run_dir, CACHE_FILE)

@@ -1,40 +1,47 @@
 """Configuration: configs/base.yml, then configs/models/<model_name>.yml, then the model keys
 saved with load_parameters_path's checkpoint, then key=value.
 
-base.yml is the schema: every key, its default and its type. Overrides are parsed to the
-type of the default, checked, and the derived values are computed once. The result is a
-read-only `Config`; any bad input raises `ConfigError`, whose message is one line naming
-the key and what is allowed. runtime.run turns it into exit code 2.
+config_schema is the schema: every key, its section, type and default. Values are parsed to the
+key's type and checked by their sections (`parse`, which reads config files and nothing else),
+then resolved for the run's devices, with the derived values computed once (`for_devices`). The
+result is a read-only `Config`; any bad input raises `ConfigError`, whose message is one line
+naming the key and what is allowed. runtime.run turns it into exit code 2.
 """
 
+import dataclasses
 import math
 import os
+import types
+import typing
 from types import MappingProxyType
 from typing import Any, Sequence
 
 import yaml
 from absl import logging
 
-from MaxText import accelerators, checkpointing, losses, remat, sharding
+from MaxText import config_schema, remat, sharding
 from MaxText.errors import ConfigError, first_line
 from MaxText.families import FAMILIES
-from MaxText.input_pipeline.input_pipeline import DATASET_TYPES
-from MaxText.layers.attentions import ATTENTIONS, FLASH_KERNELS
-from MaxText.layers.context_parallel import SHARD_KERNELS, STRATEGIES
+from MaxText.layers.attentions import FLASH_KERNELS
+from MaxText.layers.context_parallel import SHARD_KERNELS
 
-DTYPES = ("float32", "bfloat16", "float16")
 # The keys that fix the parameters' shapes and meaning. Saved with a checkpoint (the converters'
 # model.yml, a run's config.yml), they come with load_parameters_path: see saved_model_keys.
-MODEL_KEYS = ("decoder_block", "vocab_size", "base_emb_dim", "base_mlp_dim", "base_num_query_heads",
-              "base_num_kv_heads", "base_num_decoder_layers", "head_dim", "logits_via_embedding",
-              "rope_max_timescale", "rope_type", "rope_scaling_factor", "rope_low_freq_factor",
-              "rope_high_freq_factor", "rope_original_max_position", "normalization_layer_epsilon",
-              "attn_logits_soft_cap", "final_logits_soft_cap", "query_pre_attn_scalar", "sliding_window_size",
-              "num_experts", "num_experts_per_tok", "base_moe_mlp_dim", "norm_topk_prob")
+MODEL_KEYS = config_schema.fields("model")
 MODEL_KEYS_FILE = "model.yml"
+# The keys that take `auto`: the planner's choice, resolved by the commands that plan.
+_TYPES = {f.name: f.type for s in config_schema.SECTIONS for f in dataclasses.fields(s)}
+# The keys that take `auto`: the planner's choice, resolved by the commands that plan.
+AUTO_KEYS = tuple(k for k, kind in _TYPES.items() if config_schema.takes_auto(kind))
 # Keys that are gone, -> what replaces them: the one sequence-sharding axis is `context`.
 RENAMED_KEYS = {"ici_sequence_parallelism": "ici_context_parallelism",
                 "dcn_sequence_parallelism": "dcn_context_parallelism"}
+# Keys holding paths, which must be local.
+_PATHS = ("base_output_directory", "dataset_cache_dir", "metrics_file", "memory_stats_file", "dataset_path",
+          "tokenizer_path", "load_parameters_path", "output_path", "grain_train_files", "grain_eval_files",
+          "hf_model_path", "hf_output_path")
+
+
 class Config:
   """Read-only attribute access to the resolved keys."""
 
@@ -59,9 +66,10 @@ class Config:
     return Config, (dict(self._values),)
 
 
-# The shipped schema: every key and its type. Any config file's values are checked against it.
-SCHEMA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
-_INT_LIMIT = 2**31 - 1  # JAX's default integers are 32-bit: a larger step, size or seed overflows on device
+def defaults() -> dict:
+  """Every key's default, in base.yml's order."""
+  return {f.name: (f.default_factory() if f.default is dataclasses.MISSING else f.default)
+          for s in config_schema.SECTIONS for f in dataclasses.fields(s)}
 
 
 def load_yaml(path: str) -> dict:
@@ -77,55 +85,93 @@ def load_yaml(path: str) -> dict:
   return values
 
 
-def type_name(default) -> str:
-  return {bool: "a bool (true/false)", int: "an integer", float: "a number", str: "a string",
-          list: "a list"}[type(default)]
+def type_name(kind) -> str:
+  """A key's type in words: "an integer", "null or a number", "one of a, b", "a list of integers"."""
+  options = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, types.UnionType) else (kind,)
+  words = []
+  for option in options:
+    if option is type(None):
+      words.insert(0, "null")
+    elif typing.get_origin(option) is typing.Literal:
+      words.append(f"one of {', '.join(map(str, typing.get_args(option)))}")
+    elif typing.get_origin(option) is typing.Annotated:
+      words.append(f"one of {', '.join(option.__metadata__[0])}")
+    elif typing.get_origin(option) is list:
+      item = typing.get_args(option)
+      words.append(f"a list of {type_name(item[0]).removeprefix('a ').removeprefix('an ')}s" if item else "a list")
+    else:
+      words.append({bool: "a bool (true/false)", int: "an integer", float: "a number", str: "a string",
+                    list: "a list"}[option])
+  return " or ".join(words)
 
 
-def _coerce(key: str, value: Any, default: Any) -> Any:
-  """`value` (from YAML or a command-line string) as the type of `default`."""
-  kind = type(default)
-  if isinstance(value, str) and kind is not str:
-    try:
-      if kind is bool:
-        if value.lower() not in ("true", "false"):
-          raise ValueError
-        value = value.lower() == "true"
-      elif kind in (int, float):
-        value = kind(value)  # Python's parser: YAML 1.1 would read "1e-3" as a string.
-      else:
+def _as(value, kind):
+  """`value` (from YAML, or a command-line string) as `kind`; ValueError if it is none of it."""
+  if typing.get_origin(kind) in (typing.Union, types.UnionType):
+    for option in typing.get_args(kind):
+      try:
+        return _as(value, option)
+      except ValueError:
+        pass
+    raise ValueError
+  if kind is type(None):
+    if value is None or (isinstance(value, str) and value.lower() in ("", "null", "none", "~")):
+      return None
+  elif typing.get_origin(kind) is typing.Literal:
+    if value in typing.get_args(kind):
+      return value
+  elif typing.get_origin(kind) is typing.Annotated:
+    if isinstance(value, str) and value in kind.__metadata__[0]:
+      return value
+  elif kind is bool:
+    if isinstance(value, bool):
+      return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+      return value.lower() == "true"
+  elif kind in (int, float):
+    if isinstance(value, str):
+      value = kind(value)  # Python's parser: YAML 1.1 would read "1e-3" as a string.
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or isinstance(value, int)):
+      return kind(value)
+  elif kind is str:
+    if isinstance(value, str):
+      return value
+  elif kind is list or typing.get_origin(kind) is list:
+    if isinstance(value, str):
+      try:
         value = yaml.safe_load(value)
-    except (ValueError, yaml.YAMLError):
-      raise ConfigError(f"{key}={value}: must be {type_name(default)}") from None
-  ok = (
-      (kind is bool and isinstance(value, bool))
-      or (kind is int and isinstance(value, int) and not isinstance(value, bool))
-      or (kind is float and isinstance(value, (int, float)) and not isinstance(value, bool))
-      or (kind is str and isinstance(value, str))
-      or (kind is list and isinstance(value, list))
-  )
-  if not ok:
-    raise ConfigError(f"{key}={value!r}: must be {type_name(default)}")
-  if kind is int and abs(value) > _INT_LIMIT:
-    raise ConfigError(f"{key}={value}: must be at most {_INT_LIMIT} in magnitude")
-  if kind is float and not math.isfinite(value):
+      except yaml.YAMLError:
+        raise ValueError from None
+    if isinstance(value, list):
+      item = typing.get_args(kind)
+      return [_as(x, item[0]) for x in value] if item else value
+  raise ValueError
+
+
+def _coerce(key: str, value: Any) -> Any:
+  try:
+    typed = _as(value, _TYPES[key])
+  except ValueError:
+    raise ConfigError(f"{key}={value}: must be {type_name(_TYPES[key])}") from None
+  if isinstance(typed, int) and not isinstance(typed, bool) and abs(typed) > config_schema.INT_LIMIT:
+    raise ConfigError(f"{key}={value}: must be at most {config_schema.INT_LIMIT} in magnitude")
+  if isinstance(typed, float) and not math.isfinite(typed):
     raise ConfigError(f"{key}={value}: must be a finite number")
-  return float(value) if kind is float else value
+  return typed
 
 
 def _load_config(path: str, depth: int = 0) -> dict:
-  """The keys of config file `path`, each checked against the schema's type: over those of the
-  file its `base_config` names (relative to it), as in MaxText, or else all of them itself."""
+  """The keys of config file `path`, each coerced to its type: over those of the file its
+  `base_config` names (relative to it), as in MaxText, or else all of them itself."""
   values = load_yaml(path)
   base = values.pop("base_config", None)
   if base is None:
-    schema = values if os.path.abspath(path) == SCHEMA else load_yaml(SCHEMA)
-    missing = [key for key in schema if key not in values]
+    missing = [key for key in _TYPES if key not in values]
     if missing:
-      raise ConfigError(f"config file {path!r} lacks {len(missing)} of the keys of {SCHEMA} (first: {missing[0]!r}); "
-                        "give configs/base.yml first, or start the file with `base_config: base.yml` (its path "
-                        "relative to the file) to take the keys it does not set from there")
-    resolved = dict(schema)
+      raise ConfigError(f"config file {path!r} lacks {len(missing)} of the keys of configs/base.yml (first: "
+                        f"{missing[0]!r}); give configs/base.yml first, or start the file with `base_config: base.yml` "
+                        "(its path relative to the file) to take the keys it does not set from there")
+    resolved = defaults()
   else:
     if not isinstance(base, str) or depth >= 8:
       raise ConfigError(f"config file {path!r}: base_config={base!r} must name a config file (at most 8 deep)")
@@ -137,15 +183,15 @@ def _load_config(path: str, depth: int = 0) -> dict:
 def _unknown(key: str, source: str) -> ConfigError:
   if key in RENAMED_KEYS:
     return ConfigError(f"{key}: the sequence is now split by the context axis; use {RENAMED_KEYS[key]} "
-                       "(docs/attention.md)")
+                       "(docs/guides/long_context.md)")
   return ConfigError(f"unknown key {key!r} in {source} (every key is listed in configs/base.yml)")
 
 
 def _merge(values: dict, overrides: dict, source: str) -> None:
   for key, value in overrides.items():
-    if key not in values:
+    if key not in _TYPES:
       raise _unknown(key, source)
-    values[key] = _coerce(key, value, values[key])
+    values[key] = _coerce(key, value)
 
 
 def _require(ok: bool, key: str, message: str, values: dict) -> None:
@@ -153,193 +199,40 @@ def _require(ok: bool, key: str, message: str, values: dict) -> None:
     raise ConfigError(f"{key}={values[key]!r}: {message}")
 
 
-def _one_of(v: dict, key: str, choices) -> None:
-  _require(v[key] in choices, key, f"must be one of {', '.join(choices)}", v)
-
-
 def _validate(v: dict) -> None:
-  """Range checks that need no devices, topic by topic."""
-  _validate_model(v)
-  _validate_optimizer(v)
-  _validate_data(v)
-  _validate_paths(v)
-  _validate_mesh(v)
-  _validate_remat(v)
-  _validate_vocab_tiling(v)
-  _validate_plan(v)
-
-
-def _validate_model(v: dict) -> None:
-  for key in ("steps", "log_period", "max_target_length", "vocab_size", "base_emb_dim",
-              "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
-              "base_num_decoder_layers", "gradient_accumulation_steps"):
-    _require(v[key] >= 1, key, "must be >= 1", v)
-  _require(v["per_device_batch_size"] > 0, "per_device_batch_size", "must be > 0", v)
-  _require(v["base_num_query_heads"] % v["base_num_kv_heads"] == 0, "base_num_kv_heads",
-           f"must divide base_num_query_heads={v['base_num_query_heads']}", v)
-  _require(v["head_dim"] >= 0, "head_dim", "must be >= 0 (0: base_emb_dim // base_num_query_heads)", v)
-  if v["head_dim"] == 0:
-    _require(v["base_emb_dim"] % v["base_num_query_heads"] == 0, "base_emb_dim",
-             f"must be divisible by base_num_query_heads={v['base_num_query_heads']} when head_dim=0", v)
-  head_dim = v["head_dim"] or v["base_emb_dim"] // v["base_num_query_heads"]
-  if head_dim % 2:
-    raise ConfigError(f"head_dim={head_dim}: must be even (RoPE rotates pairs of features)")
-  for key in ("dtype", "weight_dtype"):
-    _one_of(v, key, DTYPES)
-  _one_of(v, "convert_dtype", ("", *DTYPES))
-  _one_of(v, "decoder_block", tuple(FAMILIES))
-  _one_of(v, "attention", tuple(ATTENTIONS))
+  """Each section's checks of its own keys, then those that span sections; none needs devices."""
+  v["logical_axis_rules"] = config_schema.Mesh.axis_rules(v["logical_axis_rules"])
+  for section in config_schema.SECTIONS:
+    instance = section(**{f.name: v[f.name] for f in dataclasses.fields(section)})
+    if hasattr(instance, "check"):
+      instance.check()
+  for key in _PATHS:
+    _require("://" not in v[key], key, "must be a local path (URLs such as gs:// are not supported; mount a "
+             "bucket with GCS FUSE and give its local path)", v)
   if v["attention"] == "flash":  # the kernels' blocks: min(512, length) on TPU, 128 on GPU
     length = v["max_target_length"]
     _require(length % 128 == 0 and (length <= 512 or length % 512 == 0), "max_target_length",
              "must be a multiple of 128, and of 512 above 512, for attention=flash", v)
   if v["attention"] == "chunked":
-    _require(v["attention_chunk_size"] >= 1 and v["max_target_length"] % v["attention_chunk_size"] == 0,
+    _require(v["max_target_length"] % v["attention_chunk_size"] == 0,
              "attention_chunk_size", f"must divide max_target_length={v['max_target_length']}", v)
-  _require(v["mlp_chunks"] >= 1, "mlp_chunks", "must be >= 1 (1: the MLP over the whole sequence)", v)
-  _require(v["attention_head_chunks"] >= 1, "attention_head_chunks", "must be >= 1 (1: every head at once)", v)
-  _require(v["rope_max_timescale"] > 0, "rope_max_timescale", "must be > 0", v)
-  _one_of(v, "rope_type", ("default", "llama3.1"))
-  for key in ("final_logits_soft_cap", "attn_logits_soft_cap"):
-    _require(v[key] >= 0, key, "must be >= 0 (0: no cap)", v)
-  _require(v["query_pre_attn_scalar"] >= 0, "query_pre_attn_scalar", "must be >= 0 (0: head_dim)", v)
-  _require(v["sliding_window_size"] >= 0, "sliding_window_size", "must be >= 0 (0: every layer attends globally)", v)
-  _require(v["rope_high_freq_factor"] > v["rope_low_freq_factor"] > 0, "rope_high_freq_factor",
-           f"must be > rope_low_freq_factor={v['rope_low_freq_factor']} > 0", v)
-  _require(v["rope_scaling_factor"] > 0 and v["rope_original_max_position"] > 0, "rope_scaling_factor",
-           "and rope_original_max_position must be > 0", v)
-  _require(v["normalization_layer_epsilon"] > 0, "normalization_layer_epsilon", "must be > 0", v)
-  _validate_moe(v)
-  _require(v["max_decode_length"] >= 1, "max_decode_length", "must be >= 1", v)
-  _one_of(v, "decode_sampling_strategy", ("greedy", "weighted"))
-  _require(v["decode_sampling_temperature"] > 0, "decode_sampling_temperature", "must be > 0", v)
-
-
-def _validate_moe(v: dict) -> None:
   # mlp_chunks slices a dense MLP's hidden units; slicing the experts' the same way, each slice
-  # gathered inside the MoE's shard_map, saved nothing measurable (docs/moe.md).
+  # gathered inside the MoE's shard_map, saved nothing measurable (docs/design/moe.md).
   _require(v["mlp_chunks"] == 1 or not FAMILIES[v["decoder_block"]].moe, "mlp_chunks",
            f"must be 1 for a mixture of experts (decoder_block={v['decoder_block']})", v)
-  for key in ("num_experts", "base_moe_mlp_dim"):
-    _require(v[key] >= 1, key, "must be >= 1", v)
-  _require(1 <= v["num_experts_per_tok"] <= v["num_experts"], "num_experts_per_tok",
-           f"must be in [1, num_experts={v['num_experts']}]", v)
-  _require(v["capacity_factor"] >= 0 or v["capacity_factor"] == -1, "capacity_factor",
-           "must be > 0 (tokens past capacity dropped), or -1 or 0 (dropless)", v)
-  for key in ("load_balance_loss_weight", "router_z_loss_weight"):
-    _require(v[key] >= 0, key, "must be >= 0", v)
-  _one_of(v, "expert_exchange", ("auto", "all_gather", "all_to_all"))
-  _require(v["expert_exchange"] != "all_to_all" or v["capacity_factor"] <= 0, "expert_exchange",
-           f"all_to_all needs dropless routing (capacity_factor -1 or 0, not {v['capacity_factor']})", v)
-
-
-def _validate_optimizer(v: dict) -> None:
-  _require(v["learning_rate"] >= 0, "learning_rate", "must be >= 0", v)
-  _require(0 <= v["warmup_steps_fraction"] < 1, "warmup_steps_fraction", "must be in [0, 1)", v)
-  _require(v["learning_rate_schedule_steps"] == -1 or v["learning_rate_schedule_steps"] >= v["steps"],
-           "learning_rate_schedule_steps", f"must be >= steps={v['steps']}, or -1 for `steps`", v)
-  _require(v["max_nonfinite_steps"] >= 1, "max_nonfinite_steps", "must be >= 1", v)
-  _require(0 <= v["cosine_learning_rate_final_fraction"] <= 1, "cosine_learning_rate_final_fraction",
-           "must be in [0, 1]", v)
-  for key in ("adam_b1", "adam_b2"):
-    _require(0 <= v[key] < 1, key, "must be in [0, 1)", v)
-  _require(v["adam_eps"] > 0, "adam_eps", "must be > 0", v)
-  for key in ("adam_weight_decay", "gradient_clipping_threshold", "z_loss_multiplier"):
-    _require(v[key] >= 0, key, "must be >= 0", v)
-
-
-def _validate_data(v: dict) -> None:
-  _one_of(v, "dataset_type", tuple(DATASET_TYPES))
-  _one_of(v, "grain_file_type", ("arrayrecord", "parquet"))
-  for key in ("num_train_shards", "num_eval_shards", "grain_per_worker_buffer_size"):
-    _require(v[key] >= 1, key, "must be >= 1", v)
-  for key in ("prepare_workers", "grain_worker_count"):
-    _require(v[key] >= 0, key, "must be >= 0", v)
-  _one_of(v, "tokenizer_type", ("bpe", "byte"))
+  _require(v["expert_exchange"] != "all_to_all" or v["capacity_factor"] is None, "expert_exchange",
+           f"all_to_all needs dropless routing (capacity_factor null, not {v['capacity_factor']})", v)
+  _require(v["learning_rate_schedule_steps"] is None or v["learning_rate_schedule_steps"] >= v["steps"],
+           "learning_rate_schedule_steps", f"must be >= steps={v['steps']}, or null for `steps`", v)
   if v["dataset_type"] == "text" and not v["tokenizer_path"]:
     _require(v["vocab_size"] >= 257, "vocab_size",
              f"must be >= 257 (256 bytes + end-of-document) for tokenizer_type={v['tokenizer_type']}", v)
-  _require(v["eval_interval"] >= 0, "eval_interval", "must be >= 0 (0 disables evaluation)", v)
-  _require(v["eval_steps"] >= 1, "eval_steps", "must be >= 1 (eval_interval=0 disables evaluation)", v)
-
-
-def _validate_paths(v: dict) -> None:
-  for key in ("checkpoint_period", "max_to_keep"):
-    _require(v[key] >= 1, key, "must be >= 1", v)
-  _require(bool(v["base_output_directory"]) and "\n" not in v["base_output_directory"], "base_output_directory",
-           "must be a non-empty path", v)
-  for key in ("base_output_directory", "dataset_cache_dir", "metrics_file", "memory_stats_file", "dataset_path",
-              "tokenizer_path", "load_parameters_path", "output_path", "grain_train_files", "grain_eval_files",
-              "hf_model_path", "hf_output_path"):
-    _require("://" not in v[key], key, "must be a local path (URLs such as gs:// are not supported; mount a "
-             "bucket with GCS FUSE and give its local path)", v)
-  # A run owns base_output_directory/run_name; a path here could reach another run's directory.
-  _require(v["run_name"] not in ("", ".", "..") and not any(c in v["run_name"] for c in "/\\\n"), "run_name",
-           "must be a plain directory name (no '/', '\\', '.' or '..')", v)
-
-
-def _validate_mesh(v: dict) -> None:
-  v["logical_axis_rules"] = _axis_rules(v["logical_axis_rules"])
-  if v["compile_topology"]:
-    try:
-      accelerators.parse_slice(v["compile_topology"])
-    except ValueError as e:
-      raise ConfigError(str(e)) from None
-  _require(v["compile_topology_num_slices"] >= 1, "compile_topology_num_slices", "must be >= 1", v)
-  _require(v["jax_num_processes"] >= 0, "jax_num_processes", "must be >= 0 (0: from the environment)", v)
-  _require(v["jax_process_id"] >= -1, "jax_process_id", "must be >= 0, or -1 for the environment", v)
-  _one_of(v, "context_parallel_strategy", tuple(STRATEGIES))
-
-
-def _axis_rules(rules: list) -> list:
-  """The rules checked, each as [name, list of mesh axes]: a rule may give one axis, or null for none."""
-  normalised = []
-  for rule in rules:
-    ok = isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)
-    if ok:
-      axes = rule[1] if isinstance(rule[1], list) else [] if rule[1] is None else [rule[1]]
-      ok = all(a in sharding.MESH_AXES for a in axes) and len(set(axes)) == len(axes)
-    if not ok:
-      raise ConfigError(f"logical_axis_rules: bad rule {rule!r}; each rule is "
-                        f"[logical_name, [distinct mesh axes from {', '.join(sharding.MESH_AXES)}]]")
-    normalised.append([rule[0], axes])
-  return normalised
-
-
-def _validate_remat(v: dict) -> None:
-  _one_of(v, "remat_policy", remat.POLICY_NAMES)
-  _require(1 <= v["remat_layer_interval"] <= v["base_num_decoder_layers"], "remat_layer_interval",
+  _require(v["remat_layer_interval"] <= v["base_num_decoder_layers"], "remat_layer_interval",
            f"must be in [1, base_num_decoder_layers={v['base_num_decoder_layers']}]", v)
-  for name in remat.TENSOR_NAMES:
-    _one_of(v, name, remat.ACTIONS)
-
-
-def _validate_vocab_tiling(v: dict) -> None:
-  _require(v["num_vocab_tiling"] >= 1, "num_vocab_tiling", "must be >= 1 (1: no tiling)", v)
-  _one_of(v, "vocab_tiling_mode", losses.MODES)
   tokens = v["per_device_batch_size"] * v["max_target_length"]
   _require(v["num_vocab_tiling"] <= tokens, "num_vocab_tiling",
            f"each tile must hold at least one token per device; at most "
            f"per_device_batch_size * max_target_length = {tokens:g}", v)
-
-
-def _validate_plan(v: dict) -> None:
-  _require(v["hbm_budget_gib"] >= 0, "hbm_budget_gib", "must be >= 0 (0: the chip's HBM minus 10%)", v)
-  _require(v["plan_workers"] >= 0, "plan_workers", "must be >= 0 (0: the CPU cores)", v)
-  ladders = {"plan_num_vocab_tiling": int, "plan_remat_layer_intervals": int, "plan_gradient_accumulation_steps": int,
-             "plan_per_device_batch_sizes": (int, float), "plan_mlp_chunks": int,
-             "plan_attention_head_chunks": int, "plan_max_target_lengths": int}
-  for key, kind in ladders.items():
-    ok = all(isinstance(x, kind) and not isinstance(x, bool) and x > 0 for x in v[key])
-    _require(bool(v[key]) and ok and list(v[key]) == sorted(set(v[key])), key,
-             "must be a non-empty ascending list of distinct positive numbers", v)
-  _require(all(p in remat.SEARCHABLE_POLICIES for p in v["plan_remat_policies"]), "plan_remat_policies",
-           f"must list names from {', '.join(remat.SEARCHABLE_POLICIES)} ([]: all of them)", v)
-  _require(all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v["plan_context_parallelism"])
-           and list(v["plan_context_parallelism"]) == sorted(set(v["plan_context_parallelism"])),
-           "plan_context_parallelism", "must be an ascending list of distinct positive numbers ([]: as configured)", v)
-  _require(all(s in STRATEGIES for s in v["plan_context_parallel_strategies"]), "plan_context_parallel_strategies",
-           f"must list names from {', '.join(STRATEGIES)} ([]: as configured)", v)
 
 
 def _derive(v: dict, num_devices: int, num_granules: int) -> None:
@@ -365,8 +258,7 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
            "shard (base_num_kv_heads / the shards of kv_heads)", v)
   _require(v["attention_head_chunks"] == 1 or sharding.logical_shards(v, "q_heads") == kv_shards,
            "attention_head_chunks", "needs the query heads sharded as the key/value heads (logical_axis_rules)", v)
-  if v["learning_rate_schedule_steps"] == -1:
-    v["learning_rate_schedule_steps"] = v["steps"]
+  v["learning_rate_schedule_steps"] = v["learning_rate_schedule_steps"] or v["steps"]
   v["run_dir"] = os.path.join(v["base_output_directory"], v["run_name"])
   v["dataset_cache_dir"] = v["dataset_cache_dir"] or os.path.join(v["base_output_directory"], "cache")
 
@@ -413,14 +305,10 @@ def _thaw(value):
   return value
 
 
-def initialize(argv: Sequence[str], num_devices: int | None = None,
-               memory_kinds: Sequence[str] | None = None, num_granules: int | None = None) -> Config:
-  """argv = [config.yml, key=value, ...].
-
-  `num_devices`, `memory_kinds` (of one device) and `num_granules` (slices or processes)
-  default to those of `sharding.run_devices(...)`: compile_topology's, or else what JAX sees, after
-  jax.distributed is initialised if this is a multi-process run.
-  """
+def parse(argv: Sequence[str]) -> tuple[dict, tuple]:
+  """argv = [config.yml, key=value, ...] -> (the keys, typed and checked; the keys given as
+  `auto`, which hold their defaults here). Reads config files only: the devices, jax.distributed
+  and a checkpoint's checksums are the entry point's (runtime.config)."""
   if not argv:
     raise ConfigError("usage: <config.yml> [key=value ...]")
   config_path, *args = argv
@@ -433,36 +321,45 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
     if key not in values:
       raise _unknown(key, config_path)
     overrides[key] = raw
-  model_name = _coerce("model_name", overrides.get("model_name", values["model_name"]), "")
+  model_name = _coerce("model_name", overrides.get("model_name", values["model_name"]))
   if model_name != "default":
     model_path = os.path.join(os.path.dirname(os.path.abspath(config_path)), "models", f"{model_name}.yml")
     if not os.path.isfile(model_path):
       raise ConfigError(f"model_name={model_name!r}: no file {model_path}")
     _merge(values, load_yaml(model_path), model_path)
   saved = saved_model_keys(_coerce("load_parameters_path", overrides.get("load_parameters_path",
-                                                                          values["load_parameters_path"]), ""))
+                                                                          values["load_parameters_path"])))
   if saved:
     _merge(values, *saved)
   _merge(values, overrides, "the command line")
+  auto = tuple(k for k in AUTO_KEYS if values[k] == config_schema.AUTO)
+  values.update({k: defaults()[k] for k in auto})
   _validate(values)
-  if values["load_parameters_path"]:  # every reader of it: train, decode, to_huggingface
-    checkpointing.check_verified(values["load_parameters_path"], values["trust_unverified_checkpoints"])
-  if num_devices is None and not values["compile_topology"]:
-    sharding.initialize_distributed(values)
-  return _for_devices(values, num_devices, memory_kinds, num_granules)
+  return values, auto
+
+
+def initialize(argv: Sequence[str], num_devices: int | None = None,
+               memory_kinds: Sequence[str] | None = None, num_granules: int | None = None) -> Config:
+  """parse(argv), resolved for `num_devices`, `memory_kinds` (of one device) and `num_granules`
+  (slices or processes): by default those of `sharding.run_devices(...)`, compile_topology's or
+  else what JAX sees. `auto` is refused: the commands that plan resolve it (runtime.config)."""
+  values, auto = parse(argv)
+  if auto:
+    raise ConfigError(f"{auto[0]}=auto: only train and train_compile choose it (the planner); give a value")
+  return for_devices(values, num_devices, memory_kinds, num_granules)
 
 
 def replace(config: Config, settings: dict) -> Config:
   """config with `settings` (base.yml keys: the planner's choice) changed, then checked and
   derived again exactly as initialize would, for the devices config was resolved for."""
-  values = {k: _thaw(x) for k, x in config.to_dict().items()}
+  values = {k: _thaw(x) for k, x in config.to_dict().items() if k in _TYPES}
   _merge(values, settings, "the settings")
   _validate(values)
-  return _for_devices(values, config.num_devices, None, None)
+  return for_devices(values, config.num_devices, None, None)
 
 
-def _for_devices(values: dict, num_devices: int | None, memory_kinds: Sequence[str] | None,
-                 num_granules: int | None) -> Config:
+def for_devices(values: dict, num_devices: int | None = None, memory_kinds: Sequence[str] | None = None,
+                num_granules: int | None = None) -> Config:
   """The checks and derived values that need the run's devices (see initialize)."""
   run_devices = sharding.run_devices(values["compile_topology"], values["compile_topology_num_slices"])
   num_devices = num_devices or len(run_devices)

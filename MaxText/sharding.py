@@ -58,13 +58,12 @@ def initialize_distributed(v: dict) -> None:
   launched = (any(int(os.environ.get(k, "1")) > 1 for k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
               or "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""))
   wanted = (v["jax_distributed_coordinator"] or os.environ.get("JAX_COORDINATOR_ADDRESS")
-            or v["jax_num_processes"] > 1 or launched)
+            or (v["jax_num_processes"] or 1) > 1 or launched)
   if not wanted or jax.distributed.is_initialized():
     return
   try:
     jax.distributed.initialize(coordinator_address=v["jax_distributed_coordinator"] or None,
-                               num_processes=v["jax_num_processes"] or None,
-                               process_id=v["jax_process_id"] if v["jax_process_id"] >= 0 else None)
+                               num_processes=v["jax_num_processes"], process_id=v["jax_process_id"])
   except (ValueError, RuntimeError) as e:
     raise UserError(f"jax.distributed.initialize failed (jax_distributed_coordinator="
                     f"{v['jax_distributed_coordinator']!r}): {first_line(e)}") from None

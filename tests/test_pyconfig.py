@@ -1,13 +1,14 @@
 """Config: layering, typing, derived values, and one-line errors with exit code 2."""
 
+import dataclasses
 import re
 import subprocess
 import sys
 
 import pytest
-from conftest import BASE_YML, ROOT, run_cli, tiny_config
+from conftest import BASE_YML, ROOT, TINY, run_cli, tiny_config
 
-from MaxText import config_reference, errors, pyconfig, sharding
+from MaxText import config_reference, config_schema, errors, pyconfig, runtime, sharding
 
 
 def test_overrides_are_parsed_to_the_type_of_the_default():
@@ -64,7 +65,7 @@ def test_every_model_config_resolves_and_its_model_traces(name):
 
 
 def test_derived_values():
-  cfg = tiny_config("per_device_batch_size=3", "gradient_accumulation_steps=2", "head_dim=0",
+  cfg = tiny_config("per_device_batch_size=3", "gradient_accumulation_steps=2", "head_dim=null",
                     "base_emb_dim=48", num_devices=4)
   assert cfg.micro_batch_size == 12 and cfg.global_batch_size_to_train_on == 24
   assert cfg.head_dim == 12 and cfg.mesh_shape == (1, 4, 1, 1, 1)
@@ -187,7 +188,7 @@ def test_cli_missing_config_file_exits_2(tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (("steps: 300", 'steps: "ten"'), "steps=ten: must be an integer"),
-    (("num_vocab_tiling: 1", "num_vocab_tiling: auto"), "num_vocab_tiling=auto: must be an integer"),
+    (("num_vocab_tiling: 1", "num_vocab_tiling: 1.5"), "num_vocab_tiling=1.5: must be an integer or one of auto"),
     (("vocab_size: 4096", "vocab_size: 4000000000"), "vocab_size=4000000000: must be at most"),
 ])
 def test_a_config_files_values_are_typed_like_the_command_line(tmp_path, edit, message):
@@ -221,13 +222,40 @@ def test_cli_empty_config_file_is_one_line_exit_2(tmp_path):
   assert "lacks" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_the_config_reference_is_current_and_every_key_has_a_section():
-  """docs/config.md is what config_reference writes from base.yml (rewrite it with
-  `python -m MaxText.config_reference > docs/config.md`), and every key of base.yml is under a
-  section header, with a description."""
-  assert (ROOT / "docs" / "config.md").read_text() == config_reference.markdown(), "docs/config.md is stale"
-  found = config_reference.sections()
-  assert "" not in found, f"keys before any section: {list(found.get('', {}))}"
-  keys = {key: description for section in found.values() for key, description in section.items()}
-  assert sorted(keys) == sorted(pyconfig.load_yaml(pyconfig.SCHEMA))
-  assert [key for key, description in keys.items() if not description] == []
+def test_base_yml_and_the_config_reference_are_what_the_schema_writes():
+  """configs/base.yml and docs/reference/config.md are written from config_schema's sections
+  (`python -m MaxText.config_reference` rewrites both); base.yml reads back as the defaults, and
+  every key has a description and belongs to one section."""
+  assert open(BASE_YML).read() == config_reference.base_yml(), "configs/base.yml is stale"
+  assert (ROOT / "docs" / "reference" / "config.md").read_text() == config_reference.markdown(), \
+      "docs/reference/config.md is stale"
+  assert pyconfig.load_yaml(BASE_YML) == pyconfig.defaults()
+  keys = [f for s in config_schema.SECTIONS for f in dataclasses.fields(s)]
+  assert len({f.name for f in keys}) == len(keys)
+  assert [f.name for f in keys if not f.metadata["help"]] == []
+
+
+def test_unset_is_null_and_auto_is_a_value():
+  config = tiny_config("head_dim=null", "learning_rate_schedule_steps=null", "capacity_factor=null", num_devices=1)
+  assert (config.head_dim, config.learning_rate_schedule_steps, config.capacity_factor) == (8, config.steps, None)
+  values, auto = pyconfig.parse([BASE_YML, *TINY, "num_vocab_tiling=auto", "remat_policy=auto"])
+  assert auto == ("remat_policy", "num_vocab_tiling")
+  assert (values["num_vocab_tiling"], values["remat_policy"]) == (1, "full")  # the defaults, until planned
+  with pytest.raises(errors.ConfigError, match="num_vocab_tiling=auto: only train and train_compile"):
+    tiny_config("num_vocab_tiling=auto", num_devices=1)
+  for bad in ("head_dim=0", "capacity_factor=-1", "hbm_budget_gib=0"):
+    with pytest.raises(errors.ConfigError, match=f"{bad.split('=')[0]}=.*null"):
+      tiny_config(bad, num_devices=1)
+
+
+def test_parsing_reads_no_checkpoint_and_starts_no_backend(tmp_path):
+  """pyconfig.parse is pure: a checkpoint without checksums and JAX's backends are the entry
+  point's (runtime.config), in a fresh interpreter."""
+  step = tmp_path / "run" / "checkpoints" / "3"
+  step.mkdir(parents=True)
+  script = ("import sys; from MaxText import pyconfig; from jax._src import xla_bridge; "
+            f"pyconfig.parse([{BASE_YML!r}, 'load_parameters_path={step}']); "
+            "sys.exit(3 if xla_bridge._backends else 0)")
+  assert subprocess.run([sys.executable, "-c", script], cwd=ROOT).returncode == 0
+  with pytest.raises(errors.ConfigError, match="checksums"):
+    runtime.config([BASE_YML, *TINY, f"load_parameters_path={step}"])

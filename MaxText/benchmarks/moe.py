@@ -26,7 +26,7 @@ from MaxText.benchmarks import common
 MODEL = ("dataset_type=synthetic", "per_device_batch_size=4", "enable_checkpointing=false", "eval_interval=0")
 MOE = ("decoder_block=mixtral", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=384")
 CPU_VARIANTS = {"dense (mlp 768)": ("decoder_block=llama2", "base_mlp_dim=768"),
-                "moe 8 x 384, top 2, dropless": (*MOE, "capacity_factor=-1"),
+                "moe 8 x 384, top 2, dropless": (*MOE, "capacity_factor=null"),
                 "moe 8 x 384, top 2, capacity 1.25": (*MOE, "capacity_factor=1.25")}
 TPU_SLICES = ("v5p-64", "v5p-128")
 TPU_MESHES = {"fsdp": ("ici_fsdp_parallelism=-1",), "expert 8 x fsdp": ("ici_expert_parallelism=8",

@@ -1,7 +1,7 @@
 """Mixture of experts: a float32 softmax router picks num_experts_per_tok of num_experts SwiGLU
 experts for each token, and the token's output is the router-weighted sum of theirs.
 
-Dropless (capacity_factor -1 or 0, the default): the token copies are sorted by expert and each
+Dropless (capacity_factor null, the default): the token copies are sorted by expert and each
 projection is one grouped matmul, `jax.lax.ragged_dot` with the experts' group sizes, so compute
 and memory follow the tokens actually routed and no [tokens, experts, width] tensor exists.
 capacity_factor > 0 (MaxText's dropping rule): per sequence, each expert keeps the first
@@ -36,8 +36,8 @@ TOKENS = ("activation_batch", "activation_length", "activation_embed")
 AUX_NAMES = ("moe_lb_loss", "moe_z_loss", "moe_imbalance")
 
 
-def dropless(capacity_factor: float) -> bool:
-  return capacity_factor <= 0
+def dropless(capacity_factor: float | None) -> bool:
+  return capacity_factor is None
 
 
 def capacity(length: int, k: int, num_experts: int, capacity_factor: float) -> int:
