@@ -352,7 +352,7 @@ class MoeBlock(nn.Module):
   def _exchange(self, mesh, token_axes: tuple, expert_axes: tuple) -> str:
     """How expert parallelism moves the tokens: all_to_all where the expert axes all shard the
     tokens and routing is dropless, and expert_exchange asks for it or (auto) the expert axes
-    outnumber the experts per token; all_gather otherwise (docs/moe.md: per token, the all-gather
+    outnumber the experts per token; all_gather otherwise (docs/design/moe.md: per token, the all-gather
     sends expert - 1 copies of it and the all-to-all about k, so the all-to-all wins above k)."""
     cfg = self.config
     devices = math.prod(mesh.shape[a] for a in expert_axes)
