@@ -3,7 +3,7 @@
 `decoder_block=NAME` picks `FAMILIES[NAME]`. The layers read only its switches (copied into the
 config as keys of the same names), and the Hugging Face converters read the rest: how
 transformers names the architecture, its activation and its experts, and what it assumes where
-a config.json is silent. docs/port_a_model.md says how to add one.
+a config.json is silent. docs/guides/port_a_model.md says how to add one.
 """
 
 import dataclasses

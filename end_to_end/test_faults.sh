@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fault-injection suite: every row of docs/checkpoints.md's "What survives what" table, each against
+# The fault-injection suite: every row of docs/guides/checkpoints.md's "What survives what" table, each against
 # the tiny model, asserting the exit code, one error line and no traceback, nothing written
 # where nothing may be, and every good checkpoint still there and restorable. The faults are
 # pytest tests (CI runs them with the rest); this runs just them, time-bounded.

@@ -130,7 +130,7 @@ def test_greedy_decoding_of_an_imported_model_gives_the_hugging_face_tokens(tmp_
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "llama3.1", "gemma2", "qwen3_moe", "mixtral_tied"])
 def test_import_export_round_trip_and_continued_pretraining(tmp_path, family):
-  """The command lines of docs/huggingface.md: Hugging Face -> checkpoint ->
+  """The command lines of docs/guides/huggingface.md: Hugging Face -> checkpoint ->
   Hugging Face gives the same tensors bit for bit with no model key given (config.json's are
   saved with the checkpoint and read back), and a tiled training run continues from the
   checkpoint on the model directory's tokenizer."""

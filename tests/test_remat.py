@@ -7,7 +7,7 @@ from conftest import assert_trees_close, fixed_batch, tiny_config, trainer_and_s
 
 from MaxText import costs, losses, remat, sharding, train_step
 
-# docs/remat.md states this tolerance.
+# docs/design/remat.md states this tolerance.
 RTOL = 1e-5
 # Enough activations per layer (32 tokens x 8 rows) for the policies' differences to show.
 MODEL = ("base_num_decoder_layers=4", "max_target_length=32", "per_device_batch_size=8")

@@ -29,7 +29,7 @@ def test_train_step_lowers_the_loss_on_a_fixed_batch():
 
 def test_gradient_accumulation_gives_the_gradient_of_one_big_batch():
   """train_step.gradients over 2 microbatches against jax.grad of the whole batch's loss, per
-  scored token; no optimizer in between. docs/training.md states the tolerance."""
+  scored token; no optimizer in between. docs/guides/training.md states the tolerance."""
   whole = tiny_config("per_device_batch_size=4")
   accumulated = tiny_config("per_device_batch_size=2", "gradient_accumulation_steps=2")
   batch = fixed_batch(whole)

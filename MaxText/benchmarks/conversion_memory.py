@@ -25,7 +25,7 @@ from matplotlib.figure import Figure
 from safetensors.numpy import save_file
 
 from MaxText import pyconfig, reports, runtime
-from MaxText.benchmarks import common
+from MaxText.benchmarks import common, provenance
 from MaxText.checkpoint_conversion import mapping
 
 # The MoE cut to 4 and 8 of its 48 layers: its stacked expert projections (1.5 and 3 GiB)
@@ -155,7 +155,7 @@ def main():
     axis.set_xlabel("peak RSS, GiB")
     axis.legend(fontsize=8)
   figure.tight_layout()
-  reports.save(args.output_dir, "conversion_memory", markdown, data, figure)
+  provenance.save(args.output_dir, "conversion_memory", markdown, data, figure)
 
 
 if __name__ == "__main__":

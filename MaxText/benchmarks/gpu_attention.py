@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from matplotlib.figure import Figure
 
 from MaxText import reports, runtime
-from MaxText.benchmarks import common
+from MaxText.benchmarks import common, provenance
 from MaxText.layers import attentions
 
 SHAPES = ((4, 8192), (1, 65536))  # (rows, tokens)
@@ -67,14 +67,14 @@ def main():
   rows = [[name, f"{r['seconds'] * 1e3:,.1f}", f"{r['tflops']:.0f}"] for name, r in results.items()]
   markdown = (f"# Attention kernels, forward + backward, on one {kind}\n\n"
               f"`python -m MaxText.benchmarks.gpu_attention`; {HEADS} query heads, {KV_HEADS} key/value heads of "
-              f"{HEAD_DIM}, bfloat16, causal; jax {jax.__version__}\n\n"
+              f"{HEAD_DIM}, bfloat16, causal\n\n"
               + reports.markdown_table(["kernel", "ms", "TFLOP/s"], rows))
   figure = Figure(figsize=(9, 0.5 * len(results) + 1.5))
   axis = figure.subplots()
   axis.barh(list(results), [r["tflops"] for r in results.values()])
   axis.set_xlabel("TFLOP/s (causal half, forward + backward)")
   axis.invert_yaxis()
-  reports.save(args.output_dir, "attention_gpu", markdown, {"jax": jax.__version__, "results": results}, figure)
+  provenance.save(args.output_dir, "attention_gpu", markdown, {"results": results}, figure)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import jax
 from matplotlib.figure import Figure
 
 from MaxText import reports, runtime, sharding, train, train_step
-from MaxText.benchmarks import common
+from MaxText.benchmarks import common, provenance
 from MaxText.input_pipeline import input_pipeline
 
 SMALL = ("base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=256",
@@ -70,7 +70,7 @@ def main():
   axis.barh(["device", "loop"], [device_s * 1e3, loop_s * 1e3], color=["tab:gray", "tab:blue"])
   axis.set_xlabel("ms per step")
   axis.set_title(f"host share of a small model's step: {share:.1%}")
-  reports.save(args.output_dir, "host_overhead", markdown,
+  provenance.save(args.output_dir, "host_overhead", markdown,
               {"loop_step_seconds": loop, "device_step_seconds": device, "host_share": share}, figure)
 
 

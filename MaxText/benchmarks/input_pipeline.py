@@ -19,7 +19,7 @@ from absl import flags
 from matplotlib.figure import Figure
 
 from MaxText import reports, runtime
-from MaxText.benchmarks import common
+from MaxText.benchmarks import common, provenance
 from MaxText.input_pipeline import input_pipeline, prepare_data
 
 WORKERS = (0, 1, 2)
@@ -69,7 +69,7 @@ def main():
   axis.set_xlabel("grain_worker_count")
   axis.set_ylabel("tokens/s")
   axis.legend()
-  reports.save(args.output_dir, "input_pipeline", markdown,
+  provenance.save(args.output_dir, "input_pipeline", markdown,
               {"batch_seconds": seconds, "step_seconds": step, "rows_per_batch": rows, "tokens_per_row": length},
               figure)
 

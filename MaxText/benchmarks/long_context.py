@@ -29,7 +29,7 @@ import jax
 from matplotlib.figure import Figure
 
 from MaxText import accelerators, reports, runtime
-from MaxText.benchmarks import common
+from MaxText.benchmarks import common, provenance
 
 LLAMA3_8B = ("model_name=llama3-8b", "compile_topology=v5p-128", "dataset_type=synthetic",
              "per_device_batch_size=0.0625", "ici_fsdp_parallelism=4", "ici_context_parallelism=16",
@@ -85,7 +85,7 @@ def tpu_table(output_dir: str) -> None:
   axis.set_xlabel("tokens per sequence")
   axis.set_ylabel("device GiB per chip (TPU compiler)")
   axis.legend()
-  reports.save(output_dir, "long_context_tpu", markdown, results, figure)
+  provenance.save(output_dir, "long_context_tpu", markdown, results, figure)
 
 
 def cpu_table(output_dir: str, warmup: int, steps: int) -> None:
@@ -110,7 +110,7 @@ def cpu_table(output_dir: str, warmup: int, steps: int) -> None:
   axis.invert_yaxis()
   axis.axvline(1.0, color="black", linestyle="--")
   axis.set_xlabel("median step time / fsdp 4 (XLA:CPU)")
-  reports.save(output_dir, "long_context_cpu", markdown, results, figure)
+  provenance.save(output_dir, "long_context_cpu", markdown, results, figure)
 
 
 def main():

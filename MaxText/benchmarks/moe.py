@@ -21,7 +21,7 @@ import itertools
 from matplotlib.figure import Figure
 
 from MaxText import costs, reports, runtime
-from MaxText.benchmarks import common
+from MaxText.benchmarks import common, provenance
 
 MODEL = ("dataset_type=synthetic", "per_device_batch_size=4", "enable_checkpointing=false", "eval_interval=0")
 MOE = ("decoder_block=mixtral", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=384")
@@ -63,7 +63,7 @@ def cpu_table(output_dir: str, warmup: int, steps: int) -> None:
   axis.invert_yaxis()
   axis.axvline(1.0, color="black", linestyle="--")
   axis.set_xlabel("median step time / dense (XLA:CPU)")
-  reports.save(output_dir, "moe_cpu", markdown, results, figure)
+  provenance.save(output_dir, "moe_cpu", markdown, results, figure)
 
 
 def tpu_table(output_dir: str) -> None:
@@ -87,7 +87,7 @@ def tpu_table(output_dir: str) -> None:
   axis.set_yticks(range(len(results)), [n.removeprefix("qwen3-30b-a3b ") for n in results], fontsize=7)
   axis.invert_yaxis()
   axis.set_xlabel("compiled memory per chip, GiB (TPU compiler)")
-  reports.save(output_dir, "moe_tpu", markdown, results, figure)
+  provenance.save(output_dir, "moe_tpu", markdown, results, figure)
 
 
 def exchange_table(output_dir: str) -> None:
@@ -109,7 +109,7 @@ def exchange_table(output_dir: str) -> None:
                                   for r in results.values()], color="tab:blue")
   axis.set_yticks(range(len(results)), list(results))
   axis.set_xlabel("GiB each chip sends over the expert axis per step")
-  reports.save(output_dir, "moe_exchange_tpu", markdown, results, figure)
+  provenance.save(output_dir, "moe_exchange_tpu", markdown, results, figure)
 
 
 def main():

@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 from scipy import stats
 
 from MaxText import plan, pyconfig, reports, runtime, sharding
-from MaxText.benchmarks import common
+from MaxText.benchmarks import common, provenance
 
 RUN = ("dataset_type=synthetic", "enable_checkpointing=false", "eval_interval=0", "enable_tensorboard=false")
 # name -> (overrides, the batch at which untiled full remat sets the budget)
@@ -70,7 +70,7 @@ def main():
     axis.set_ylabel("measured tokens/s (median step)")
   markdown = f"{args.steps} timed steps after {args.warmup} warm-up, XLA:CPU\n\n" + "\n\n".join(sections)
   print(markdown)
-  reports.save(args.output_dir, "planner", markdown, results, figure)
+  provenance.save(args.output_dir, "planner", markdown, results, figure)
 
 
 if __name__ == "__main__":

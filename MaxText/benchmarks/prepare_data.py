@@ -19,7 +19,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from MaxText import reports, runtime
-from MaxText.benchmarks import common
+from MaxText.benchmarks import common, provenance
 from MaxText.input_pipeline import corpus, tokenizer
 
 _FILE_BYTES = 64 << 20
@@ -80,7 +80,7 @@ def main():
            label="largest worker")
   axis.set_ylabel("peak RSS (MiB)")
   axis.legend()
-  reports.save(args.output_dir, "prepare_data", markdown, runs, figure)
+  provenance.save(args.output_dir, "prepare_data", markdown, runs, figure)
 
 
 if __name__ == "__main__":

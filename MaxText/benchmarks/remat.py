@@ -12,7 +12,7 @@ Table 2 (compile only): llama3-8b at 8192 tokens per device on 8 simulated devic
 from matplotlib.figure import Figure
 
 from MaxText import remat, reports, runtime
-from MaxText.benchmarks import common
+from MaxText.benchmarks import common, provenance
 
 MODEL = ("dataset_type=synthetic", "per_device_batch_size=4", "enable_checkpointing=false", "eval_interval=0")
 LLAMA3_8B = ("model_name=llama3-8b", "dataset_type=synthetic", "per_device_batch_size=1", "max_target_length=8192",
@@ -65,7 +65,7 @@ def main():
   markdown = (f"## Default model, {args.steps} timed steps after {args.warmup} warm-up\n\n{table}\n\n"
               f"## llama3-8b, 8192 tokens/device, fsdp=8, num_vocab_tiling=8 (compile only)\n\n{llama_table}")
   print(markdown)
-  reports.save(args.output_dir, "remat", markdown,
+  provenance.save(args.output_dir, "remat", markdown,
                {"default_model": results, "pareto_front": front, "llama3_8b": llama}, plot(results, front))
 
 

@@ -18,7 +18,7 @@ import itertools
 from matplotlib.figure import Figure
 
 from MaxText import accelerators, reports, runtime
-from MaxText.benchmarks import common
+from MaxText.benchmarks import common, provenance
 
 TPU_SLICES = (("llama3-8b", "v5p-64"), ("llama3-8b", "v6e-256"), ("qwen3-0.6b", "v5e-16"))
 TPU_TILES = (1, 8, 16)
@@ -79,7 +79,7 @@ def tpu_tables(output_dir: str) -> None:
   sections.append(attention_table(results))
   markdown = "\n\n".join(sections)
   print(markdown)
-  reports.save(output_dir, "sizing_tpu", markdown, results, figure)
+  provenance.save(output_dir, "sizing_tpu", markdown, results, figure)
 
 
 def loss_side_table():
@@ -119,7 +119,7 @@ def cpu_tables(output_dir: str) -> None:
   axis.invert_yaxis()
   axis.set_xlabel("compiled memory per device, GiB (XLA:CPU)")
   axis.set_title("llama3-8b train step, 8192 tokens/device")
-  reports.save(output_dir, "sizing", markdown, {**results, "loss_side_fsdp8": loss_results}, figure)
+  provenance.save(output_dir, "sizing", markdown, {**results, "loss_side_fsdp8": loss_results}, figure)
 
 
 def main():

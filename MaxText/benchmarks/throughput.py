@@ -30,6 +30,7 @@ import time
 from matplotlib.figure import Figure
 
 from MaxText import reports, runtime
+from MaxText.benchmarks import provenance
 
 RUN = ("dataset_type=synthetic", "enable_checkpointing=false", "enable_tensorboard=false", "eval_interval=0",
        "log_period=1")
@@ -130,7 +131,7 @@ def report(target: str, results: dict, output_dir: str) -> None:
   right.set_xlabel("GiB per device (peak in use; compiled where the runtime keeps no peak)")
   left.invert_yaxis()
   figure.suptitle(f"{' '.join(MODELS[target])} on {kind}")
-  reports.save(output_dir, f"throughput_{target}", markdown, {"target": target, "results": results}, figure)
+  provenance.save(output_dir, f"throughput_{target}", markdown, {"target": target, "results": results}, figure)
 
 
 def main():

@@ -15,7 +15,7 @@ num_vocab_tiling 1 and 8.
 from matplotlib.figure import Figure
 
 from MaxText import reports, runtime
-from MaxText.benchmarks import common
+from MaxText.benchmarks import common, provenance
 
 HEAD_DOMINATED = ("dataset_type=synthetic", "base_emb_dim=256", "vocab_size=32768", "base_num_decoder_layers=2",
                   "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=512", "max_target_length=256",
@@ -92,7 +92,7 @@ def main():
   markdown = (f"## Head-dominated model, {args.steps} timed steps after {args.warmup} warm-up\n\n{head_table}\n\n"
               f"## What the rest of the step costs\n\n{rest_table}\n\n## llama3-8b (compile only)\n\n{llama_table}")
   print(markdown)
-  reports.save(args.output_dir, "vocab_tiling", markdown,
+  provenance.save(args.output_dir, "vocab_tiling", markdown,
               {"head_dominated": head_results, "rest_of_step": rest_results, "llama3_8b": llama_results},
               plot(head_results))
 

@@ -113,9 +113,9 @@ _tokamax_ragged_dot.defvjp(_tokamax_ragged_dot_fwd, _tokamax_ragged_dot_bwd)
 
 
 def _tokamax_ragged_dot_general(a, w, group_sizes, dims):
-  """GPU: XLA:GPU (jax 0.11) expands a ragged dot into a dense matmul over every expert, which
-  needs 414 GiB for 2 layers of qwen3-30b-a3b at 32k tokens; tokamax's kernels (Mosaic GPU on
-  Hopper, else Triton) multiply the groups alone. A kernel [E, out, in] is handed over as
+  """GPU: XLA:GPU (jax 0.11) expands a ragged dot into a dense matmul over every expert, whose
+  memory grows with experts x tokens, all of them and not the k per token; tokamax's kernels
+  (Mosaic GPU on Hopper, else Triton) multiply the groups alone. A kernel [E, out, in] is handed over as
   [E, in, out], its transpose differentiated by JAX."""
   (_, (w_in,)), _ = dims.dot_dimension_numbers
   return _tokamax_ragged_dot(a, jnp.swapaxes(w, 1, 2) if w_in == 2 else w, group_sizes)
@@ -296,8 +296,8 @@ class MoeBlock(nn.Module):
   Parameters (MaxText's names): gate/kernel [D, E] (the router), wi_0 and wi_1 [E, D, moe_mlp]
   (input D), wo [E, D, moe_mlp] (input moe_mlp; MaxText's is [E, moe_mlp, D]). All three keep D
   off the minor dimension: where FSDP shards D (below) and D/fsdp < 128 (2048 over 32), TPU
-  layouts pad it to 128 lanes, and wo's gradient and optimizer buffers took twice their size
-  (qwen3-30b-a3b on v5p-64: 28.58 GiB per chip with MaxText's layout, 22.36 with this one).
+  layouts pad it to 128 lanes, and wo's gradient and optimizer buffers would take twice their
+  size.
   """
 
   config: object
@@ -352,7 +352,7 @@ class MoeBlock(nn.Module):
   def _exchange(self, mesh, token_axes: tuple, expert_axes: tuple) -> str:
     """How expert parallelism moves the tokens: all_to_all where the expert axes all shard the
     tokens and routing is dropless, and expert_exchange asks for it or (auto) the expert axes
-    outnumber the experts per token; all_gather otherwise (docs/moe.md: per token, the all-gather
+    outnumber the experts per token; all_gather otherwise (docs/design/moe.md: per token, the all-gather
     sends expert - 1 copies of it and the all-to-all about k, so the all-to-all wins above k)."""
     cfg = self.config
     devices = math.prod(mesh.shape[a] for a in expert_axes)
