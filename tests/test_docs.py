@@ -1,0 +1,15 @@
+"""README and docs: every relative link names a file of the repository."""
+
+import re
+
+import pytest
+from conftest import ROOT
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+  targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
+  missing = [t for t in targets if "://" not in t and not t.startswith("mailto:") and not (page.parent / t).exists()]
+  assert missing == [], f"{page.relative_to(ROOT)} links to missing {missing}"
