@@ -1,15 +1,16 @@
-"""Every configuration key: its section, type, default and description, and the checks each
-section makes of its own values.
+"""Every configuration key: its section, type, default and description, and the checks each section
+makes of its own values.
 
 A section is a frozen dataclass; its fields are the keys. Choices are `Literal`s taken from the
-registries that own them (a registry's names read when a value is checked), `None` is "unset" (derived, or left to the environment), and `auto`
-is a value of the keys the planner can choose. What a key `affects` sorts the namespace for the
-modules that need it: "model" keys fix the parameters' shapes and meaning (saved with a
-checkpoint, checked against Hugging Face's config.json), "run" keys change neither the compiled
-step nor the model (a run's `auto` decision survives them), "step" keys are the rest.
+registries that own them (a registry's names read when a value is checked), `None` is "unset"
+(derived, or left to the environment), and `auto` is a value of the keys the planner can choose.
+What a key `affects` sorts the namespace for the modules that need it: "model" keys fix the
+parameters' shapes and meaning (saved with a checkpoint, checked against Hugging Face's
+config.json), "run" keys change neither the compiled step nor the model (a run's `auto` decision
+survives them), "step" keys are the rest.
 
-`configs/base.yml` and `docs/reference/config.md` are written from here by
-`python -m MaxText.config_reference`; the suite fails when either is stale.
+`configs/base.yml` and `docs/reference/config.md` are written from here by `python -m
+MaxText.config_reference`; the suite fails when either is stale.
 """
 
 import dataclasses
@@ -22,6 +23,7 @@ from MaxText.families import FAMILIES
 from MaxText.input_pipeline.input_pipeline import DATASET_TYPES
 from MaxText.layers.attentions import ATTENTIONS
 from MaxText.layers.context_parallel import STRATEGIES
+
 
 def one_of(registry) -> type:
   """A name in `registry`, read when a value is checked: an entry registered after import counts."""

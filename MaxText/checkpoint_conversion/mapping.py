@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import safe_open
 
-from MaxText import errors
+from MaxText import config_schema, errors
 from MaxText.families import FAMILIES
 
 # Put before the user's keys: the converters read no data, so the text dataset's checks (a
@@ -37,26 +37,22 @@ def layer_types(config) -> list:
           for i in range(config.base_num_decoder_layers)]
 
 
+# Llama 3.1's RoPE rescaling: config.json holds them only for rope_type llama3.1.
+_LLAMA31_ROPE_KEYS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                      "rope_original_max_position")
+
+
 def _expected(config) -> dict:
-  """config.json's values for this config, by the config key each one checks."""
+  """config.json's values for this config: every key that affects the model but those it
+  does not use, as model_keys reads them."""
   # A mixture of experts has no dense MLP: base_mlp_dim is unused (Mixtral's intermediate_size
   # is its experts' width).
-  return {"decoder_block": config.decoder_block, "vocab_size": config.vocab_size,
-          "base_emb_dim": config.base_emb_dim, **({} if config.moe else {"base_mlp_dim": config.base_mlp_dim}),
-          "base_num_query_heads": config.base_num_query_heads, "base_num_kv_heads": config.base_num_kv_heads,
-          "base_num_decoder_layers": config.base_num_decoder_layers, "head_dim": config.head_dim,
-          "logits_via_embedding": config.logits_via_embedding, "rope_max_timescale": float(config.rope_max_timescale),
-          "normalization_layer_epsilon": config.normalization_layer_epsilon, "rope_type": config.rope_type,
-          "attn_logits_soft_cap": config.attn_logits_soft_cap, "final_logits_soft_cap": config.final_logits_soft_cap,
-          "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim,
-          "sliding_window_size": config.sliding_window_size,
-          **({"num_experts": config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
-              "base_moe_mlp_dim": config.base_moe_mlp_dim, "norm_topk_prob": config.norm_topk_prob}
-             if config.moe else {}),
-          **({"rope_scaling_factor": config.rope_scaling_factor, "rope_low_freq_factor": config.rope_low_freq_factor,
-              "rope_high_freq_factor": config.rope_high_freq_factor,
-              "rope_original_max_position": config.rope_original_max_position}
-             if config.rope_type == "llama3.1" else {})}
+  unused = {"base_mlp_dim"} if config.moe else set(config_schema.fields("model", [config_schema.MoE]))
+  if config.rope_type != "llama3.1":
+    unused.update(_LLAMA31_ROPE_KEYS)
+  return {**{key: getattr(config, key) for key in config_schema.fields("model") if key not in unused},
+          "rope_max_timescale": float(config.rope_max_timescale),
+          "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim}
 
 
 def model_keys(hf: dict, hf_path: str) -> dict:
