@@ -97,8 +97,9 @@ def type_name(kind) -> str:
     elif typing.get_origin(option) is typing.Annotated:
       words.append(f"one of {', '.join(option.__metadata__[0])}")
     elif typing.get_origin(option) is list:
-      item = typing.get_args(option)
-      words.append(f"a list of {type_name(item[0]).removeprefix('a ').removeprefix('an ')}s" if item else "a list")
+      item = type_name(typing.get_args(option)[0])
+      words.append(f"a list of names from {item.removeprefix('one of ')}" if item.startswith("one of ")
+                   else f"a list of {item.removeprefix('a ').removeprefix('an ')}s")
     else:
       words.append({bool: "a bool (true/false)", int: "an integer", float: "a number", str: "a string",
                     list: "a list"}[option])

@@ -187,10 +187,10 @@ def test_the_context_degree_and_strategy_are_searched():
 @pytest.mark.parametrize("override, message", [
     ("plan_num_vocab_tiling=[4,1]", "plan_num_vocab_tiling=[4, 1]: must be a non-empty ascending list"),
     ("plan_per_device_batch_sizes=[]", "non-empty ascending list"),
-    ("plan_remat_policies=[custom]", "must list names from none, minimal"),
-    ("hbm_budget_gib=-1", "must be >= 0"),
+    ("plan_remat_policies=[custom]", "must be a list of names from none, minimal"),
+    ("hbm_budget_gib=-1", "hbm_budget_gib=-1.0: must be null or > 0"),
     ("plan_context_parallelism=[4,2]", "plan_context_parallelism=[4, 2]: must be an ascending list"),
-    ("plan_context_parallel_strategies=[ulysses]", "must list names from all_gather, ring"),
+    ("plan_context_parallel_strategies=[ulysses]", "must be a list of names from all_gather, ring"),
 ])
 def test_bad_plan_keys_are_config_errors(override, message):
   with pytest.raises(errors.ConfigError, match=re.escape(message)):
