@@ -1,5 +1,6 @@
 """The train step and everything around it that train, train_compile and the planner share:
-the model's loss gradients summed over microbatches, the optax update, and the jitted steps with
+the training objective (the model applied to a batch: the loss plus the MoE router's losses),
+its gradients summed over microbatches, the optax update, and the jitted steps with
 explicit shardings (Trainer), compiled ahead of time or traced for FLOPs.
 """
 
@@ -14,6 +15,7 @@ from flax.training.train_state import TrainState
 
 from MaxText import losses, optimizers, sharding
 from MaxText.errors import UserError, first_line
+from MaxText.layers import context_parallel, moe
 from MaxText.layers.models import Transformer
 
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
@@ -23,6 +25,38 @@ def _microbatches(batch, count):
   """[count * m, T] -> [count, m, T], microbatch k = rows k, k + count, ...: every
   microbatch is spread over the batch shards like the whole batch."""
   return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, count, *x.shape[1:]), 0, 1), batch)
+
+
+def batch_sums(model, config, params, batch):
+  """Sums over the batch's scored tokens: (loss incl. z-loss and the MoE router's losses,
+  {weights, z_loss, correct}, and for MoE models moe_aux_loss (the router's share of the loss)
+  and the router's statistics, each times the scored tokens), from the whole logits or, with
+  num_vocab_tiling > 1, tile by tile. Under load-balanced context parallelism the batch is
+  reordered first, targets with their tokens: sums are unchanged."""
+  batch = context_parallel.load_balance(config, batch)
+  weights = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+  inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
+  targets = batch["targets"]
+  if config.num_vocab_tiling > 1:
+    (hidden, kernel), state = model.apply({"params": params}, *inputs, return_hidden=True, mutable="intermediates")
+    loss, z_loss, correct = losses.tiled_token_sums(
+        hidden, kernel, targets, weights, config.num_vocab_tiling, config.z_loss_multiplier,
+        config.vocab_tiling_mode, config.final_logits_soft_cap)
+  else:
+    logits, state = model.apply({"params": params}, *inputs, mutable="intermediates")
+    loss, z_loss, correct = losses.token_sums(logits, targets, weights, config.z_loss_multiplier)
+  total = jnp.sum(weights)
+  sums = {"weights": total, "z_loss": z_loss, "correct": correct}
+  router = moe.aux_means(state.get("intermediates", {}))
+  if router:
+    # The router's losses are means over tokens and layers; as sums they weigh each microbatch
+    # by its scored tokens, like the cross entropy.
+    aux = total * (config.load_balance_loss_weight * router["moe_lb_loss"]
+                   + config.router_z_loss_weight * router["moe_z_loss"])
+    loss = loss + aux
+    sums["moe_aux_loss"] = jax.lax.stop_gradient(aux)
+    sums.update({name: total * jax.lax.stop_gradient(value) for name, value in router.items()})
+  return loss, sums
 
 
 def _per_token(loss, sums):
@@ -36,7 +70,7 @@ def _per_token(loss, sums):
 def gradients(model, config, params, batch):
   """((loss sum, sums), gradient of the loss per scored token) of the global batch, summed over
   its gradient_accumulation_steps microbatches."""
-  grad_fn = jax.value_and_grad(functools.partial(losses.batch_sums, model, config), has_aux=True)
+  grad_fn = jax.value_and_grad(functools.partial(batch_sums, model, config), has_aux=True)
   if config.gradient_accumulation_steps > 1:
 
     def accumulate(total, microbatch):
@@ -69,7 +103,7 @@ def train_step(model, config, state, batch):
 
 def eval_step(model, config, params, batch):
   """Loss sums of one batch without gradients; the caller sums batches then divides."""
-  loss, sums = losses.batch_sums(model, config, params, batch)
+  loss, sums = batch_sums(model, config, params, batch)
   return {"loss": loss, **sums}
 
 

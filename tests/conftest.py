@@ -183,9 +183,9 @@ def loss_gradients(config, batch=None):
   import jax
   import numpy as np
 
-  from MaxText import losses, sharding, train_step
+  from MaxText import sharding, train_step
   trainer, state = trainer_and_state(config)
-  loss = lambda params, batch: losses.batch_sums(trainer.model, config, params, batch)[0]
+  loss = lambda params, batch: train_step.batch_sums(trainer.model, config, params, batch)[0]
   batch = fixed_batch(config) if batch is None else batch
   with sharding.activate(trainer.mesh, config):
     value, grads = jax.jit(jax.value_and_grad(loss))(state.params, train_step.device_batch(trainer, batch))

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from conftest import fixed_batch, tiny_config, trainer_and_state
 
-from MaxText import losses, sharding, train_step
+from MaxText import sharding, train_step
 from MaxText.layers import moe
 
 # 8 experts of width 24, top 2, over TINY: every mesh below divides it with one row per device.
@@ -47,7 +47,7 @@ TOKAMAX_MESHES = {
 def loss_and_gradients(config):
   """(summed training loss, {parameter path: gradient}) at config's initial parameters on fixed_batch."""
   trainer, state = trainer_and_state(config)
-  fn = jax.jit(jax.value_and_grad(lambda p, b: losses.batch_sums(trainer.model, config, p, b)[0]))
+  fn = jax.jit(jax.value_and_grad(lambda p, b: train_step.batch_sums(trainer.model, config, p, b)[0]))
   with sharding.activate(trainer.mesh, config):
     loss, grads = fn(state.params, train_step.device_batch(trainer, fixed_batch(config)))
   leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(grads))

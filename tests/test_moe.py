@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import assert_trees_close, fixed_batch, run_cli, run_on_eight_devices, tiny_config, trainer_and_state
 
-from MaxText import costs, errors, losses, sharding, train, train_step
+from MaxText import costs, errors, sharding, train, train_step
 from MaxText.layers import moe
 from MaxText.layers.models import Transformer
 
@@ -128,7 +128,7 @@ MEMORY_SETTINGS = {
 
 def loss_and_gradients(config, params, batch):
   trainer = train_step.build(config, sharding.create_mesh(config))
-  fn = jax.jit(jax.value_and_grad(lambda p, b: losses.batch_sums(trainer.model, config, p, b)[0]))
+  fn = jax.jit(jax.value_and_grad(lambda p, b: train_step.batch_sums(trainer.model, config, p, b)[0]))
   with sharding.activate(trainer.mesh, config):
     loss, grads = fn(jax.device_put(params, trainer.state_sharding.params), train_step.device_batch(trainer, batch))
   return float(loss), jax.device_get(grads)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText import costs, losses, sharding
+from MaxText import costs, head, sharding
 from MaxText.layers import context_parallel
 from MaxText.layers.embeddings import apply_rope, rope_timescales
 from MaxText.layers.linears import kernel, kernel_run, sum_of_slices
@@ -40,7 +40,7 @@ def attend(q, k, v, mask, scale, soft_cap):
   kv_heads = k.shape[2]
   q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-  scores = jnp.where(mask[:, :, None], losses.soft_cap(scores, soft_cap), jnp.finfo(jnp.float32).min)
+  scores = jnp.where(mask[:, :, None], head.soft_cap(scores, soft_cap), jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(batch, length, heads, head_dim)
 
@@ -258,7 +258,7 @@ def attend_heads(cfg, q, k, v, positions, segment_ids, layer_index):
   window, sliding = cfg.sliding_window_size or None, layer_index % 2 == 0
   if split:
     context = context_parallel.attention(q, k, v, segment_ids, cfg, scale,
-                                         functools.partial(losses.soft_cap, cap=soft_cap),
+                                         functools.partial(head.soft_cap, cap=soft_cap),
                                          _layer_window(window, sliding, q.shape[1]))
   else:
     context = ATTENTIONS[cfg.attention](q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding)

@@ -3,7 +3,7 @@
 import flax.linen as nn
 import jax.numpy as jnp
 
-from MaxText import losses
+from MaxText import head
 from MaxText.layers.decoders import Decoder
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import kernel_init
@@ -38,4 +38,4 @@ class Transformer(nn.Module):
     kernel = kernel.astype(dtype)
     if return_hidden:
       return hidden, kernel
-    return losses.logits(hidden, kernel, cfg.final_logits_soft_cap)
+    return head.logits(hidden, kernel, cfg.final_logits_soft_cap)
