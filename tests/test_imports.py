@@ -1,9 +1,12 @@
-"""The package's import graph, read with ast: no import cycle, and no product module importing
-the benchmarks. Imports inside functions count: they are cycles all the same, only deferred."""
+"""The package's import graph, read with ast: every module imports only modules of its own layer
+or the layers below it, in the table of docs' architecture.md, and no import cycle. Imports
+inside functions count: they are cycles and upward imports all the same, only deferred."""
 
 import ast
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +14,8 @@ from pathlib import Path
 from conftest import ROOT
 
 BENCHMARKS = "MaxText.benchmarks"
+PACKAGE = "MaxText"  # its __init__ lies beneath every layer: it may import nothing
+TABLE_HEADER = "| layer | modules | job |"
 
 
 def module_names() -> dict:
@@ -86,10 +91,86 @@ def test_no_module_imports_itself_back():
   assert not cycle, " -> ".join(cycle)
 
 
-def test_only_benchmarks_import_benchmarks():
-  offenders = {name: sorted(m for m in imports if m.startswith(BENCHMARKS))
-               for name, imports in import_graph().items() if not name.startswith(BENCHMARKS)}
-  assert not {name: found for name, found in offenders.items() if found}
+def layer_rows(text: str) -> list:
+  """[(layer, modules cell)] of the architecture table in `text`, lowest layer first."""
+  lines = text[text.index(TABLE_HEADER):].splitlines()[2:]  # past the header and its rule
+  cells = [line.strip().strip("|").split("|", 2) for line in itertools.takewhile(lambda x: x.startswith("|"), lines)]
+  return [(layer.strip(), modules) for layer, modules, _ in cells]
+
+
+def named(cell: str) -> tuple:
+  """(modules, packages) a modules cell names: `a` is the module MaxText.a and `p/a` MaxText.p.a;
+  `p/` is the package MaxText.p, all of it; `p/` (`a`, `b`) is its __init__ and the modules
+  MaxText.p.a and MaxText.p.b only."""
+  modules, packages = set(), set()
+  for package, members in re.findall(r"`(\w+)/` \(([^)]*)\)", cell):
+    modules |= {f"{PACKAGE}.{package}"} | {f"{PACKAGE}.{package}.{m}" for m in re.findall(r"`(\w+)`", members)}
+  for name in re.findall(r"`([\w/]+)`", re.sub(r"`\w+/` \([^)]*\)", "", cell)):
+    dotted = f"{PACKAGE}.{name.strip('/').replace('/', '.')}"
+    (packages if name.endswith("/") else modules).add(dotted)
+  return modules, packages
+
+
+def layers_of(modules, rows) -> tuple:
+  """({module: index of its row in `rows`}, problems): a module in no row or in two, and a name
+  in a row that is no module of `modules`."""
+  claims = [named(cell) for _, cell in rows]
+  problems = [f"{layer}: `{name}` names no module" for (layer, _), (exact, packages) in zip(rows, claims)
+              for name in sorted(exact | packages)
+              if not any(m == name or m.startswith(name + ".") for m in modules)]
+  layer = {PACKAGE: -1}
+  for module in sorted(set(modules) - {PACKAGE}):
+    found = [i for i, (exact, packages) in enumerate(claims)
+             if module in exact or any(module == p or module.startswith(p + ".") for p in packages)]
+    if len(found) != 1:
+      problems.append(f"{module} is in {len(found)} rows: {[rows[i][0] for i in found]}")
+    elif found:
+      layer[module] = found[0]
+  return layer, problems
+
+
+def upward_imports(graph: dict, layer: dict) -> list:
+  """[(module, imported)] of a {module: imported modules} graph where a module imports one of a
+  higher layer ({module: layer index}); a layer may import within itself (cycles are
+  test_no_module_imports_itself_back's)."""
+  return sorted((m, i) for m, found in graph.items() for i in found if layer[i] > layer[m])
+
+
+def architecture_table() -> list:
+  # Wherever docs/ keeps the architecture page.
+  return layer_rows(next((ROOT / "docs").rglob("architecture.md")).read_text())
+
+
+def test_the_layer_checker_finds_upward_imports():
+  rows = layer_rows("text\n\n| layer | modules | job |\n| --- | --- | --- |\n"
+                    "| low | `a`, `p/` (`b`) | x |\n| high | `c`, `p/d`, `q/` | y |\n\nmore text\n")
+  modules = ["MaxText", "MaxText.a", "MaxText.p", "MaxText.p.b", "MaxText.p.d", "MaxText.c", "MaxText.q.e",
+             "MaxText.f"]
+  layer, problems = layers_of(modules, rows)
+  assert problems == ["MaxText.f is in 0 rows: []"]
+  assert layer == {"MaxText": -1, "MaxText.a": 0, "MaxText.p": 0, "MaxText.p.b": 0, "MaxText.c": 1,
+                   "MaxText.p.d": 1, "MaxText.q.e": 1}
+  graph = {"MaxText": set(), "MaxText.a": {"MaxText.p.b"}, "MaxText.p.b": {"MaxText.p.d"},
+           "MaxText.c": {"MaxText.a", "MaxText.q.e"}, "MaxText.q.e": {"MaxText.c"}}
+  assert upward_imports(graph, layer) == [("MaxText.p.b", "MaxText.p.d")]
+  assert layers_of(["MaxText.a"], rows + [("top", "`a`")])[1] == [
+      *(f"low: `MaxText.{n}` names no module" for n in ("p", "p.b")),
+      *(f"high: `MaxText.{n}` names no module" for n in ("c", "p.d", "q")), "MaxText.a is in 2 rows: ['low', 'top']"]
+
+
+def test_every_module_is_in_one_row_of_the_architecture_table():
+  problems = layers_of(module_names(), architecture_table())[1]
+  assert not problems, "\n".join(problems)
+
+
+def test_every_module_imports_only_its_layer_and_below():
+  rows = architecture_table()
+  layer = layers_of(module_names(), rows)[0]
+  # A module in no row is the other test's failure.
+  graph = {m: found & layer.keys() for m, found in import_graph().items() if m in layer}
+  name = lambda m: rows[layer[m]][0] if layer[m] >= 0 else "the package"
+  upward = [f"{m} ({name(m)}) imports {i} ({name(i)})" for m, i in upward_imports(graph, layer)]
+  assert not upward, "\n".join(upward)
 
 
 def libraries(modules: dict) -> set:
