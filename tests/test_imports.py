@@ -83,7 +83,7 @@ def test_the_cycle_finder_finds_cycles():
 def test_the_graph_sees_imports_inside_functions():
   graph = import_graph()
   assert "MaxText.input_pipeline.beam_pipeline" in graph["MaxText.input_pipeline.prepare_data"]
-  assert {"MaxText.errors", "MaxText.sharding", "MaxText.losses"} <= graph["MaxText.pyconfig"]
+  assert {"MaxText.errors", "MaxText.sharding", "MaxText.losses"} <= graph["MaxText.config_schema"]
 
 
 def test_no_module_imports_itself_back():
