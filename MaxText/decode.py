@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from MaxText import checkpointing, errors, runtime
+from MaxText import checkpointing, errors, launch, runtime
 from MaxText.input_pipeline import input_pipeline
 from MaxText.input_pipeline import tokenizer as tokenizers
 from MaxText.layers.models import Transformer
@@ -79,7 +79,7 @@ def generate(config) -> str:
 
 
 def main(argv):
-  print(generate(runtime.config(argv[1:])))
+  print(generate(launch.config(argv[1:])))
 
 
 if __name__ == "__main__":

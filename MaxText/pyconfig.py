@@ -309,7 +309,7 @@ def _thaw(value):
 def parse(argv: Sequence[str]) -> tuple[dict, tuple]:
   """argv = [config.yml, key=value, ...] -> (the keys, typed and checked; the keys given as
   `auto`, which hold their defaults here). Reads config files only: the devices, jax.distributed
-  and a checkpoint's checksums are the entry point's (runtime.config)."""
+  and a checkpoint's checksums are the entry point's (launch.config)."""
   if not argv:
     raise ConfigError("usage: <config.yml> [key=value ...]")
   config_path, *args = argv
@@ -343,7 +343,7 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
                memory_kinds: Sequence[str] | None = None, num_granules: int | None = None) -> Config:
   """parse(argv), resolved for `num_devices`, `memory_kinds` (of one device) and `num_granules`
   (slices or processes): by default those of `sharding.run_devices(...)`, compile_topology's or
-  else what JAX sees. `auto` is refused: the commands that plan resolve it (runtime.config)."""
+  else what JAX sees. `auto` is refused: the commands that plan resolve it (launch.config)."""
   values, auto = parse(argv)
   if auto:
     raise ConfigError(f"{auto[0]}=auto: only train and train_compile choose it (the planner); give a value")

@@ -1,6 +1,5 @@
 """A command's process set-up, done by its entry point and never at import: `run(main)` is every
-command's `__main__`, `setup()` the part of it that benchmarks and tests call themselves, and
-`config(argv)` the command's config with what parsing leaves to the command."""
+command's `__main__`, `setup()` the part of it that benchmarks and tests call themselves."""
 
 import logging as python_logging
 import os
@@ -8,8 +7,8 @@ import sys
 
 from absl import app, logging
 
-from MaxText import accelerators, auto, checkpointing, pyconfig, sharding
-from MaxText.errors import ConfigError, UserError
+from MaxText import accelerators
+from MaxText.errors import UserError
 
 
 def _quiet_library_logs() -> None:
@@ -23,20 +22,6 @@ def _quiet_library_logs() -> None:
 def setup() -> None:
   """Before JAX starts its backends: libtpu told there is no TPU where there is none."""
   accelerators.quiet_libtpu_without_tpus()
-
-
-def config(argv, plans: bool = False) -> pyconfig.Config:
-  """pyconfig.parse(argv), then: load_parameters_path's checksums (before anything is written),
-  jax.distributed (before JAX lists its devices), the devices, and `auto` values, which only the
-  commands that plan (`plans`: train, train_compile) resolve."""
-  values, auto_keys = pyconfig.parse(argv)
-  if auto_keys and not plans:
-    raise ConfigError(f"{auto_keys[0]}=auto: only train and train_compile choose it (the planner); give a value")
-  if values["load_parameters_path"]:
-    checkpointing.check_verified(values["load_parameters_path"], values["trust_unverified_checkpoints"])
-  if not values["compile_topology"]:
-    sharding.initialize_distributed(values)
-  return auto.resolve(pyconfig.for_devices(values), auto_keys)
 
 
 def run(main) -> None:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from MaxText import checkpointing, costs, errors, metrics, run_control, runtime, sharding, train_step
+from MaxText import checkpointing, costs, errors, launch, metrics, run_control, runtime, sharding, train_step
 from MaxText.input_pipeline import input_pipeline
 from MaxText.train_step import Trainer, device_batch
 
@@ -158,7 +158,7 @@ def _train_steps(trainer, config, compiled, state, data, train_iterator, manager
 
 
 def main(argv):
-  config = runtime.config(argv[1:], plans=True)
+  config = launch.config(argv[1:], plans=True)
   if config.compile_topology:
     raise errors.ConfigError(f"compile_topology={config.compile_topology!r}: only MaxText.train_compile "
                              "compiles for a topology; train runs on the devices it sees (set it to \"\")")

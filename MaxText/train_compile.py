@@ -12,11 +12,11 @@ or N simulated CPU devices: JAX_NUM_CPU_DEVICES=N python -m MaxText.train_compil
 
 import sys
 
-from MaxText import costs, errors, metrics, run_control, runtime, sharding, train_step
+from MaxText import costs, errors, launch, metrics, run_control, runtime, sharding, train_step
 
 
 def main(argv):
-  config = runtime.config(argv[1:], plans=True)
+  config = launch.config(argv[1:], plans=True)
   if config.memory_stats_file:
     run_control.check_writable("memory_stats_file", config.memory_stats_file, is_file=True)
   trainer = train_step.build(config, sharding.create_mesh(config))

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from conftest import BASE_YML, ROOT, TINY, TINY_TEXT, run_cli
 
-from MaxText import checkpointing, decode, errors, pyconfig, runtime
+from MaxText import checkpointing, decode, errors, launch, pyconfig
 
 # learning_rate_schedule_steps is pinned: otherwise a run stopped with steps=6 would follow a
 # 6-step schedule, and no resume could match the 12-step run.
@@ -423,7 +423,7 @@ def test_a_checkpoint_without_checksums_is_refused_unless_trusted(tmp_path, refe
   assert "Traceback" not in result.stderr and tree_digest(run / "checkpoints") == before
   # load_parameters_path (train, decode, to_huggingface) is refused before anything is written; decode of the run too
   with pytest.raises(errors.ConfigError, match=re.escape(refusal)):
-    runtime.config([BASE_YML, *RUN, text_cache, f"load_parameters_path={step}"])
+    launch.config([BASE_YML, *RUN, text_cache, f"load_parameters_path={step}"])
   with pytest.raises(errors.ConfigError, match=re.escape(refusal)):
     decode.generate(pyconfig.initialize([BASE_YML, *RUN, text_cache, f"base_output_directory={tmp_path}",
                                          "run_name=ref"]))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 from conftest import BASE_YML, TINY, metrics_losses, run_cli
 
-from MaxText import auto, costs, errors, plan, pyconfig, runtime, sharding, train
+from MaxText import auto, costs, errors, launch, plan, pyconfig, sharding, train
 
 # Head-heavy: 2048-token vocabulary, 32 positions, so vocabulary tiling changes the memory.
 HEAD_HEAVY = (*TINY, "vocab_size=2048", "max_target_length=32")
@@ -100,7 +100,7 @@ def test_the_smallest_candidate_is_named_with_its_size_however_small():
 
 def test_auto_resolves_once_per_fingerprint_and_reuses_it(tmp_path, monkeypatch):
   argv = _argv(f"base_output_directory={tmp_path}", *SEARCH, "num_vocab_tiling=auto", "per_device_batch_size=auto")
-  config = runtime.config(argv, plans=True)
+  config = launch.config(argv, plans=True)
   decision = json.loads((tmp_path / "default" / auto.CACHE_FILE).read_text())
   assert set(decision["settings"]) == {"num_vocab_tiling", "per_device_batch_size"}
   # The config resolved in place is the one the chosen settings give on the command line.
@@ -112,11 +112,11 @@ def test_auto_resolves_once_per_fingerprint_and_reuses_it(tmp_path, monkeypatch)
 
   monkeypatch.setattr(plan, "search", no_search)
   # A resumed run with more steps reuses the decision...
-  resumed = runtime.config([*argv, "steps=9"], plans=True)
+  resumed = launch.config([*argv, "steps=9"], plans=True)
   assert resumed.steps == 9 and resumed.to_dict() == {**config.to_dict(), "steps": 9, "learning_rate_schedule_steps": 9}
   # ...a different model does not.
   with pytest.raises(AssertionError, match="searched again"):
-    runtime.config([*argv, "base_emb_dim=64"], plans=True)
+    launch.config([*argv, "base_emb_dim=64"], plans=True)
 
 
 def test_auto_contradicting_custom_actions_is_one_line_exit_2(tmp_path):
@@ -133,7 +133,7 @@ def test_auto_trains_exactly_as_the_setting_it_chose_given_explicitly(tmp_path, 
   caplog.set_level("INFO")
   auto_argv = _argv(*common, "num_vocab_tiling=auto", "remat_policy=auto", "per_device_batch_size=auto",
                     "run_name=auto", f"metrics_file={tmp_path}/auto.jsonl")
-  train.train(runtime.config(auto_argv, plans=True))
+  train.train(launch.config(auto_argv, plans=True))
   assert len([r for r in caplog.records if r.getMessage().startswith("auto: ")]) == 1
   settings = json.loads((tmp_path / "auto" / auto.CACHE_FILE).read_text())["settings"]
   assert set(settings) == set(auto.AUTO_KEYS)
@@ -157,7 +157,7 @@ def test_a_mixture_of_experts_is_planned_by_its_active_flops_and_trains_as_its_c
   assert by_policy["full"] > by_policy["none"] >= 1.0
   common = (*moe, *search, "steps=3", f"base_output_directory={tmp_path}")
   caplog.set_level("INFO")
-  train.train(runtime.config(_argv(*common, "remat_policy=auto", "run_name=auto",
+  train.train(launch.config(_argv(*common, "remat_policy=auto", "run_name=auto",
                                     f"metrics_file={tmp_path}/auto.jsonl"), plans=True))
   settings = json.loads((tmp_path / "auto" / auto.CACHE_FILE).read_text())["settings"]
   train.train(pyconfig.initialize(_argv(*common, *plan._assignments(settings), "run_name=explicit",

@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import BASE_YML, ROOT, TINY, run_cli, tiny_config
 
-from MaxText import config_reference, config_schema, errors, pyconfig, runtime, sharding
+from MaxText import config_reference, config_schema, errors, launch, pyconfig, sharding
 
 
 def test_overrides_are_parsed_to_the_type_of_the_default():
@@ -250,7 +250,7 @@ def test_unset_is_null_and_auto_is_a_value():
 
 def test_parsing_reads_no_checkpoint_and_starts_no_backend(tmp_path):
   """pyconfig.parse is pure: a checkpoint without checksums and JAX's backends are the entry
-  point's (runtime.config), in a fresh interpreter."""
+  point's (launch.config), in a fresh interpreter."""
   step = tmp_path / "run" / "checkpoints" / "3"
   step.mkdir(parents=True)
   script = ("import sys; from MaxText import pyconfig; from jax._src import xla_bridge; "
@@ -258,4 +258,4 @@ def test_parsing_reads_no_checkpoint_and_starts_no_backend(tmp_path):
             "sys.exit(3 if xla_bridge._backends else 0)")
   assert subprocess.run([sys.executable, "-c", script], cwd=ROOT).returncode == 0
   with pytest.raises(errors.ConfigError, match="checksums"):
-    runtime.config([BASE_YML, *TINY, f"load_parameters_path={step}"])
+    launch.config([BASE_YML, *TINY, f"load_parameters_path={step}"])

@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import BASE_YML, ROOT, TINY, run_cli, tiny_config
 
-from MaxText import run_control, runtime, train
+from MaxText import launch, run_control, train
 from MaxText.checkpointing import CheckpointError
 
 CHECKPOINTED = ("enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false")
@@ -115,7 +115,7 @@ def test_a_bad_load_parameters_path_writes_nothing(tmp_path):
 
 
 def test_a_key_given_twice_keeps_its_last_value_auto_too():
-  config = runtime.config([BASE_YML, *TINY, "num_vocab_tiling=auto", "num_vocab_tiling=4"], plans=True)
+  config = launch.config([BASE_YML, *TINY, "num_vocab_tiling=auto", "num_vocab_tiling=4"], plans=True)
   assert config.num_vocab_tiling == 4
 
 

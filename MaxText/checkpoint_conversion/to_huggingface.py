@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from safetensors.numpy import save_file
 
-from MaxText import checkpointing, errors, run_control, runtime
+from MaxText import checkpointing, errors, launch, run_control, runtime
 from MaxText.checkpoint_conversion import mapping, sliced
 from MaxText.families import FAMILIES
 
@@ -142,7 +142,7 @@ def convert(config, max_shard_bytes: int = MAX_SHARD_BYTES) -> list:
 
 def main(argv):
   with run_control.signals_raise():
-    config = runtime.config(mapping.tool_argv(argv[1:]))
+    config = launch.config(mapping.tool_argv(argv[1:]))
     files = convert(config)
   print(f"wrote {config.load_parameters_path} to {config.hf_output_path} ({len(files)} safetensors file(s), "
         f"Hugging Face {FAMILIES[config.decoder_block].hf_architecture})", file=sys.stderr)

@@ -30,7 +30,7 @@ from absl import logging
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from MaxText import errors, run_control, runtime
+from MaxText import errors, launch, run_control, runtime
 from MaxText.input_pipeline import corpus, token_shards
 from MaxText.input_pipeline import tokenizer as tokenizers
 
@@ -241,7 +241,7 @@ def prepare(config) -> dict:
 
 
 def main(argv):
-  prepare(runtime.config(argv[1:]))
+  prepare(launch.config(argv[1:]))
 
 
 if __name__ == "__main__":

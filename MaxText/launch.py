@@ -1,0 +1,19 @@
+"""A command's config from its argv, with what parsing leaves to the command: the checks and
+set-up that need the machine, done once, before anything is written."""
+
+from MaxText import auto, checkpointing, pyconfig, sharding
+from MaxText.errors import ConfigError
+
+
+def config(argv, plans: bool = False) -> pyconfig.Config:
+  """pyconfig.parse(argv), then: load_parameters_path's checksums (before anything is written),
+  jax.distributed (before JAX lists its devices), the devices, and `auto` values, which only the
+  commands that plan (`plans`: train, train_compile) resolve."""
+  values, auto_keys = pyconfig.parse(argv)
+  if auto_keys and not plans:
+    raise ConfigError(f"{auto_keys[0]}=auto: only train and train_compile choose it (the planner); give a value")
+  if values["load_parameters_path"]:
+    checkpointing.check_verified(values["load_parameters_path"], values["trust_unverified_checkpoints"])
+  if not values["compile_topology"]:
+    sharding.initialize_distributed(values)
+  return auto.resolve(pyconfig.for_devices(values), auto_keys)
