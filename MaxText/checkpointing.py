@@ -100,8 +100,10 @@ def write_checksums(step_dir: str, sums: dict) -> None:
 
 
 def _step_dir(path: str) -> str:
-  """The step directory of checkpoint `path` (a step directory or its parameters item)."""
-  return os.path.dirname(os.path.abspath(parameters_item(path)))
+  """The step directory of checkpoint `path` (a step directory or its parameters item); named
+  by the path alone, so that a step whose parameters item is missing is still that step."""
+  path = os.path.abspath(path)
+  return os.path.dirname(path) if os.path.basename(path) == "state" else path
 
 
 def recorded_checksums(path: str) -> dict | None:

@@ -209,10 +209,14 @@ def test_a_save_killed_midway_is_never_restored(tmp_path, reference, text_cache)
 
 def damage(step_dir, how):
   """Overwrites every array file with garbage, flips a byte in each data file (every array
-  unreadable, the metadata intact), or flips one bit in the largest one: what tensorstore
-  restores without a word."""
+  unreadable, the metadata intact), flips one bit in the largest one (what tensorstore restores
+  without a word), or removes the parameters item, leaving nothing or a file in its place."""
   files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.name != "_CHECKPOINT_METADATA"]
-  if how == "garbage":
+  if how in ("no state", "state a file"):
+    shutil.rmtree(step_dir / "state")
+    if how == "state a file":
+      (step_dir / "state").write_text("garbage")
+  elif how == "garbage":
     for path in files:
       path.write_bytes(b"garbage")
   elif how == "unreadable data":
@@ -260,7 +264,8 @@ def test_reads_that_fail_after_orbax_closed_its_event_loop_print_no_traceback(ca
 
 
 @pytest.mark.parametrize("how, why", [("garbage", "cannot be restored"), ("unreadable data", "cannot be restored"),
-                                      ("flipped bit", "differ from their checksums")])
+                                      ("flipped bit", "differ from their checksums"),
+                                      ("no state", "cannot be restored"), ("state a file", "cannot be restored")])
 def test_a_damaged_checkpoint_is_set_aside_whole_and_the_run_resumes_from_the_one_before(
     tmp_path, reference, text_cache, how, why):
   run = tmp_path / "ref"
