@@ -13,6 +13,7 @@ import yaml
 from absl import logging
 from jax.experimental import multihost_utils
 
+from MaxText import config_schema
 from MaxText.errors import ConfigError, UserError
 from MaxText.input_pipeline import tokenizer as tokenizers
 
@@ -187,11 +188,33 @@ def _write_atomic(path: str, text: str) -> None:
   os.replace(tmp, path)
 
 
+def check_resume(config, tokenizer, trained: bool) -> None:
+  """ConfigError, with nothing written, for a start of an existing run that would change what it
+  trained: a model key (`trained`: the run has checkpoints, which hold that model), or the
+  tokenizer (its token ids would mean other text to the trained model). Call under run_lock."""
+  path = os.path.join(config.run_dir, "config.yml")
+  if trained and os.path.exists(path):
+    with open(path) as f:
+      before = yaml.safe_load(f) or {}
+    for key in config_schema.fields("model"):
+      if key in before and before[key] != getattr(config, key):
+        raise ConfigError(f"{key}={getattr(config, key)!r}: run {config.run_dir} was trained with {key}="
+                          f"{before[key]!r}, and a resume keeps its model; drop the key, or start a new run_name "
+                          f"(load_parameters_path=<a checkpoint step of this run> starts it from these parameters)")
+  path = os.path.join(config.run_dir, "tokenizer.json")
+  if tokenizer is not None and os.path.exists(path) and tokenizers.read(
+      path, f"{path}, the tokenizer run {config.run_dir} trained with (restore it, or use a new run_name)"
+  ).to_str() != tokenizer.to_str():
+    raise ConfigError(f"dataset_path, tokenizer_type, tokenizer_path, vocab_size, grain_train_files: they give a "
+                      f"tokenizer other than the one run {config.run_dir} trained with ({path}); use the run's flags, "
+                      "or a new run_name")
+
+
 def record_run_files(config, tokenizer) -> None:
-  """Writes run_dir/config.yml (the resolved config of this start) and, for text data, keeps
-  run_dir/tokenizer.json: written by the run's first start, and afterwards the tokenizer every
-  start and `decode` must use. A resume whose flags give another tokenizer is refused: its
-  token ids would mean other text to the trained model. Process 0 only; call under run_lock."""
+  """Writes run_dir/config.yml (the resolved config of this start) and, at the run's first start
+  with text data, run_dir/tokenizer.json, the tokenizer every start and `decode` must use. Only
+  after a start check_resume accepted and whose state was restored or created: a refused start
+  leaves the run as it was. Process 0 only; call under run_lock."""
   if jax.process_index() != 0:
     return
   path = os.path.join(config.run_dir, "config.yml")
@@ -203,16 +226,9 @@ def record_run_files(config, tokenizer) -> None:
                       "here on are not those of an uninterrupted run", config.run_dir, before,
                       config.global_batch_size_to_train_on)
   _write_atomic(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
-  if tokenizer is None:
-    return
   path = os.path.join(config.run_dir, "tokenizer.json")
-  if not os.path.exists(path):
+  if tokenizer is not None and not os.path.exists(path):
     _write_atomic(path, tokenizer.to_str())
-  elif tokenizers.read(path, f"{path}, the tokenizer run {config.run_dir} trained with (restore it, or use "
-                       "a new run_name)").to_str() != tokenizer.to_str():
-    raise ConfigError(f"dataset_path, tokenizer_type, tokenizer_path, vocab_size, grain_train_files: they give a "
-                      f"tokenizer other than the one run {config.run_dir} trained with ({path}); use the run's flags, "
-                      "or a new run_name")
 
 
 @contextlib.contextmanager

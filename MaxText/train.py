@@ -72,12 +72,13 @@ def train(config) -> None:
   trainer = train_step.build(config, mesh)
   compiled, stats = _compile_to_fit(trainer, config)
   with run_control.run_lock(config.run_dir):
-    run_control.record_run_files(config, data.tokenizer)
+    run_control.check_resume(config, data.tokenizer, trained=checkpointing.latest_checkpoint(config) is not None)
     manager = checkpointing.create_manager(config)
     logging.info("train step memory per device:\n%s", costs.format_memory_stats(stats))
     try:
       with sharding.activate(mesh, config):
         state, train_iterator = initial_state(trainer, config, manager, data)
+      run_control.record_run_files(config, data.tokenizer)
       # Only the loop stops cleanly on a signal: before it there is nothing to save.
       with run_control.stop_signals() as signals:
         _train_steps(trainer, config, compiled, state, data, train_iterator, manager, signals)

@@ -390,8 +390,10 @@ def test_the_run_keeps_its_config_and_tokenizer_and_a_resume_may_not_change_the_
   assert json.loads((run / "tokenizer.json").read_text())["model"]["type"] == "BPE"
   shutil.copytree(run, tmp_path / "ref")
   before = tree_digest(tmp_path / "ref" / "checkpoints")
+  config_yml = (tmp_path / "ref" / "config.yml").read_text()
   result, _ = train(tmp_path, "ref", text_cache, "steps=14", "learning_rate_schedule_steps=14", "tokenizer_type=byte")
   assert result.returncode == 2 and "tokenizer other than the one run" in result.stderr
+  assert (tmp_path / "ref" / "config.yml").read_text() == config_yml
   assert len(result.stderr.strip().splitlines()) == 1
   assert tree_digest(tmp_path / "ref" / "checkpoints") == before
 
@@ -436,17 +438,18 @@ def test_a_checkpoint_without_checksums_is_refused_unless_trusted(tmp_path, refe
   assert trusted.returncode == 0 and "restored unverified" in trusted.stderr, trusted.stderr[-3000:]
 
 
-def test_a_resume_with_other_model_keys_is_one_line_naming_the_parameter_and_moves_nothing(tmp_path, reference,
-                                                                                           text_cache):
+@pytest.mark.parametrize("key, value, trained", [("base_emb_dim", 64, 32),  # other shapes
+                                                 ("rope_max_timescale", 500000, 10000)])  # the same shapes
+def test_a_resume_with_other_model_keys_is_one_line_naming_the_key_and_changes_nothing(tmp_path, reference, text_cache,
+                                                                                       key, value, trained):
   run = tmp_path / "ref"
   shutil.copytree(reference[0] / "ref", run)
-  before = tree_digest(run / "checkpoints")
-  result, _ = train(tmp_path, "ref", text_cache, "steps=14", "learning_rate_schedule_steps=14", "base_emb_dim=64")
+  before = tree_digest(run)
+  result, _ = train(tmp_path, "ref", text_cache, "steps=14", "learning_rate_schedule_steps=14", f"{key}={value}")
   lines = result.stderr.strip().splitlines()
   assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-  assert lines[-1].startswith(f"config error: checkpoint {run / 'checkpoints' / '12'}: parameter ") and \
-      "has shape" in lines[-1] and "(64,)" in lines[-1]
-  assert tree_digest(run / "checkpoints") == before and not (run / "damaged_checkpoints").exists()
+  assert lines[-1].startswith(f"config error: {key}={value}: run {run} was trained with {key}={trained},"), lines[-1]
+  assert tree_digest(run) == before  # config.yml included: a later load_parameters_path still reads the run's model
 
 
 def test_decode_skips_a_stray_step_directory_and_refuses_destroyed_parameters(tmp_path, reference, text_cache):
@@ -483,7 +486,7 @@ def test_a_garbage_run_tokenizer_is_one_line_for_train_and_decode(tmp_path, refe
   config = pyconfig.initialize([BASE_YML, *RUN, text_cache, f"base_output_directory={tmp_path}", "run_name=ref"])
   message = re.escape(f"{run / 'tokenizer.json'}, the tokenizer ") + ".*cannot load a tokenizer.json"
   with pytest.raises(errors.ConfigError, match=message):
-    run_control.record_run_files(config, tokenizer.byte_tokenizer())
+    run_control.check_resume(config, tokenizer.byte_tokenizer(), trained=True)
   with pytest.raises(errors.ConfigError, match=message):
     decode.generate(config)
   assert (run / "tokenizer.json").read_text() == "{not a tokenizer"
