@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -288,6 +289,39 @@ def test_one_writer_at_a_time_and_a_prepared_corpus_is_replaced_only_when_asked(
   assert sorted(p.name for p in out.glob("train-*")) == sorted(
       n for i in range(2) for n in (token_shards.shard_name("train", i, 2), f"train-{i:05d}-of-00002.offsets"))
   assert (out / "notes.txt").read_text() == "mine" and not (out / ".lock").exists()
+
+
+@pytest.mark.parametrize("manifest, message", [
+    ({"tokenizer": "../victim.txt", "splits": {}}, "lists '../victim.txt', not a file name in output_path"),
+    ("garbage", "does not say which files the corpus is"),
+    ({"splits": {"train": {"shards": []}}}, "does not say which files the corpus is .KeyError: 'tokenizer'"),
+])
+def test_a_manifest_that_names_other_files_or_none_is_refused_before_any_work(prepared, tmp_path, manifest, message):
+  """overwrite_output_path=true removes only plain file names the manifest lists, and reads the
+  manifest before tokenizing anything: a manifest pointing outside output_path, or one that is not
+  a manifest, is one line, with every file where it was and no staging directory left."""
+  out = tmp_path / "shards"
+  shutil.copytree(prepared[0].output_path, out)
+  (tmp_path / "victim.txt").write_text("mine")
+  (out / token_shards.MANIFEST).write_text(manifest if isinstance(manifest, str) else json.dumps(manifest))
+  before = sorted((p.name, p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file())
+  with pytest.raises(ConfigError, match=f"output_path=.*{message}"):
+    prepare(tmp_path, prepared[0].dataset_path, "overwrite_output_path=true")
+  assert sorted((p.name, p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file()) == before
+  assert not list(out.glob(".prepare_data-*"))
+
+
+def test_a_users_file_of_a_shards_name_is_replaced_only_when_asked(prepared, tmp_path):
+  out = tmp_path / "shards"
+  out.mkdir()
+  mine = out / token_shards.shard_name("train", 0, TRAIN_SHARDS)
+  mine.write_text("mine")
+  with pytest.raises(ConfigError, match=f"holds {mine.name}, which this preparation writes, and no manifest.json"):
+    prepare(tmp_path, prepared[0].dataset_path)
+  assert mine.read_text() == "mine" and sorted(p.name for p in out.iterdir()) == [mine.name]
+  _, manifest = prepare(tmp_path, prepared[0].dataset_path, "overwrite_output_path=true")
+  assert manifest["splits"] == prepared[1]["splits"]
+  assert mine.read_bytes() == (Path(prepared[0].output_path) / mine.name).read_bytes()
 
 
 def test_a_killed_writers_leftovers_are_removed_and_paths_in_the_way_are_one_line(prepared, tmp_path):

@@ -39,27 +39,63 @@ _CHUNK_BYTES = 1 << 20
 _LOGGED_BAD = 5  # bad records logged one by one; the rest only counted
 
 
-def check_output_path(config) -> None:
+def check_output_path(config) -> list | None:
+  """The files of the prepared corpus output_path holds, which overwrite_output_path=true lets
+  this preparation replace (None: it holds none). Before any work, a ConfigError for a corpus
+  not to be replaced, a manifest that cannot say what it consists of, or a file of the user's
+  that this preparation would write over."""
   if not config.output_path:
     raise errors.ConfigError("output_path='': give the directory to write the shards to")
   run_control.check_writable("output_path", config.output_path)
-  if os.path.exists(os.path.join(config.output_path, token_shards.MANIFEST)) and not config.overwrite_output_path:
+  listed = _prepared_files(config.output_path)
+  if listed is not None and not config.overwrite_output_path:
     raise errors.ConfigError(f"output_path={config.output_path!r}: already holds a prepared corpus "
                              f"({token_shards.MANIFEST}); choose another directory, or set "
                              "overwrite_output_path=true to replace it")
+  if listed is None and not config.overwrite_output_path:
+    shards = [token_shards.shard_name(split, i, count) for split, count in
+              (("train", config.num_train_shards), ("eval", config.num_eval_shards)) for i in range(count)]
+    clash = [name for name in (token_shards.TOKENIZER, *shards, *map(token_shards.offsets_path, shards))
+             if os.path.lexists(os.path.join(config.output_path, name))]
+    if clash:
+      raise errors.ConfigError(f"output_path={config.output_path!r}: holds {clash[0]}, which this preparation "
+                               f"writes, and no {token_shards.MANIFEST}; move it, or set overwrite_output_path=true "
+                               "to replace it")
+  return listed
 
 
-def _remove_prepared(directory: str) -> None:
-  """The prepared corpus in `directory`: its manifest first (the directory is then no corpus),
-  then the files it lists; nothing else there is touched."""
+def _prepared_files(directory: str) -> list | None:
+  """The files `directory`'s manifest lists (None without one), each a plain file name in it:
+  a manifest naming anything else (`../x`, a path) or not a manifest at all is a ConfigError,
+  for nothing is to be removed on its word."""
   path = os.path.join(directory, token_shards.MANIFEST)
-  if not os.path.exists(path):
+  if not os.path.lexists(path):
+    return None
+  try:
+    with open(path) as f:
+      manifest = json.load(f)
+    shards = [s["file"] for split in manifest["splits"].values() for s in split["shards"]]
+    names = [manifest["tokenizer"], *shards, *map(token_shards.offsets_path, shards)]
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise errors.ConfigError(f"output_path={directory!r}: {token_shards.MANIFEST} does not say which files the "
+                             f"corpus is ({type(e).__name__}: {errors.first_line(e)}); nothing was touched: remove "
+                             "the corpus yourself, or choose another directory") from None
+  odd = [name for name in names if not isinstance(name, str) or name in ("", ".", "..")
+         or os.path.basename(name) != name]
+  if odd:
+    raise errors.ConfigError(f"output_path={directory!r}: {token_shards.MANIFEST} lists {odd[0]!r}, not a file "
+                             "name in output_path; nothing was touched: remove the corpus yourself, or choose "
+                             "another directory")
+  return names
+
+
+def _remove_prepared(directory: str, names: list | None) -> None:
+  """The prepared corpus in `directory`: its manifest first (the directory is then no corpus),
+  then the files it listed (`names`, from check_output_path); nothing else there is touched."""
+  if names is None:
     return
-  with open(path) as f:
-    manifest = json.load(f)
-  os.remove(path)
-  shards = [s["file"] for split in manifest["splits"].values() for s in split["shards"]]
-  for name in [manifest["tokenizer"], *shards, *map(token_shards.offsets_path, shards)]:
+  os.remove(os.path.join(directory, token_shards.MANIFEST))
+  for name in names:
     with contextlib.suppress(FileNotFoundError):
       os.remove(os.path.join(directory, name))
 
@@ -207,7 +243,7 @@ def prepare(config) -> dict:
   created = not os.path.exists(config.output_path)
   # One writer at a time: a second one would replace the first's files with its own.
   with run_control.run_lock(config.output_path, "output_path", "prepared"), run_control.signals_raise():
-    check_output_path(config)  # again, holding the lock: the writer that held it may have finished
+    listed = check_output_path(config)  # again, holding the lock: the writer that held it may have finished
     partial = run_control.staging_dir(config.output_path, "prepare_data")
     bad = BadRecords(config.strict_data)
     start = time.perf_counter()
@@ -220,7 +256,7 @@ def prepare(config) -> dict:
       shutil.rmtree(config.output_path if created else partial)
       raise
     seconds = time.perf_counter() - start
-    _remove_prepared(config.output_path)  # overwrite_output_path=true
+    _remove_prepared(config.output_path, listed)  # overwrite_output_path=true
     for name in sorted(os.listdir(partial)):
       os.replace(os.path.join(partial, name), os.path.join(config.output_path, name))
     os.rmdir(partial)
