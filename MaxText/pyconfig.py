@@ -22,6 +22,7 @@ from absl import logging
 from MaxText import config_schema, remat, sharding
 from MaxText.errors import ConfigError, first_line
 from MaxText.families import FAMILIES
+from MaxText.layers import moe
 from MaxText.layers.attentions import FLASH_KERNELS
 from MaxText.layers.context_parallel import SHARD_KERNELS
 
@@ -221,6 +222,10 @@ def _validate(v: dict) -> None:
   # gathered inside the MoE's shard_map, saved nothing measurable (docs/design/moe.md).
   _require(v["mlp_chunks"] == 1 or not FAMILIES[v["decoder_block"]].moe, "mlp_chunks",
            f"must be 1 for a mixture of experts (decoder_block={v['decoder_block']})", v)
+  if FAMILIES[v["decoder_block"]].moe and v["capacity_factor"] is not None:
+    slots = moe.capacity(v["max_target_length"], v["num_experts_per_tok"], v["num_experts"], v["capacity_factor"])
+    _require(slots >= 1, "capacity_factor", f"gives each expert {slots} slots per sequence of "
+             f"max_target_length={v['max_target_length']} tokens: at least 1 is needed", v)
   _require(v["expert_exchange"] != "all_to_all" or v["capacity_factor"] is None, "expert_exchange",
            f"all_to_all needs dropless routing (capacity_factor null, not {v['capacity_factor']})", v)
   _require(v["learning_rate_schedule_steps"] is None or v["learning_rate_schedule_steps"] >= v["steps"],

@@ -171,6 +171,7 @@ def test_model_flops_count_active_parameters_only():
     ("capacity_factor=-0.5", "capacity_factor=-0.5: must be > 0 .* or null"),
     ("capacity_factor=0", "capacity_factor=0.0: must be > 0 .* or null"),
     ("capacity_factor=null", None),
+    ("capacity_factor=0.1", "capacity_factor=0.1: gives each expert 0 slots per sequence of max_target_length=16"),
     ("expert_exchange=ring", "expert_exchange=ring: must be one of auto, all_gather, all_to_all"),
     ("capacity_factor=1.25 expert_exchange=all_to_all", "expert_exchange='all_to_all': all_to_all needs dropless"),
 ])
