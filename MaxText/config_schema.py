@@ -543,12 +543,13 @@ class Mesh:
 
   @staticmethod
   def axis_rules(rules: list) -> list:
-    """The rules checked, each as [name, list of mesh axes]: a rule may give one axis, or null for none."""
+    """The rules checked, each as [name, list of mesh axes]: a rule may give one axis, or null for none
+    (a config file's null arrives as text)."""
     normalised = []
     for rule in rules:
       ok = isinstance(rule, list) and len(rule) == 2 and isinstance(rule[0], str)
       if ok:
-        axes = rule[1] if isinstance(rule[1], list) else [] if rule[1] is None else [rule[1]]
+        axes = rule[1] if isinstance(rule[1], list) else [] if rule[1] in (None, "null", "~") else [rule[1]]
         ok = all(a in sharding.MESH_AXES for a in axes) and len(set(axes)) == len(axes)
       if not ok:
         raise ConfigError(f"logical_axis_rules: bad rule {rule!r}; each rule is "

@@ -37,6 +37,7 @@ AUTO_KEYS = tuple(k for k, kind in _TYPES.items() if config_schema.takes_auto(ki
 # Keys that are gone, -> what replaces them: the one sequence-sharding axis is `context`.
 RENAMED_KEYS = {"ici_sequence_parallelism": "ici_context_parallelism",
                 "dcn_sequence_parallelism": "dcn_context_parallelism"}
+MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "models")
 # Keys holding paths, which must be local.
 _PATHS = ("base_output_directory", "dataset_cache_dir", "metrics_file", "memory_stats_file", "dataset_path",
           "tokenizer_path", "load_parameters_path", "output_path", "grain_train_files", "grain_eval_files",
@@ -73,12 +74,15 @@ def defaults() -> dict:
           for s in config_schema.SECTIONS for f in dataclasses.fields(s)}
 
 
-def load_yaml(path: str) -> dict:
+def load_yaml(path: str, loader=yaml.BaseLoader) -> dict:
+  """The mapping in YAML file `path`, its scalars as text by default: a config file's values are
+  then typed by the one rule that types the command line's (`scan_layers: yes` is no bool there
+  either, `run_name: 2024` a name)."""
   if not os.path.isfile(path):
     raise ConfigError(f"config file {path!r} does not exist")
   try:
     with open(path) as f:
-      values = yaml.safe_load(f) or {}
+      values = yaml.load(f, loader) or {}
   except yaml.YAMLError as e:
     raise ConfigError(f"config file {path!r} is not valid YAML: {first_line(e)}") from None
   if not isinstance(values, dict):
@@ -117,7 +121,7 @@ def _as(value, kind):
         pass
     raise ValueError
   if kind is type(None):
-    if value is None or (isinstance(value, str) and value.lower() in ("", "null", "none", "~")):
+    if value is None or (isinstance(value, str) and value in ("", "null", "Null", "NULL", "none", "None", "~")):
       return None
   elif typing.get_origin(kind) is typing.Literal:
     if value in typing.get_args(kind):
@@ -329,9 +333,13 @@ def parse(argv: Sequence[str]) -> tuple[dict, tuple]:
     overrides[key] = raw
   model_name = _coerce("model_name", overrides.get("model_name", values["model_name"]))
   if model_name != "default":
-    model_path = os.path.join(os.path.dirname(os.path.abspath(config_path)), "models", f"{model_name}.yml")
-    if not os.path.isfile(model_path):
-      raise ConfigError(f"model_name={model_name!r}: no file {model_path}")
+    # Beside the config file, as in configs/, else the project's: a user's config elsewhere
+    # (starting `base_config: .../base.yml`) still names the shipped models.
+    candidates = [os.path.join(os.path.dirname(os.path.abspath(config_path)), "models", f"{model_name}.yml"),
+                  os.path.join(MODELS_DIR, f"{model_name}.yml")]
+    model_path = next((p for p in candidates if os.path.isfile(p)), None)
+    if model_path is None:
+      raise ConfigError(f"model_name={model_name!r}: no file {' or '.join(dict.fromkeys(candidates))}")
     _merge(values, load_yaml(model_path), model_path)
   saved = saved_model_keys(_coerce("load_parameters_path", overrides.get("load_parameters_path",
                                                                           values["load_parameters_path"])))

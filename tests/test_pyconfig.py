@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from conftest import BASE_YML, ROOT, TINY, run_cli, tiny_config
 
 from MaxText import config_reference, config_schema, errors, launch, pyconfig, sharding
@@ -200,6 +201,24 @@ def test_a_config_files_values_are_typed_like_the_command_line(tmp_path, edit, m
     pyconfig.initialize([str(path)], num_devices=1)
 
 
+def test_a_config_file_and_the_command_line_type_a_value_by_one_rule(tmp_path):
+  """YAML 1.1 would read `yes` as a bool and `2024` as a number; the config is typed as the
+  command line is, and a user's config outside configs/ names the project's model files."""
+  path = tmp_path / "mine.yml"
+  path.write_text(f"base_config: {BASE_YML}\nrun_name: 2024\nmodel_name: llama2-7b\n"
+                  'logical_axis_rules: [["vocab", null]]\n')
+  from_file = pyconfig.initialize([str(path), "dataset_type=synthetic"], num_devices=1)
+  from_cli = pyconfig.initialize([BASE_YML, "dataset_type=synthetic", "run_name=2024", "model_name=llama2-7b",
+                                  'logical_axis_rules=[["vocab", null]]'], num_devices=1)
+  assert from_file.to_dict() == from_cli.to_dict() and from_file.run_name == "2024"
+  assert from_file.base_emb_dim == 4096 and from_file.logical_axis_rules == (("vocab", ()),)
+  path.write_text(f"base_config: {BASE_YML}\nscan_layers: yes\n")
+  with pytest.raises(errors.ConfigError, match=re.escape("scan_layers=yes: must be a bool (true/false)")):
+    pyconfig.initialize([str(path)], num_devices=1)
+  with pytest.raises(errors.ConfigError, match=re.escape("scan_layers=yes: must be a bool (true/false)")):
+    pyconfig.initialize([BASE_YML, "scan_layers=yes"], num_devices=1)
+
+
 @pytest.mark.parametrize("text", ["", "steps: 5\n"], ids=["empty", "partial"])
 def test_a_config_file_without_every_key_says_so_and_base_config_fills_them(tmp_path, text):
   path = tmp_path / "mine.yml"
@@ -229,7 +248,7 @@ def test_base_yml_and_the_config_reference_are_what_the_schema_writes():
   assert open(BASE_YML).read() == config_reference.base_yml(), "configs/base.yml is stale"
   assert (ROOT / "docs" / "reference" / "config.md").read_text() == config_reference.markdown(), \
       "docs/reference/config.md is stale"
-  assert pyconfig.load_yaml(BASE_YML) == pyconfig.defaults()
+  assert pyconfig.load_yaml(BASE_YML, yaml.SafeLoader) == pyconfig.defaults()
   keys = [f for s in config_schema.SECTIONS for f in dataclasses.fields(s)]
   assert len({f.name for f in keys}) == len(keys)
   assert [f.name for f in keys if not f.metadata["help"]] == []
