@@ -13,13 +13,20 @@ rates are measured once at start-up).
 
 The search walks, for each context setting x remat_policy x mlp_chunks x attention_head_chunks x
 gradient_accumulation_steps, up plan_remat_layer_intervals, and at each interval up the
-plan_per_device_batch_sizes ladder; at each batch size, up plan_num_vocab_tiling until the step
-fits or one more tile count saves less than 1% (the layers, not the loss head, set the peak from
-there). Memory grows with the batch and the interval, so a batch starts from the tiles that fit
-the batch below it and the same batch at the interval below, a batch that fits at no tile count
-ends the ladder, and an interval tries no batch that did not fit at the interval below. Policies
-that keep the same tensors where they count are compiled once (on CPU, where host memory is device
-memory, an offloaded policy equals the one that keeps those tensors). Settings are compiled in
+plan_per_device_batch_sizes ladder; at each batch size it compiles the fewest tile counts of
+plan_num_vocab_tiling that could fit, one more, then the most: when those do not fit, the
+ladder ends; when they do, the fewest that fit are found by bisection. Memory grows with the
+batch, the interval and the tensors a policy keeps, and falls with the tile count, so a batch
+starts from the tiles that fit the batch below it and the same batch at the interval below, an
+interval tries no batch that did not fit at the interval below, and a candidate that needs no
+less memory than one that did not fit, in any setting, is not compiled. Nor is one that cannot
+be faster than the fastest that fits so far: its traced FLOPs and matmul bytes, with XLA's bytes
+of a compiled neighbour that accesses no more, bound its roofline time from below, and a
+batch's candidates are skipped together when that bound is too slow for all of them. Policies
+that keep the same tensors where they count are compiled once (on CPU, where host memory is
+device memory, an offloaded policy equals the one that keeps those tensors), and on CPU the
+compiles skip LLVM's optimization of the code, which changes neither the memory nor XLA's cost
+analysis. The settings' searches run side by side, sharing what they learn, their compiles in
 parallel processes (plan_workers) when the devices are simulated CPUs or a compile_topology. It
 prints every compile, the Pareto front of memory vs predicted tokens/s as Markdown and the fastest
 candidate that fits as a `python -m MaxText.train` line, and writes
@@ -29,7 +36,9 @@ plan_max_target_lengths, ascending, until one has no candidate that fits. MaxTex
 same search for `auto` keys at the start of train and train_compile. """
 
 import concurrent.futures
+import contextlib
 import functools
+import heapq
 import multiprocessing
 import os
 import time
@@ -54,9 +63,6 @@ SEARCH_KEYS = {
 # Left of a device's memory for what the compiled step does not count: the runtime,
 # fragmentation, the next input batch.
 MARGIN = 0.1
-# One more tile count saving less than this fraction of the step's memory: the head no longer
-# sets the peak, and more tiles only add loop iterations.
-TILE_GAIN = 0.01
 def _key(arg: str) -> str:
   return arg.partition("=")[0]
 
@@ -129,14 +135,47 @@ def search_space(config, free) -> dict:
   return space
 
 
-def evaluate(base, settings: dict, rates: tuple) -> dict:
+@contextlib.contextmanager
+def _without_code_optimization(platform: str):
+  """On CPU, the planner's compiles skip LLVM's optimization of the generated code: buffer
+  assignment (memory_analysis) and the HLO cost analysis come before it and are the same, in
+  about half the compile time. The flag is the process's, so it is set around one compile."""
+  if platform != "cpu" or jax.config.read("jax_disable_most_optimizations"):
+    yield
+    return
+  jax.config.update("jax_disable_most_optimizations", True)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", False)
+
+
+def _speed(tokens: float, flops: float, hbm_bytes: float, rates: tuple) -> float:
+  """Tokens/s of one device by the roofline, from its tokens, FLOPs and HBM bytes per step."""
+  peak, bandwidth, _ = rates
+  return tokens / max(flops / peak, hbm_bytes / bandwidth)
+
+
+def evaluate(base, settings: dict, rates: tuple, floor: float = 0.0, bytes_floor: float = 0.0) -> dict:
   """One candidate: the config `base` with `settings` (pyconfig.replace), compiled; its memory
-  and predicted speed, or why not."""
+  and predicted speed, or why not. Not compiled ("pruned") when the traced step bounds its speed
+  below `floor` tokens/s/chip: the roofline's bytes are XLA's (at least `bytes_floor`) plus the
+  matmuls', so the FLOPs and the matmuls' bytes give a step time it cannot beat."""
   record = {"settings": settings}
   try:
     config = pyconfig.replace(base, settings)
     trainer = train_step.build(config, sharding.create_mesh(config))
-    compiled = train_step.compile_train_step(trainer, config)
+    jaxpr = train_step.trace_train_step(trainer, config).jaxpr
+    flops = costs.flops_report(config, jaxpr)
+    model_flops, step_flops = flops["model_flops_per_step"], flops["traced_flops_per_step"]
+    tokens = config.global_batch_size_to_train_on * config.max_target_length
+    per_device = (tokens / config.num_devices, step_flops / config.num_devices)
+    matmul_bytes = costs.matmul_bytes(jaxpr) / config.num_devices
+    most = _speed(*per_device, matmul_bytes + bytes_floor, rates)
+    if most < floor:
+      return {**record, "status": "pruned", "reason": f"at most {most:,.0f} tokens/s/chip"}
+    with _without_code_optimization(config.platform):
+      compiled = train_step.compile_train_step(trainer, config)
   except errors.ConfigError as e:
     return {**record, "status": "invalid", "reason": str(e)}
   except errors.UserError as e:  # the TPU compiler refuses a step larger than HBM
@@ -145,22 +184,17 @@ def evaluate(base, settings: dict, rates: tuple) -> dict:
     return {**record, "status": "failed", "reason": f"{type(e).__name__}: {errors.first_line(e)}"}
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
-  jaxpr = train_step.trace_train_step(trainer, config).jaxpr
-  flops = costs.flops_report(config, jaxpr)
-  model_flops, step_flops = flops["model_flops_per_step"], flops["traced_flops_per_step"]
-  per_device = step_flops / config.num_devices
   # XLA's bytes count a loop body (scanned layers, vocabulary tiles) once; the matmuls' operand
-  # and result bytes at their trip counts are added (so a loop body's matmuls count once more).
-  hbm_bytes = cost.get("bytes accessed", 0.0) + costs.matmul_bytes(jaxpr) / config.num_devices
+  # and result bytes at their loop trip counts are added (so a loop body's matmuls count once more).
+  hbm_bytes = cost.get("bytes accessed", 0.0) + matmul_bytes
   peak, bandwidth, _ = rates
-  compute_s, memory_s = per_device / peak, hbm_bytes / bandwidth
+  compute_s, memory_s = per_device[1] / peak, hbm_bytes / bandwidth
   seconds = max(compute_s, memory_s)
-  tokens = config.global_batch_size_to_train_on * config.max_target_length
   return {**record, "status": "ok", **costs.memory_stats(compiled), "tokens_per_step": tokens,
           "model_flops_per_step": model_flops, "step_flops_per_step": step_flops,
           "recompute_ratio": step_flops / model_flops, "cost_analysis_flops_per_device": cost.get("flops", 0.0),
           "cost_analysis_bytes_per_device": cost.get("bytes accessed", 0.0),
-          "hbm_bytes_per_device": hbm_bytes, "roofline_seconds": seconds,
+          "matmul_bytes_per_device": matmul_bytes, "hbm_bytes_per_device": hbm_bytes, "roofline_seconds": seconds,
           "bound": "compute" if compute_s >= memory_s else "memory",
           "tokens_per_second_per_chip": tokens / config.num_devices / seconds}
 
@@ -172,44 +206,116 @@ def _line(record: dict) -> str:
           f"{'' if record['fits'] else ' (over budget)'}, {record['tokens_per_second_per_chip']:,.0f} tokens/s/chip")
 
 
-def _chain(base, space: dict, budget: int, rates: tuple, verbose: bool, fixed: dict) -> list:
-  """One setting's candidates (see the module doc): for each remat_layer_interval, ascending,
-  the batch ladder, and at each batch the tile ladder from the fewest tiles that could fit.
-  Memory grows with the batch and with the interval (fewer layers checkpointed), so a batch
-  needs at least the tiles that fit the batch below it and the same batch at the interval
-  below, and an interval tries no batch that did not fit at the interval below."""
-  records, tiles, below = [], space["num_vocab_tiling"], None  # below: {batch: tile index that fit}
+# The search keys along which memory is ordered (see _Known); candidates are compared on them
+# only when every other setting is the same.
+_ORDERED = ("remat_policy", "remat_layer_interval", "per_device_batch_size", "num_vocab_tiling")
+
+
+class _Known:
+  """What the compiles so far say about candidates not compiled: the fastest fitting one's
+  tokens/s/chip, which cannot fit, and a floor under their XLA bytes. Memory grows with the
+  batch, the interval and the tensors a policy keeps (remat.needs_no_less) and falls with the
+  tile count, so a candidate that did not fit rules out every candidate that needs no less
+  memory, in any setting's chain. XLA's bytes grow with the batch and fall with the tile count
+  (it counts a tile's loop body once), all else the same."""
+
+  def __init__(self, platform: str):
+    self.platform, self.best, self.over, self.sized = platform, 0.0, [], []
+
+  def learn(self, record: dict):
+    if record["fits"]:
+      self.best = max(self.best, record["tokens_per_second_per_chip"])
+    elif record["status"] in ("ok", "does not fit"):
+      self.over.append(record["settings"])
+    if record["status"] == "ok":
+      self.sized.append(record)
+
+  def cannot_fit(self, settings: dict) -> bool:
+    return any(_others(settings) == _others(o)
+               and remat.needs_no_less(settings["remat_policy"], o["remat_policy"], self.platform)
+               and settings["remat_layer_interval"] >= o["remat_layer_interval"]
+               and settings["per_device_batch_size"] >= o["per_device_batch_size"]
+               and settings["num_vocab_tiling"] <= o["num_vocab_tiling"] for o in self.over)
+
+  def bytes_floor(self, settings: dict) -> float:
+    """XLA's bytes per device that the candidate `settings` accesses at least."""
+    same = {k: v for k, v in settings.items() if k not in ("per_device_batch_size", "num_vocab_tiling")}
+    return max((r["cost_analysis_bytes_per_device"] for r in self.sized
+                if same == {k: r["settings"][k] for k in same}
+                and r["settings"]["per_device_batch_size"] <= settings["per_device_batch_size"]
+                and r["settings"]["num_vocab_tiling"] >= settings["num_vocab_tiling"]), default=0.0)
+
+
+def _others(settings: dict) -> dict:
+  return {k: v for k, v in settings.items() if k not in _ORDERED}
+
+
+def _chain(base, space: dict, rates: tuple, known: _Known, fixed: dict):
+  """One setting's candidates (see the module doc), a generator: it yields (the settings to
+  compile next, the floor under its XLA bytes for the speed bound, or None where it is compiled
+  whatever its bound) and is sent each one's record. For each remat_layer_interval, ascending,
+  the batch ladder; at each batch the fewest tiles that could fit first (those that fit the batch
+  below and the same batch at the interval below), then one more tile (where a batch that needs
+  more tiles most often fits), then the most tiles: when those do not fit, no larger batch does;
+  when they do, the fewest that fit lie between, found by bisection. The speed bound skips the
+  rest of a batch: no tile count between has fewer matmul bytes than the fewest compiled, the
+  same FLOPs, nor fewer XLA bytes than the most; only these compiles tell the memory."""
   intervals = space["remat_layer_interval"][:1] if fixed["remat_policy"] == "none" else space["remat_layer_interval"]
+  below = None  # {batch: the index of the fewest tiles that can fit it at the interval below}
   for interval in intervals:
-    fitted, start = {}, 0
+    reached, start = {}, 0
     for batch in space["per_device_batch_size"]:
       if below is not None and batch not in below:
         break
-      sized, previous = False, None
-      for index in range(max(start, (below or {}).get(batch, 0)), len(tiles)):
-        settings = {**fixed, "remat_layer_interval": interval, "per_device_batch_size": batch,
-                    "num_vocab_tiling": tiles[index]}
-        record = evaluate(base, settings, rates)
-        record["fits"] = record["status"] == "ok" and record["total_bytes"] <= budget
-        records.append(record)
-        if verbose:
-          print(_line(record), flush=True)
-        if record["status"] == "invalid":  # larger tile counts are no more valid
+      tiles = _valid_tiles(base, {**fixed, "remat_layer_interval": interval, "per_device_batch_size": batch},
+                           space["num_vocab_tiling"])
+      row = [{**fixed, "remat_layer_interval": interval, "per_device_batch_size": batch, "num_vocab_tiling": t}
+             for t in tiles]
+      low, high = max(start, (below or {}).get(batch, 0)), len(row) - 1
+      record = yield row[low], known.bytes_floor(row[high])
+      if record["status"] in ("pruned", "invalid"):  # a larger batch may be faster, or valid
+        reached[batch] = low
+        continue
+      least = record if record["status"] == "ok" else None
+      if not record["fits"] and low < high:
+        low += 1
+        record = yield row[low], None
+        least = least or (record if record["status"] == "ok" else None)
+      if not record["fits"]:
+        if low == high:
           break
-        sized = True
-        if record["fits"]:
-          fitted[batch] = start = index
+        most = yield row[high], None
+        if not most["fits"]:
           break
-        if record["status"] == "ok":
-          if previous and previous - record["total_bytes"] < TILE_GAIN * previous:
-            break
-          previous = record["total_bytes"]
-      if sized and batch not in fitted:
-        break
-    if not fitted:
+        low += 1
+        if least and most["status"] == "ok" and known.best > _speed(
+            least["tokens_per_step"] / base.num_devices, least["step_flops_per_step"] / base.num_devices,
+            least["matmul_bytes_per_device"] + most["cost_analysis_bytes_per_device"], rates):
+          reached[batch] = low
+          continue
+        while low < high:
+          middle = (low + high) // 2
+          if (yield row[middle], None)["fits"]:
+            high = middle
+          else:
+            low = middle + 1
+      reached[batch] = start = low
+    if not reached:
       break
-    below = fitted
-  return records
+    below = reached
+
+
+def _valid_tiles(base, settings: dict, tiles: list) -> list:
+  """The tile counts the config accepts with `settings` (a count past the tokens is not), or all
+  of them when it accepts none: evaluate() then reports why."""
+  valid = []
+  for t in tiles:
+    try:
+      pyconfig.replace(base, {**settings, "num_vocab_tiling": t})
+      valid.append(t)
+    except errors.ConfigError:
+      pass
+  return valid or tiles
 
 
 def candidate_bound(space: dict) -> tuple[int, int]:
@@ -238,17 +344,51 @@ def _settings(space: dict, fixed: dict | None = None) -> list:
 def search(base, space: dict, budget: int, rates: tuple, workers: int, verbose: bool = False,
            fixed: dict | None = None) -> list:
   """Every candidate the pruned search compiled from the config `base`, as evaluate() records
-  with `fits`; `fixed` settings go into every candidate's."""
-  chains = _settings(space, fixed)
-  run = functools.partial(_chain, base, space, budget, rates, verbose)
-  if workers > 1 and len(chains) > 1:
-    # Separate processes: compiles in one process serialize. spawn, not fork: JAX is running.
-    with concurrent.futures.ProcessPoolExecutor(min(workers, len(chains)),
-                                                mp_context=multiprocessing.get_context("spawn")) as pool:
-      results = list(pool.map(run, chains))
-  else:
-    results = list(map(run, chains))
-  return [r for chain in results for r in chain]
+  with `fits`; `fixed` settings go into every candidate's. The settings' chains run side by side,
+  a compile each at a time, sharing what they learn (_Known); those of the policies that keep
+  the least go first, as what does not fit for them does not fit for the others."""
+  known = _Known(base.platform)
+  settings = _settings(space, fixed)
+  policies = space["remat_policy"]
+  settings.sort(key=lambda s: sum(remat.needs_no_less(s["remat_policy"], p, base.platform) for p in policies))
+  ready = []  # (chain index, settings to compile); the lowest index goes first
+  chains = [_chain(base, space, rates, known, s) for s in settings]
+
+  def advance(index, record):
+    try:
+      heapq.heappush(ready, (index, chains[index].send(record)))
+    except StopIteration:
+      pass
+
+  for index in range(len(chains)):
+    advance(index, None)
+  records = []
+  workers = min(workers, len(chains))
+  # Separate processes: compiles in one process serialize. spawn, not fork: JAX is running.
+  pool = (concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+          if workers > 1 else concurrent.futures.ThreadPoolExecutor(1))
+  with pool:
+    running = {}
+    while ready or running:
+      while ready and len(running) < workers:
+        index, (candidate, bytes_floor) = heapq.heappop(ready)
+        if known.cannot_fit(candidate):
+          advance(index, {"settings": candidate, "status": "does not fit", "fits": False})
+        elif bytes_floor is None:
+          running[pool.submit(evaluate, base, candidate, rates)] = index
+        else:
+          running[pool.submit(evaluate, base, candidate, rates, known.best, bytes_floor)] = index
+      done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+      for future in done:
+        record = future.result()
+        record["fits"] = record["status"] == "ok" and record["total_bytes"] <= budget
+        known.learn(record)
+        if record["status"] != "pruned":
+          records.append(record)
+        if verbose:
+          print(_line(record), flush=True)
+        advance(running.pop(future), record)
+  return records
 
 
 def search_longest(base, space: dict, budget: int, rates: tuple, workers: int, lengths: list) -> list:
@@ -360,8 +500,9 @@ def main(argv):
       print(f"not compiled, as they keep what another keeps on {config.platform}: "
             + ", ".join(f"{p} (= {q})" for p, q in equal.items()), flush=True)
   chains, most = candidate_bound(space)
-  print(f"{chains} settings, searched in parallel, at most {most} compiles"
-        + (" per length" if longest else "") + "; each ladder stops at its first fit", flush=True)
+  print(f"{chains} settings, searched in parallel, at most {most} compiles" + (" per length" if longest else "")
+        + "; each batch stops at the fewest tiles that fit, and a compile is skipped when it cannot fit or be faster "
+        "than one compiled", flush=True)
   start = time.perf_counter()
   if longest:
     records = search_longest(config, space, budget, rates, workers, list(config.plan_max_target_lengths))

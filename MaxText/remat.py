@@ -58,19 +58,26 @@ def checkpoint_policy(config):
   return jax.checkpoint_policies.save_only_these_names(*device)
 
 
-def distinct_policies(policies, platform: str) -> tuple[list, dict]:
-  """(the policies that keep different tensors where they count on `platform`, in order; {each
-  other policy: the earlier one it equals}). A checkpoint keeps its input (the layer input)
+def _kept(policy: str, platform: str):
+  """What `policy` keeps where it counts on `platform`: (names on the device, names offloaded),
+  None for `none` (which keeps everything). A checkpoint keeps its input (the layer input)
   whatever a policy names, so naming it on the device changes nothing; on CPU host memory is
   device memory, so an offloaded tensor is a kept one."""
+  if policy == "none":
+    return None
+  device, offload = (frozenset(names) for names in POLICIES[policy])
+  device -= {"decoder_layer_input"}
+  if platform == "cpu":
+    return device | (offload - {"decoder_layer_input"}), frozenset()
+  return device, offload
+
+
+def distinct_policies(policies, platform: str) -> tuple[list, dict]:
+  """(the policies that keep different tensors where they count on `platform`, in order; {each
+  other policy: the earlier one it equals})."""
   kept, equal, seen = [], {}, {}
   for policy in policies:
-    if policy in ("none", "custom"):
-      key = policy
-    else:
-      device, offload = (frozenset(names) for names in POLICIES[policy])
-      device -= {"decoder_layer_input"}
-      key = device | (offload - {"decoder_layer_input"}) if platform == "cpu" else (device, offload)
+    key = policy if policy == "custom" else _kept(policy, platform)
     if key in seen:
       equal[policy] = seen[key]
     else:
@@ -78,3 +85,12 @@ def distinct_policies(policies, platform: str) -> tuple[list, dict]:
       kept.append(policy)
   return kept, equal
 
+
+def needs_no_less(policy: str, other: str, platform: str) -> bool:
+  """Whether `policy`'s step needs at least the device memory of `other`'s, all else equal: it
+  keeps on the device every tensor `other` keeps there and offloads the same ones (an offload
+  moves a tensor off the device, so policies that offload differently are not compared)."""
+  mine, theirs = _kept(policy, platform), _kept(other, platform)
+  if mine is None:
+    return True
+  return theirs is not None and mine[1] == theirs[1] and theirs[0] <= mine[0]
