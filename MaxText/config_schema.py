@@ -338,8 +338,8 @@ class Plan:
   fastest that fits hbm_budget_gib (the choice is kept in the run directory)."""
   hbm_budget_gib: float | None = key(None, "memory a step may use per device; null: the chip's HBM minus 10% (CPU: "
                                            "host memory / devices minus 10%)")
-  plan_num_vocab_tiling: list[int] = key([1, 2, 4, 8, 16, 32], "tile counts tried, ascending, until the step fits or "
-                                                               "a tile count stops saving memory")
+  plan_num_vocab_tiling: list[int] = key([1, 2, 4, 8, 16, 32], "tile counts tried at each batch: the fewest that "
+                                                               "could fit, one more, the most, then bisection")
   plan_remat_policies: list[Literal[tuple(remat.SEARCHABLE_POLICIES)]] = key(
       [], "remat_policy names tried; [] is every name but custom")
   plan_remat_layer_intervals: list[int] = key([1, 2, 4], "remat_layer_interval values tried (those <= "

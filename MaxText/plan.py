@@ -46,7 +46,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from MaxText import accelerators, costs, errors, pyconfig, remat, reports, runtime, sharding, train_step
+from MaxText import accelerators, config_schema, costs, errors, pyconfig, remat, reports, runtime, sharding, train_step
 
 # Search key -> the key listing the values the planner tries, in search order.
 SEARCH_KEYS = {
@@ -110,7 +110,7 @@ def budget_bytes(config, device) -> tuple[int, str]:
     return int(config.hbm_budget_gib * 2**30), f"hbm_budget_gib={config.hbm_budget_gib:g}"
   limit = costs.memory_limit_bytes(device)
   if limit is None:
-    raise errors.ConfigError(f"hbm_budget_gib=0: the memory of a {device.device_kind} is not known here; give "
+    raise errors.ConfigError(f"hbm_budget_gib=null: the memory of a {device.device_kind} is not known here; give "
                       "hbm_budget_gib")
   what = f"host memory / {config.num_devices} devices" if device.platform == "cpu" else f"{device.device_kind} memory"
   return int(limit * (1 - MARGIN)), f"{what} minus {MARGIN:.0%}"
@@ -126,6 +126,9 @@ def search_space(config, free) -> dict:
       values = remat.distinct_policies(values or remat.SEARCHABLE_POLICIES, config.platform)[0]
     if key in ("ici_context_parallelism", "context_parallel_strategy") and not values:
       values = [getattr(config, key)]
+    if key == "ici_context_parallelism" and any(config.num_devices % x for x in values):
+      raise errors.ConfigError(f"plan_context_parallelism={values}: {next(x for x in values if config.num_devices % x)}"
+                               f" does not divide the {config.num_devices} devices")
     if key == "remat_layer_interval":
       values = [i for i in values if i <= config.base_num_decoder_layers]
       if not values:
@@ -327,12 +330,15 @@ def candidate_bound(space: dict) -> tuple[int, int]:
   return settings, settings * per_setting
 
 
-def _settings(space: dict, fixed: dict | None = None) -> list:
+def _settings(space: dict, fixed: dict | None = None, configured: tuple | None = None) -> list:
   """One dict per chain of the search: the context, policy, slicing and accumulation settings
-  (the interval, set along the chain, keeps its place in the candidates' settings)."""
+  (the interval, set along the chain, keeps its place in the candidates' settings). `configured`:
+  the config's (ici_context_parallelism, context_parallel_strategy)."""
   strategies = space["context_parallel_strategy"]
-  # The context keys appear in the candidates' settings (and the train line) only when searched.
-  searched = len(space["ici_context_parallelism"]) > 1 or len(strategies) > 1
+  # The context keys appear in the candidates' settings (and the train line) when searched, or
+  # fixed by a one-value plan_* list to other than the config's.
+  searched = (len(space["ici_context_parallelism"]) > 1 or len(strategies) > 1
+              or (configured is not None and (space["ici_context_parallelism"][0], strategies[0]) != configured))
   contexts = [{"ici_context_parallelism": x, "context_parallel_strategy": s} if searched else {}
               for x in space["ici_context_parallelism"] for s in (strategies if x > 1 else strategies[:1])]
   return [{**(fixed or {}), **context, "remat_policy": p, "remat_layer_interval": None, "mlp_chunks": c,
@@ -348,7 +354,7 @@ def search(base, space: dict, budget: int, rates: tuple, workers: int, verbose: 
   a compile each at a time, sharing what they learn (_Known); those of the policies that keep
   the least go first, as what does not fit for them does not fit for the others."""
   known = _Known(base.platform)
-  settings = _settings(space, fixed)
+  settings = _settings(space, fixed, (base.ici_context_parallelism, base.context_parallel_strategy))
   policies = space["remat_policy"]
   settings.sort(key=lambda s: sum(remat.needs_no_less(s["remat_policy"], p, base.platform) for p in policies))
   ready = []  # (chain index, settings to compile); the lowest index goes first
@@ -510,9 +516,8 @@ def main(argv):
     records = search(config, space, budget, rates, workers, verbose=True)
   seconds = time.perf_counter() - start
   chosen = choose(records, budget, how)
-  drop = set(SEARCH_KEYS) | set(SEARCH_KEYS.values()) | {"hbm_budget_gib", "plan_workers", "compile_topology",
-                                                           "compile_topology_num_slices", "memory_stats_file",
-                                                           "plan_max_target_lengths"}
+  drop = (set(SEARCH_KEYS) | set(config_schema.fields(sections=[config_schema.Plan]))
+          | {"compile_topology", "compile_topology_num_slices", "memory_stats_file"})
   drop |= {"max_target_length"} if longest else set()
   train_line = " ".join(["python -m MaxText.train", args[0], *[a for a in args[1:] if _key(a) not in drop],
                          *_assignments(chosen["settings"])])
