@@ -283,6 +283,12 @@ def retype_tensor(hf, name):
   save_file({**tensors, name: tensors[name].astype(np.int32)}, hf / "model.safetensors")
 
 
+def poison_tensor(hf, name):
+  tensors = load_file(hf / "model.safetensors")
+  tensors[name][0, 0] = np.nan
+  save_file(tensors, hf / "model.safetensors")
+
+
 def split_and_lose_a_shard(hf):
   tensors = load_file(hf / "model.safetensors")
   (hf / "model.safetensors").unlink()
@@ -308,8 +314,13 @@ def split_and_lose_a_shard(hf):
      "tensor model.layers.0.self_attn.q_proj.bias is not part of a LlamaForCausalLM of this shape"),
     (lambda hf: retype_tensor(hf, "model.layers.1.mlp.down_proj.weight"),
      "tensor model.layers.1.mlp.down_proj.weight is I32, expected one of F64, F32, F16, BF16"),
+    (lambda hf: poison_tensor(hf, "model.layers.1.mlp.down_proj.weight"),
+     "tensor model.layers.1.mlp.down_proj.weight holds values that are not finite"),
+    (lambda hf: (hf / "model.safetensors.index.json").write_text("{not json"),
+     "model.safetensors.index.json has no weight_map of tensor names to files (JSONDecodeError"),
+    (lambda hf: (hf / "config.json").write_text("[1, 2]"), "config.json holds a list, not the model's settings"),
 ], ids=["no directory", "no config.json", "no safetensors", "a lost shard", "architecture", "missing tensor",
-        "mis-shaped tensor", "extra tensor", "integer tensor"])
+        "mis-shaped tensor", "extra tensor", "integer tensor", "non-finite tensor", "garbage index", "config a list"])
 def test_a_bad_hugging_face_directory_names_what_is_wrong_and_writes_nothing(tmp_path, damage, message):
   hf = tmp_path / "hf"
   shutil.copytree(ASSETS / "llama", hf)

@@ -267,9 +267,13 @@ def read_config(hf_path: str) -> dict:
                              "directory: config.json and *.safetensors)")
   try:
     with open(path) as f:
-      return json.load(f)
+      config = json.load(f)
   except json.JSONDecodeError as e:
     raise errors.ConfigError(f"hf_model_path={hf_path!r}: config.json is not valid JSON ({e})") from None
+  if not isinstance(config, dict):
+    raise errors.ConfigError(f"hf_model_path={hf_path!r}: config.json holds a {type(config).__name__}, not the "
+                             "model's settings")
+  return config
 
 
 def tensor_index(hf_path: str) -> dict:
@@ -277,8 +281,12 @@ def tensor_index(hf_path: str) -> dict:
   (model.safetensors.index.json) or not, from the files' headers."""
   index = os.path.join(hf_path, "model.safetensors.index.json")
   if os.path.isfile(index):
-    with open(index) as f:
-      files = sorted({os.path.join(hf_path, file) for file in json.load(f)["weight_map"].values()})
+    try:
+      with open(index) as f:
+        files = sorted({os.path.join(hf_path, file) for file in json.load(f)["weight_map"].values()})
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+      raise errors.ConfigError(f"hf_model_path={hf_path!r}: model.safetensors.index.json has no weight_map of "
+                               f"tensor names to files ({type(e).__name__}: {errors.first_line(e)})") from None
     missing = [os.path.basename(file) for file in files if not os.path.isfile(file)]
     if missing:
       raise errors.ConfigError(f"hf_model_path={hf_path!r}: incomplete, model.safetensors.index.json lists "

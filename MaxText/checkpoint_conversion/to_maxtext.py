@@ -48,7 +48,12 @@ def _write(config, tensors: dict, dtype, path: str) -> None:
     running = sums[".params" + "".join(f"[{key!r}]" for key in keys)] = checkpointing.SliceChecksums()
 
     def read(layer, entry=entry, running=running):
-      value = mapping.to_param(config, entry, lambda name: mapping.read_tensor(tensors, name), dtype, layer)
+      names = []
+      value = mapping.to_param(config, entry, lambda name: names.append(name) or mapping.read_tensor(tensors, name),
+                               dtype, layer)
+      if not bool(jnp.isfinite(value).all()):  # training from it would stop at its first step, naming nothing
+        raise errors.ConfigError(f"hf_model_path={config.hf_model_path!r}: tensor {', '.join(names)} holds values "
+                                 "that are not finite (inf or nan)")
       running.add(value)
       return value
 
@@ -72,12 +77,16 @@ def convert(config) -> str:
   dtype = jnp.dtype(config.convert_dtype) if config.convert_dtype else None
   tensors = mapping.tensor_index(config.hf_model_path)
   mapping.check_tensors(config, tensors, config.hf_model_path)
+  new = os.path.dirname(output)  # the outermost directory this conversion makes, if any
+  while not os.path.exists(os.path.dirname(new)):
+    new = os.path.dirname(new)
+  created = not os.path.exists(new)
   os.makedirs(os.path.dirname(output), exist_ok=True)
   staging = run_control.staging_dir(os.path.dirname(output), "to_maxtext")
   try:
     _write(config, tensors, dtype, os.path.join(staging, "0"))
-  except BaseException:
-    shutil.rmtree(staging)
+  except BaseException:  # a tensor found bad while written: nothing of the conversion stays
+    shutil.rmtree(new if created else staging)
     raise
   os.replace(os.path.join(staging, "0"), output)
   os.rmdir(staging)
