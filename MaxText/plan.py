@@ -46,7 +46,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from MaxText import accelerators, config_schema, costs, errors, pyconfig, remat, reports, runtime, sharding, train_step
+from MaxText import accelerators, config_schema, costs, errors, pyconfig, remat, reports, run_control, runtime, sharding, train_step
 
 # Search key -> the key listing the values the planner tries, in search order.
 SEARCH_KEYS = {
@@ -489,6 +489,7 @@ def main(argv):
   longest = given.get("max_target_length") == "auto"  # the question: the longest sequence that fits
   fixed_argv = [a for a in args if _key(a) not in free and not (longest and _key(a) == "max_target_length")]
   config = pyconfig.initialize(fixed_argv)
+  run_control.check_writable("base_output_directory", os.path.join(config.run_dir, "plan"))  # before the compiles
   device = sharding.run_devices(config.compile_topology, config.compile_topology_num_slices)[0]
   budget, how = budget_bytes(config, device)
   rates = roofline_rates(device)

@@ -91,6 +91,13 @@ def test_plan_exits_2_naming_the_smallest_when_the_budget_is_below_every_candida
   assert not list(tmp_path.iterdir())
 
 
+def test_plan_into_an_unwritable_output_directory_is_one_line_before_any_compile(tmp_path, monkeypatch):
+  (tmp_path / "default").write_text("a file where the run directory goes")
+  monkeypatch.setattr(plan, "search", lambda *args, **kwargs: pytest.fail("compiled before checking the output"))
+  with pytest.raises(errors.ConfigError, match="base_output_directory"):
+    plan.main(["plan", BASE_YML, *HEAD_HEAVY, *SEARCH, f"base_output_directory={tmp_path}"])
+
+
 def test_the_smallest_candidate_is_named_with_its_size_however_small():
   record = {"status": "ok", "fits": False, "total_bytes": 3 * 2**20, "settings": {"num_vocab_tiling": 1}}
   with pytest.raises(errors.ConfigError, match=r"smallest found needs 0\.00293 GiB per device \(num_vocab_tiling=1\)"):
