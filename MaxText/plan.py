@@ -46,7 +46,19 @@ import time
 import jax
 import jax.numpy as jnp
 
-from MaxText import accelerators, config_schema, costs, errors, pyconfig, remat, reports, run_control, runtime, sharding, train_step
+from MaxText import (
+  accelerators,
+  config_schema,
+  costs,
+  errors,
+  pyconfig,
+  remat,
+  reports,
+  run_control,
+  runtime,
+  sharding,
+  train_step,
+)
 
 # Search key -> the key listing the values the planner tries, in search order.
 SEARCH_KEYS = {
