@@ -16,7 +16,7 @@ from typing import Callable
 import jax
 import jax.extend
 
-from MaxText import accelerators
+from MaxText import accelerators, sharding
 
 # pallas_call name prefix -> its FLOPs (eqn -> float), registered by the module that calls it.
 KERNEL_FLOPS: dict[str, Callable] = {}
@@ -189,9 +189,10 @@ def peak_tflops(device_kind: str) -> float | None:
 def memory_limit_bytes(device) -> int | None:
   """Memory of one device: what the runtime reports for a device this process drives, the
   chip's HBM for one it only compiles for (compile_topology), for a CPU device its share of the
-  host's memory (the local CPU devices share it), None for a chip of unknown memory."""
+  host's memory (the run's CPU devices in this process share it), None for a chip of unknown memory."""
   if device.platform == "cpu":
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
+    local = [d for d in sharding.run_devices("", 1) if d.process_index == jax.process_index()]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(local)
   if device in jax.local_devices():
     stats = device.memory_stats()
     if stats and "bytes_limit" in stats:

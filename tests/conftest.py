@@ -1,10 +1,12 @@
-"""Shared test helpers: a tiny model config and the CLI runner.
+"""Shared test helpers: a tiny model config, the CLI runner, and this process's devices.
 
-This process sees one CPU device; tests that need a device mesh start subprocesses with
-JAX_NUM_CPU_DEVICES set.
+This process has 8 simulated CPU devices, and a run in it (a config resolved, a mesh built) uses
+the first of them unless a test asks for more with `on_devices`.
 """
 
 import atexit
+import contextlib
+import importlib
 import os
 import shutil
 import subprocess
@@ -28,9 +30,41 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # subprocesses that import th
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-from MaxText import pyconfig, runtime
+import jax
 
+from MaxText import pyconfig, runtime, sharding
+
+# Before JAX starts a backend (importing the package starts none). A device count is fixed from
+# then on, so every test's devices exist from the start; unlike JAX_NUM_CPU_DEVICES the setting
+# is not inherited by the subprocesses tests start, which see one device as a user's command does.
+jax.config.update("jax_num_cpu_devices", 8)
 runtime.setup()  # as every command does, before JAX starts a backend
+
+_all_run_devices = sharding.run_devices
+_devices_in_use = 1
+
+
+def _first_run_devices(compile_topology, num_slices):
+  """sharding.run_devices here: JAX's first `_devices_in_use` devices, so that whatever resolves a
+  config or builds a mesh in-process (tiny_config, train.main, the planner) runs on one device, as
+  on a user's one-device machine; compile_topology's devices as they are."""
+  devices = _all_run_devices(compile_topology, num_slices)
+  return devices if compile_topology else devices[:_devices_in_use]
+
+
+sharding.run_devices = _first_run_devices
+
+
+@contextlib.contextmanager
+def on_devices(count):
+  """Within it, configs resolve for and meshes span the first `count` of this process's devices."""
+  global _devices_in_use
+  previous, _devices_in_use = _devices_in_use, count
+  try:
+    yield
+  finally:
+    _devices_in_use = previous
+
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_YML = str(ROOT / "configs" / "base.yml")
@@ -57,21 +91,17 @@ def text_cache(tmp_path_factory):
   return f"dataset_cache_dir={tmp_path_factory.mktemp('cache')}"
 
 
+def run_command(module, *args):
+  """MaxText.<module>'s main(argv) for configs/base.yml and args, in this process: the command
+  without runtime.run, which turns the UserError it raises into one line and its exit code."""
+  return importlib.import_module(f"MaxText.{module}").main([module, BASE_YML, *args])
+
+
 def run_cli(module, *args, env=None, cwd=None, timeout=600):
   """python -m MaxText.<module> configs/base.yml args...; returns the CompletedProcess."""
   full_env = {**os.environ, **(env or {})}
   return subprocess.run([sys.executable, "-m", f"MaxText.{module}", BASE_YML, *args],
                         capture_output=True, text=True, env=full_env, cwd=cwd or ROOT, timeout=timeout)
-
-
-def run_on_eight_devices(script, out, timeout=900):
-  """python tests/<script> OUT with 8 simulated CPU devices (a device count is fixed when JAX
-  starts, so in a process of its own); returns OUT, where the script wrote its results."""
-  result = subprocess.run([sys.executable, str(ROOT / "tests" / script), str(out)],
-                          env={**os.environ, "JAX_NUM_CPU_DEVICES": "8"}, capture_output=True, text=True,
-                          timeout=timeout)
-  assert result.returncode == 0, result.stderr[-4000:]
-  return out
 
 
 def model_inputs(config, seed=0, batch=None):
@@ -134,12 +164,6 @@ SHARDED = (
     "steps=5", "enable_tensorboard=false", "warmup_steps_fraction=0.0", "dataset_type=synthetic",
     "eval_interval=0", "enable_checkpointing=false", "log_period=100", "remat_policy=full",
 )
-MESHES = {
-    "fsdp=8": ("ici_fsdp_parallelism=8",),
-    "data=2 fsdp=2 tensor=2": ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
-    "fsdp=2 context=4": ("ici_fsdp_parallelism=2", "ici_context_parallelism=4"),
-    "tensor=4 data=2": ("ici_tensor_parallelism=4", "ici_data_parallelism=2", "ici_fsdp_parallelism=1"),
-}
 
 
 def metrics_losses(path):
@@ -147,34 +171,6 @@ def metrics_losses(path):
   import json
   with open(path) as f:
     return {r["step"]: r["learning/loss"] for r in map(json.loads, f)}
-
-
-def logits_tokens(hlo_text, vocab_sizes, hidden_sizes):
-  """For every array in compiled HLO with a vocabulary-sized dimension (other than [hidden,
-  vocab] weights), how many tokens it holds: the largest such count."""
-  import re
-
-  import numpy as np
-  counts = [0]
-  for dims in re.findall(r"\[([\d,]+)\]", hlo_text):
-    shape = [int(d) for d in dims.split(",")]
-    vocab = [d for d in shape if d in vocab_sizes]
-    if vocab:
-      others = int(np.prod(shape)) // vocab[0]
-      if not (len(shape) == 2 and others in hidden_sizes):
-        counts.append(others)
-  return max(counts)
-
-
-def hlo_arrays(hlo_text):
-  """(shape, opcode, op_name) of every array-valued instruction in compiled HLO text; op_name
-  is the JAX operation it came from (e.g. ".../btd,btv->dv/dot_general")."""
-  import re
-  arrays = []
-  for dims, opcode, rest in re.findall(r"= \w+\[([\d,]*)\]\S* ([\w-]+)\((.*)", hlo_text):
-    name = re.search(r'op_name="([^"]*)"', rest)
-    arrays.append((tuple(int(d) for d in dims.split(",") if d), opcode, name.group(1) if name else ""))
-  return arrays
 
 
 def loss_gradients(config, batch=None):
@@ -193,72 +189,11 @@ def loss_gradients(config, batch=None):
   return {"loss": np.asarray(value), **{jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}}
 
 
-_MESH_GRADIENTS_SCRIPT = """
-import sys
-import numpy as np
-sys.path.insert(0, {tests!r})
-from conftest import SHARDED, loss_gradients, tiny_config
-for name, mesh in {meshes!r}.items():
-  np.savez(f"{{name}}.npz", **loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=1", *mesh, *{overrides!r})))
-"""
-
-
-def assert_mesh_gradients_equal_one_device(out, meshes, *overrides):
-  """SHARDED's loss and gradients with `overrides` on 8 simulated devices under each of `meshes`
-  ({name: overrides}) equal one device's without them, rtol 1e-5; the runs write to `out`."""
-  import numpy as np
-  script = _MESH_GRADIENTS_SCRIPT.format(tests=str(ROOT / "tests"), meshes=meshes, overrides=overrides)
-  result = subprocess.run([sys.executable, "-c", script], env={**os.environ, "JAX_NUM_CPU_DEVICES": "8"},
-                          capture_output=True, text=True, timeout=600, cwd=out)
-  assert result.returncode == 0, result.stderr[-4000:]
+def assert_mesh_gradients_equal_one_device(meshes, *overrides):
+  """SHARDED's loss and gradients with `overrides` on 8 devices under each of `meshes` ({name:
+  overrides}) equal one device's without them, rtol 1e-5."""
   want = loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=8"))
-  for name in meshes:
-    got = np.load(out / f"{name}.npz")
-    assert sorted(got.files) == sorted(want)
-    assert_trees_close({k: got[k] for k in want}, want, rtol=1e-5, what=name)
-
-
-def packed_batch(config, seed=0):
-  """Two rows of packed documents: row 0's boundaries fall inside a context shard (5) and on
-  one (16), row 1's inside (13), then two padding tokens; positions restart per document and
-  each document's last token is not scored."""
-  import numpy as np
-  length = config.max_target_length
-  rows = [[5, 11, length - 16], [13, length - 15, 2]]
-  segments = np.stack([np.repeat(np.arange(1, 4), row) for row in rows]).astype(np.int32)
-  segments[1, -2:] = 0
-  positions = np.stack([np.concatenate([np.arange(n) for n in row]) for row in rows]).astype(np.int32)
-  tokens = np.random.default_rng(seed).integers(0, config.vocab_size, segments.shape, dtype=np.int32)
-  targets = np.roll(tokens, -1, axis=1)
-  scored = (segments == np.roll(segments, -1, axis=1)) & (segments != 0)
-  scored[:, -1] = False
-  batch = {"inputs": tokens, "targets": targets, "inputs_position": positions, "inputs_segmentation": segments,
-           "targets_segmentation": (segments * scored).astype(np.int32)}
-  return {k: np.tile(x, (config.global_batch_size_to_train_on // 2, 1)) for k, x in batch.items()}
-
-
-# Context parallelism's test models (TINY, GQA 4/2, at 32 tokens) and the meshes of 8 devices
-# they run under, each against the model on one device (tests/context_runs.py).
-CONTEXT_MODELS = {
-    "llama": ("max_target_length=32",),
-    "gemma2": ("max_target_length=32", "decoder_block=gemma2", "sliding_window_size=6",
-               "attn_logits_soft_cap=50", "query_pre_attn_scalar=8"),
-}
-_RING, _UNBALANCED = "context_parallel_strategy=ring", "context_parallel_load_balance=false"
-_C4F2 = ("ici_context_parallelism=4", "ici_fsdp_parallelism=2")
-CONTEXT_VARIANTS = {  # name -> (model, overrides)
-    "context=2 fsdp=2 tensor=2 all_gather": ("llama", ("ici_context_parallelism=2", "ici_fsdp_parallelism=2",
-                                                       "ici_tensor_parallelism=2")),
-    "context=4 tensor=2 ring": ("llama", ("ici_context_parallelism=4", "ici_fsdp_parallelism=1",
-                                          "ici_tensor_parallelism=2", _RING)),
-    "context=8 all_gather": ("llama", ("ici_context_parallelism=8", "ici_fsdp_parallelism=1")),
-    "context=8 ring unbalanced": ("llama", ("ici_context_parallelism=8", "ici_fsdp_parallelism=1", _RING,
-                                            _UNBALANCED)),
-    "context=4 fsdp=2 ring": ("llama", (*_C4F2, _RING)),
-    "context=4 fsdp=2 all_gather unbalanced": ("llama", (*_C4F2, _UNBALANCED)),
-    "gemma2 context=4 fsdp=2 ring": ("gemma2", (*_C4F2, _RING)),
-    "gemma2 context=4 fsdp=2 all_gather unbalanced chunked": ("gemma2", (*_C4F2, _UNBALANCED, "attention=chunked",
-                                                                         "attention_chunk_size=4")),
-    # 2 query chunks x 2 key blocks per ring step (8 tokens a shard).
-    "context=4 fsdp=2 ring chunked": ("llama", (*_C4F2, _RING, "attention=chunked", "attention_chunk_size=4")),
-}
+  for name, mesh in meshes.items():
+    with on_devices(8):
+      got = loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=1", *mesh, *overrides))
+    assert_trees_close(got, want, rtol=1e-5, what=name)

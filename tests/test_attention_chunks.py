@@ -49,6 +49,6 @@ MESHES = {"fsdp2_context4_ring": ("ici_fsdp_parallelism=2", "ici_context_paralle
 
 
 @pytest.mark.slow
-def test_slices_under_sharded_meshes_give_one_devices_gradients(tmp_path):
+def test_slices_under_sharded_meshes_give_one_devices_gradients():
   """8 simulated devices, 2 slices of the attention, against one device without slices."""
-  assert_mesh_gradients_equal_one_device(tmp_path, MESHES, "attention_head_chunks=2")
+  assert_mesh_gradients_equal_one_device(MESHES, "attention_head_chunks=2")

@@ -1,27 +1,97 @@
 """Meshes of 8 simulated devices give the single-device losses, with and without vocab tiling."""
 
-import json
+import os
+import re
 
+import jax
 import numpy as np
 import pytest
 from conftest import (
-  MESHES,
   SHARDED,
   assert_trees_close,
   loss_gradients,
   metrics_losses,
-  run_on_eight_devices,
+  on_devices,
   tiny_config,
 )
 
-from MaxText import train
+from MaxText import costs, sharding, train, train_step
+
+MESHES = {
+    "fsdp=8": ("ici_fsdp_parallelism=8",),
+    "data=2 fsdp=2 tensor=2": ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
+    "fsdp=2 context=4": ("ici_fsdp_parallelism=2", "ici_context_parallelism=4"),
+    "tensor=4 data=2": ("ici_tensor_parallelism=4", "ici_data_parallelism=2", "ici_fsdp_parallelism=1"),
+}
+
+
+def logits_tokens(hlo_text, vocab_sizes, hidden_sizes):
+  """For every array in compiled HLO with a vocabulary-sized dimension (other than [hidden,
+  vocab] weights), how many tokens it holds: the largest such count."""
+  counts = [0]
+  for dims in re.findall(r"\[([\d,]+)\]", hlo_text):
+    shape = [int(d) for d in dims.split(",")]
+    vocab = [d for d in shape if d in vocab_sizes]
+    if vocab:
+      others = int(np.prod(shape)) // vocab[0]
+      if not (len(shape) == 2 and others in hidden_sizes):
+        counts.append(others)
+  return max(counts)
+
+
+def hlo_arrays(hlo_text):
+  """(shape, opcode, op_name) of every array-valued instruction in compiled HLO text; op_name
+  is the JAX operation it came from (e.g. ".../btd,btv->dv/dot_general")."""
+  arrays = []
+  for dims, opcode, rest in re.findall(r"= \w+\[([\d,]*)\]\S* ([\w-]+)\((.*)", hlo_text):
+    name = re.search(r'op_name="([^"]*)"', rest)
+    arrays.append((tuple(int(d) for d in dims.split(",") if d), opcode, name.group(1) if name else ""))
+  return arrays
+
+
+def largest(arrays, keep):
+  return max([n for shape, op, name in arrays if keep(shape, op, name) for n in [int(np.prod(shape))]] or [0])
 
 
 @pytest.fixture(scope="module")
 def mesh_results(tmp_path_factory):
-  out = run_on_eight_devices("mesh_runs.py", tmp_path_factory.mktemp("meshes"))
-  with open(out / "results.json") as f:
-    return {**json.load(f), "dir": out}
+  """The SHARDED model on 8 devices under every test mesh, with and without tiling:
+  losses: {"<mesh> tiles=<n>": {step: loss}} of 5 training steps;
+  cross_mesh: {step: loss} of a run saved at step 3 under fsdp=8 and resumed under tensor=4 data=2;
+  logits_tokens: {"<mesh> tiles=<n>": most tokens any one device holds logits for};
+  kernel_grad_elements: {"<mesh> tiles=<n>": largest array of the head's kernel-gradient contraction};
+  embedding_grad_elements: {"<mesh> tiles=<n>": largest scatter-add into the embedding table};
+  grads: {("<mesh> tiles=<n>", tied): the loss's gradients for the initial parameters}."""
+  out = tmp_path_factory.mktemp("meshes")
+
+  def run(name, *overrides):
+    metrics_file = out / f"{name.replace(' ', '_')}.jsonl"
+    train.train(tiny_config(*SHARDED, "per_device_batch_size=1", f"base_output_directory={out}",
+                            f"run_name={name.replace(' ', '_')}", f"metrics_file={metrics_file}", *overrides))
+    return metrics_losses(metrics_file)
+
+  results = {"losses": {}, "logits_tokens": {}, "kernel_grad_elements": {}, "embedding_grad_elements": {},
+             "grads": {}}
+  with on_devices(8):
+    for mesh, overrides in MESHES.items():
+      for tiles in (1, 4):
+        key = f"{mesh} tiles={tiles}"
+        results["losses"][key] = run(key, *overrides, f"num_vocab_tiling={tiles}")
+        config = tiny_config(*SHARDED, "per_device_batch_size=1", *overrides, f"num_vocab_tiling={tiles}")
+        hlo = train_step.compile_train_step(train_step.build(config, sharding.create_mesh(config)), config).as_text()
+        results["logits_tokens"][key] = logits_tokens(hlo, {1000, 500}, {48, 24, 12, 6})
+        arrays = hlo_arrays(hlo)
+        results["kernel_grad_elements"][key] = largest(arrays, lambda s, op, name: "btd,btv->dv" in name)
+        results["embedding_grad_elements"][key] = largest(
+            arrays, lambda s, op, name: op == "scatter" and "token_embedder" in name)
+        for tied in (False, True):
+          results["grads"][key, tied] = loss_gradients(tiny_config(
+              *SHARDED, "per_device_batch_size=1", *overrides, f"num_vocab_tiling={tiles}",
+              f"logits_via_embedding={tied}"))
+    checkpointed = ("enable_checkpointing=true", "checkpoint_period=3", "learning_rate_schedule_steps=5")
+    run("cross mesh", *MESHES["fsdp=8"], *checkpointed, "steps=3")
+    results["cross_mesh"] = run("cross mesh", *MESHES["tensor=4 data=2"], *checkpointed)
+  return results
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +113,8 @@ def one_device(tmp_path_factory):
 def test_mesh_losses_equal_one_device(mesh_results, one_device, mesh, tiles):
   got = mesh_results["losses"][f"{mesh} tiles={tiles}"]
   want = one_device[tiles]
-  assert sorted(int(s) for s in got) == [1, 2, 3, 4, 5]
-  np.testing.assert_allclose([got[str(s)] for s in range(1, 6)], [want[s] for s in range(1, 6)], rtol=1e-5)
+  assert sorted(got) == [1, 2, 3, 4, 5]
+  np.testing.assert_allclose([got[s] for s in range(1, 6)], [want[s] for s in range(1, 6)], rtol=1e-5)
 
 
 def test_tiling_equals_no_tiling_on_one_device(one_device):
@@ -53,7 +123,7 @@ def test_tiling_equals_no_tiling_on_one_device(one_device):
 
 def test_checkpoint_saved_under_one_mesh_restores_under_another(mesh_results, one_device):
   resumed = mesh_results["cross_mesh"]
-  np.testing.assert_allclose([resumed[str(s)] for s in range(1, 6)], [one_device[1][s] for s in range(1, 6)],
+  np.testing.assert_allclose([resumed[s] for s in range(1, 6)], [one_device[1][s] for s in range(1, 6)],
                              rtol=1e-5)
 
 
@@ -75,10 +145,8 @@ def one_device_gradients():
 @pytest.mark.parametrize("tiles", [1, 4])
 @pytest.mark.parametrize("tied", [False, True])
 def test_mesh_gradients_equal_one_device(mesh_results, one_device_gradients, mesh, tiles, tied):
-  got = np.load(mesh_results["dir"] / f"grads_{mesh.replace(' ', '_')}_tiles={tiles}_tied={tied}.npz")
-  want = one_device_gradients[tiles, tied]
-  assert sorted(got.files) == sorted(want)
-  assert_trees_close({k: got[k] for k in want}, want, rtol=1e-5)
+  assert_trees_close(mesh_results["grads"][f"{mesh} tiles={tiles}", tied], one_device_gradients[tiles, tied],
+                     rtol=1e-5)
 
 
 # The [D, V] = [48, 1000] head kernel and [V, D] embedding are split over this many devices.
@@ -93,3 +161,12 @@ def test_no_device_forms_more_than_its_share_of_the_head_or_embedding_gradient(m
   # plain contraction would form all 48 x 1000 partial sums on every device.
   assert 0 < mesh_results["kernel_grad_elements"][f"{mesh} tiles={tiles}"] <= share
   assert 0 < mesh_results["embedding_grad_elements"][f"{mesh} tiles={tiles}"] <= share
+
+
+@pytest.mark.parametrize("count", [1, 8])
+def test_a_runs_cpu_devices_share_the_hosts_memory(count):
+  host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  with on_devices(count):
+    config = tiny_config()
+    assert config.num_devices == count and sharding.create_mesh(config).devices.size == count
+    assert costs.memory_limit_bytes(jax.devices()[0]) == host // count
