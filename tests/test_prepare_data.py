@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from absl import flags
 from array_record.python import array_record_module
-from conftest import ROOT, run_cli, tiny_config
+from conftest import ROOT, run_cli, run_command, tiny_config
 from tokenizers import Tokenizer
 
 from MaxText import checkpointing, train
@@ -142,7 +142,7 @@ def test_a_missing_or_damaged_shard_is_a_config_error_naming_it(prepared, tmp_pa
     input_pipeline.load(grain_config(prepared, "grain_eval_files=", "eval_interval=5"))
 
 
-def test_bad_records_are_counted_and_skipped_or_stop_a_strict_run(tmp_path):
+def test_bad_records_are_counted_and_skipped_or_stop_a_strict_run(tmp_path, capfd):
   import pyarrow
   import pyarrow.parquet
   source = tmp_path / "corpus"
@@ -155,17 +155,17 @@ def test_bad_records_are_counted_and_skipped_or_stop_a_strict_run(tmp_path):
   pyarrow.parquet.write_table(pyarrow.table({"text": ["good three", None]}), source / "e.parquet")
   (source / "f.parquet").write_bytes(b"PAR1 not parquet")
   args = (f"dataset_path={source}", "tokenizer_type=byte", "prepare_workers=1")
-  result = run_cli("prepare_data", *args, f"output_path={tmp_path / 'out'}")
-  assert result.returncode == 0, result.stderr
-  summary = result.stdout.strip().splitlines()[-1]
+  run_command("input_pipeline.prepare_data", *args, f"output_path={tmp_path / 'out'}")
+  out, err = capfd.readouterr()  # the file descriptors: the tokenizing worker processes' output too
+  summary = out.strip().splitlines()[-1]
   assert summary.endswith("skipped 9 bad records (3 no string 'text', 2 not UTF-8, 2 empty document, "
                           "1 malformed JSON, 1 unreadable file)"), summary
-  assert "2 train documents" in summary and "Traceback" not in result.stderr
-  result = run_cli("prepare_data", *args, f"output_path={tmp_path / 'strict'}", "strict_data=true")
-  assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("config error: dataset_path")
-  assert "a.jsonl line 2" in result.stderr and not (tmp_path / "strict").exists()
-  result = run_cli("prepare_data", *args, f"output_path={tmp_path / 'out'}")
-  assert result.returncode == 2 and "already holds a prepared corpus" in result.stderr
+  assert "2 train documents" in summary and "Traceback" not in err
+  with pytest.raises(ConfigError, match="^dataset_path.*a.jsonl line 2"):
+    run_command("input_pipeline.prepare_data", *args, f"output_path={tmp_path / 'strict'}", "strict_data=true")
+  assert not (tmp_path / "strict").exists()
+  with pytest.raises(ConfigError, match="already holds a prepared corpus"):
+    run_command("input_pipeline.prepare_data", *args, f"output_path={tmp_path / 'out'}")
 
 
 def test_the_split_of_a_stream_is_split_documents_for_every_corpus_size():
