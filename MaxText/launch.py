@@ -13,6 +13,7 @@ def config(argv, plans: bool = False) -> pyconfig.Config:
   if auto_keys and not plans:
     raise ConfigError(f"{auto_keys[0]}=auto: only train and train_compile choose it (the planner); give a value")
   if values["load_parameters_path"]:
+    checkpointing.parameters_item(values["load_parameters_path"])  # a path that is no checkpoint, named by its key
     checkpointing.check_verified(values["load_parameters_path"], values["trust_unverified_checkpoints"])
   if not values["compile_topology"]:
     sharding.initialize_distributed(values)

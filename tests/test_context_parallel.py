@@ -157,7 +157,7 @@ def test_key_blocks_merge_to_the_whole_block(block_size):
   args = (q, k, v, jnp.arange(60, 70), jnp.arange(70), jnp.ones((1, 10), jnp.int32),
           jnp.repeat(jnp.arange(2), 35)[None], 24)  # queries in the second of two documents, a 24-token window
   kernel = functools.partial(context_parallel.dot_block, scale=0.3, cap=lambda s: s)
-  assert_trees_close(context_parallel._over_key_blocks(kernel, block_size)(*args), kernel(*args), rtol=1e-6)
+  assert_trees_close(context_parallel._over_key_blocks(kernel, block_size)(*args), kernel(*args), rtol=1e-5)
 
 
 @pytest.mark.parametrize("num_chunks,block_size", [(1, 70), (2, 10), (5, 14), (2, 17)])

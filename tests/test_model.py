@@ -112,7 +112,7 @@ def test_every_stack_gives_the_same_loss_and_gradients_from_the_same_parameters(
   params, inputs = init_params(reference), model_inputs(reference)
   want_loss, want_grads = loss_and_grads(reference, params, inputs)
   loss, grads = loss_and_grads(config, params, inputs)
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   assert_trees_close(grads, want_grads, rtol=1e-5)
 
 
@@ -131,7 +131,7 @@ def test_gemma2_gives_the_same_loss_and_gradients_under_every_memory_setting(set
   params, inputs = init_params(reference), model_inputs(reference)
   want_loss, want_grads = loss_and_grads(reference, params, inputs)
   loss, grads = loss_and_grads(config, params, inputs)
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   assert_trees_close(grads, want_grads, rtol=1e-5)
 
 
@@ -195,7 +195,7 @@ def test_chunked_attention_is_exact(chunk_size):
   inputs = model_inputs(full)
   want_loss, want_grads = loss_and_grads(full, params, inputs)
   loss, grads = loss_and_grads(chunked, params, inputs)
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   assert_trees_close(grads, want_grads, rtol=1e-5)
 
 

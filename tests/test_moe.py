@@ -150,8 +150,8 @@ def test_memory_settings_give_the_same_loss_and_gradients():
   assert np.any(np.asarray(want_grads["decoder"]["layers"]["moe_block"]["gate"]["kernel"]))
   for name, overrides in MEMORY_SETTINGS.items():
     loss, grads = loss_and_gradients(tiny_config(*WEIGHTED, *overrides), params, batch)
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-6, err_msg=name)
-    assert_trees_close(grads, want_grads, 1e-6, name)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=name)
+    assert_trees_close(grads, want_grads, 1e-5, name)
 
 
 def test_model_flops_count_active_parameters_only():

@@ -98,5 +98,5 @@ def test_interval_groups_are_scanned_not_unrolled(interval, groups):
 def test_offloading_the_layer_input_changes_no_loss_or_gradient(gradients, offloaded, on_device):
   _, want_loss, want_grads = gradients[on_device]
   _, loss, grads = gradients[offloaded]
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-6, err_msg=offloaded)
-  assert_trees_close(grads, want_grads, rtol=1e-6, what=offloaded)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=offloaded)
+  assert_trees_close(grads, want_grads, rtol=1e-5, what=offloaded)
