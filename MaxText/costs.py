@@ -16,7 +16,7 @@ from typing import Callable
 import jax
 import jax.extend
 
-from MaxText import accelerators, sharding
+from MaxText import accelerators
 
 # pallas_call name prefix -> its FLOPs (eqn -> float), registered by the module that calls it.
 KERNEL_FLOPS: dict[str, Callable] = {}
@@ -186,13 +186,13 @@ def peak_tflops(device_kind: str) -> float | None:
   return chip.peak_bf16_tflops if chip else None
 
 
-def memory_limit_bytes(device) -> int | None:
+def memory_limit_bytes(device, host_sharers: int) -> int | None:
   """Memory of one device: what the runtime reports for a device this process drives, the
   chip's HBM for one it only compiles for (compile_topology), for a CPU device its share of the
-  host's memory (the run's CPU devices in this process share it), None for a chip of unknown memory."""
+  host's memory with the run's other devices in this process (`host_sharers`, it included), None
+  for a chip of unknown memory."""
   if device.platform == "cpu":
-    local = [d for d in sharding.run_devices("", 1) if d.process_index == jax.process_index()]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(local)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // host_sharers
   if device in jax.local_devices():
     stats = device.memory_stats()
     if stats and "bytes_limit" in stats:
@@ -201,9 +201,9 @@ def memory_limit_bytes(device) -> int | None:
   return int(chip.hbm_gib * 2**30) if chip else None
 
 
-def fit_message(stats: dict, device) -> str | None:
+def fit_message(stats: dict, device, host_sharers: int) -> str | None:
   """None when the compiled step fits one device's memory (or that is unknown); else one line."""
-  limit = memory_limit_bytes(device)
+  limit = memory_limit_bytes(device, host_sharers)
   if limit is None or stats["total_bytes"] <= limit:
     return None
   return (f"does not fit: the train step needs {stats['total_bytes'] / 2**30:.2f} GiB per device, "
@@ -252,12 +252,14 @@ def format_memory_stats(stats: dict) -> str:
   return "\n".join(f"  {k:15s} {v:16,d} bytes  {v / 2**30:9.3f} GiB" for k, v in stats.items())
 
 
-def memory_report(stats: dict, device) -> tuple[dict, str | None]:
-  """(a compiled step's memory_stats with the device's memory and whether the step fits it, None
-  or the one line saying by how much it does not): what train checks before a run and
+def memory_report(stats: dict, mesh) -> tuple[dict, str | None]:
+  """(a compiled step's memory_stats with one device of `mesh`'s memory and whether the step fits
+  it, None or the one line saying by how much it does not): what train checks before a run and
   memory_stats_file holds."""
-  problem = fit_message(stats, device)
-  return {**stats, "fits": problem is None, "device_memory_bytes": memory_limit_bytes(device)}, problem
+  device = mesh.devices.flat[0]
+  sharers = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+  problem = fit_message(stats, device, sharers)
+  return {**stats, "fits": problem is None, "device_memory_bytes": memory_limit_bytes(device, sharers)}, problem
 
 
 def flops_report(config, jaxpr) -> dict:

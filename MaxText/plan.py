@@ -120,7 +120,7 @@ def budget_bytes(config, device) -> tuple[int, str]:
   """(bytes a step may use per device, how that was set)."""
   if config.hbm_budget_gib:
     return int(config.hbm_budget_gib * 2**30), f"hbm_budget_gib={config.hbm_budget_gib:g}"
-  limit = costs.memory_limit_bytes(device)
+  limit = costs.memory_limit_bytes(device, config.num_devices)  # the planner's devices are one process's
   if limit is None:
     raise errors.ConfigError(f"hbm_budget_gib=null: the memory of a {device.device_kind} is not known here; give "
                       "hbm_budget_gib")

@@ -95,7 +95,7 @@ def _compile_to_fit(trainer: Trainer, config):
   cannot fit fails now, with one line, not in its first allocation."""
   compiled = train_step.compile_train_step(trainer, config)
   stats = costs.memory_stats(compiled)
-  report, problem = costs.memory_report(stats, trainer.mesh.devices.flat[0])
+  report, problem = costs.memory_report(stats, trainer.mesh)
   if config.memory_stats_file:
     metrics.write_json(config.memory_stats_file, report)
   if problem:

@@ -30,7 +30,7 @@ def main(argv):
   where = (f"{config.compile_topology} x {config.compile_topology_num_slices} slice(s)" if config.compile_topology
            else device.platform)
   stats = costs.memory_stats(compiled)
-  report, problem = costs.memory_report(stats, device)
+  report, problem = costs.memory_report(stats, trainer.mesh)
   print(f"train step memory per device ({config.num_devices} {device.device_kind} devices of {where}, "
         f"mesh {config.mesh_shape}, dcn {config.dcn_mesh_shape}):")
   print(costs.format_memory_stats(stats))

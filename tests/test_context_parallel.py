@@ -110,7 +110,7 @@ def test_balanced_order_pairs_chunk_i_with_its_mirror():
      "attention='flash': with context parallelism \\(4 shards\\) must be one of dot_product, chunked"),
     (("ici_context_parallelism=4", "ici_fsdp_parallelism=2", "attention=chunked", "max_target_length=48",
       "attention_chunk_size=8"), "attention_chunk_size=8: must divide the 12 tokens"),
-    (("context_parallel_strategy=ulysses",), "context_parallel_strategy='ulysses': must be one of all_gather, ring"),
+    (("context_parallel_strategy=ulysses",), "context_parallel_strategy=ulysses: must be one of all_gather, ring"),
     (("ici_sequence_parallelism=4",), "ici_sequence_parallelism: .* use ici_context_parallelism"),
 ])
 def test_bad_context_parallel_settings_are_one_line_config_errors(overrides, message):
