@@ -37,17 +37,14 @@ def _comment(text: str, indent: str = "") -> list:
   return [f"{indent}# {line}" for line in textwrap.wrap(text, _WIDTH - len(indent) - 2)]
 
 
-def _default(f: dataclasses.Field):
-  return f.default_factory() if f.default is dataclasses.MISSING else f.default
-
-
 def base_yml() -> str:
+  defaults = pyconfig.defaults()
   lines = _comment(" ".join(_HEADER.split()))
   for section in config_schema.SECTIONS:
     lines += ["", f"# ---- {section.title} ".ljust(_WIDTH - 10, "-"), *_comment(" ".join(section.__doc__.split()))]
     for f in dataclasses.fields(section):
       lines += _comment(f.metadata["doc"])
-      value = _default(f)
+      value = defaults[f.name]
       if f.name == "logical_axis_rules":
         lines += [f"{f.name}: [  # {f.metadata['help']}", *[f"  {_yaml(rule)}," for rule in value], "]"]
       else:
@@ -60,6 +57,7 @@ def _cell(text: str) -> str:
 
 
 def markdown() -> str:
+  defaults = pyconfig.defaults()
   lines = ["# Configuration keys", "",
            "Every key of `configs/base.yml`, by section, with its type and default; `key=value` on the command",
            "line or a config file overrides it (see the top of `base.yml`). Written by",
@@ -69,7 +67,7 @@ def markdown() -> str:
               "| key | type | default | description |", "| --- | --- | --- | --- |"]
     for f in dataclasses.fields(section):
       description = " ".join(x for x in (f.metadata["help"], f.metadata["doc"]) if x)
-      lines.append(f"| `{f.name}` | {_cell(pyconfig.type_name(f.type))} | `{_cell(json.dumps(_default(f)))}` | "
+      lines.append(f"| `{f.name}` | {_cell(pyconfig.type_name(f.type))} | `{_cell(json.dumps(defaults[f.name]))}` | "
                    f"{_cell(description)} |")
   return "\n".join(lines) + "\n"
 

@@ -2,7 +2,6 @@
 set-up that need the machine, done once, before anything is written."""
 
 from MaxText import auto, checkpointing, pyconfig, sharding
-from MaxText.errors import ConfigError
 
 
 def config(argv, plans: bool = False) -> pyconfig.Config:
@@ -10,8 +9,8 @@ def config(argv, plans: bool = False) -> pyconfig.Config:
   jax.distributed (before JAX lists its devices), the devices, and `auto` values, which only the
   commands that plan (`plans`: train, train_compile) resolve."""
   values, auto_keys = pyconfig.parse(argv)
-  if auto_keys and not plans:
-    raise ConfigError(f"{auto_keys[0]}=auto: only train and train_compile choose it (the planner); give a value")
+  if not plans:
+    pyconfig.refuse_auto(auto_keys)
   if values["load_parameters_path"]:
     checkpointing.parameters_item(values["load_parameters_path"])  # a path that is no checkpoint, named by its key
     checkpointing.check_verified(values["load_parameters_path"], values["trust_unverified_checkpoints"])

@@ -358,9 +358,14 @@ def initialize(argv: Sequence[str], num_devices: int | None = None,
   (slices or processes): by default those of `sharding.run_devices(...)`, compile_topology's or
   else what JAX sees. `auto` is refused: the commands that plan resolve it (launch.config)."""
   values, auto = parse(argv)
+  refuse_auto(auto)
+  return for_devices(values, num_devices, memory_kinds, num_granules)
+
+
+def refuse_auto(auto: tuple) -> None:
+  """For the commands that do not plan: `auto` values are the planner's to choose."""
   if auto:
     raise ConfigError(f"{auto[0]}=auto: only train and train_compile choose it (the planner); give a value")
-  return for_devices(values, num_devices, memory_kinds, num_granules)
 
 
 def replace(config: Config, settings: dict) -> Config:
