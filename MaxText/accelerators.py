@@ -8,6 +8,7 @@ of two v5p-256 slices, which a Mesh can be built over and a step AOT-compiled fo
 
 import math
 import os
+import signal
 from typing import NamedTuple
 
 
@@ -22,6 +23,17 @@ def quiet_libtpu_without_tpus() -> None:
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def sigterm_without_stack_dump() -> None:
+  """libtpu, started with JAX's backends even where there is no TPU, installs a handler that
+  prints a C++ stack trace (30-odd lines) for SIGTERM. A start-up stopped by a scheduler should
+  end as quietly as one stopped before JAX started, so Python's own handler (the default action)
+  is put back once the backends are up. With several processes jax.distributed's preemption
+  notifier handles SIGTERM, and it is left alone."""
+  import jax  # noqa: PLC0415 (this module imports no JAX at import: setup runs before JAX starts)
+  if jax.process_count() == 1:
+    signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGTERM))
 
 
 class Chip(NamedTuple):

@@ -143,9 +143,20 @@ def latest_checkpoint(config) -> str | None:
   return None
 
 
+def _orbax_tracebacks_to_debug(record) -> bool:
+  """orbax logs a failed save with its traceback from each thread that sees it (three or four,
+  one after the interpreter began to exit); save and wait_for_saves raise it as one
+  CheckpointError naming the step, so those records go to the debug log as one line."""
+  if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
+    logging.debug("orbax: %s: %s", record.getMessage(), first_line(record.exc_info[1]))
+    return False
+  return True
+
+
 def create_manager(config) -> ocp.CheckpointManager | None:
   if not config.enable_checkpointing:
     return None
+  logging.get_absl_handler().addFilter(_orbax_tracebacks_to_debug)
   # The trainer decides when to save (every checkpoint_period steps and the last step).
   options = ocp.CheckpointManagerOptions(
       max_to_keep=config.max_to_keep,
@@ -167,24 +178,28 @@ def _save_failed(manager, step: int, e: Exception) -> CheckpointError:
                          f"steps after {latest} are not saved (latest checkpoint: {latest}); rerun to resume from it")
 
 
+def wait_for_saves(manager) -> None:
+  """Waits for the save under way, if any; CheckpointError naming its step if it failed.
+  Until it commits or fails, orbax counts that step as the latest one."""
+  in_flight = manager.latest_step()
+  try:
+    manager.wait_until_finished()
+  except Exception as e:  # orbax and tensorstore raise many types for a write that fails
+    raise _save_failed(manager, in_flight, e) from None
+
+
 def save(manager, step: int, state, data_iterator) -> None:
   """Saves `state`, its checksums and the iterator's position as checkpoint `step`
-  (asynchronously if configured). A save that fails, now or in the background (an earlier
-  step's, raised here), stops the run: CheckpointError naming the steps not saved."""
+  (asynchronously if configured). A save that fails, now or in the background, stops the run:
+  CheckpointError naming the step that failed and the steps not saved. The previous save is
+  waited for here (orbax would wait inside save), so its failure is not taken for this one's."""
+  wait_for_saves(manager)
   try:
     manager.save(step, force=True, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iterator),
         checksums=ocp.args.JsonSave(checksums(state))))
-  except Exception as e:  # orbax and tensorstore raise many types for a write that fails
+  except Exception as e:  # as in wait_for_saves
     raise _save_failed(manager, step, e) from None
-
-
-def wait_for_saves(manager) -> None:
-  """Waits for the saves under way; CheckpointError if one failed."""
-  try:
-    manager.wait_until_finished()
-  except Exception as e:  # as in save
-    raise _save_failed(manager, manager.latest_step(), e) from None
 
 
 def _with_shardings(abstract, shardings):

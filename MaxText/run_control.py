@@ -58,22 +58,28 @@ class NonfiniteStreak:
                      f"{latest_checkpoint()} was saved")
 
 
-def _running(pid: int) -> bool:
-  """Whether process `pid` is alive on this host and is this program (a pid reused by an unrelated
-  process, after a kill or a reboot, does not count)."""
+def _not_running(pid: int) -> str | None:
+  """Why process `pid` is not this program on this host ("process 7 is no longer running", or
+  its pid reused by another program after a kill or a reboot), or None when it is."""
+  if pid <= 0:
+    return f"{pid} names no process"
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
-    return False
+    return f"process {pid} is no longer running"
   except PermissionError:  # someone else's live process
     pass
   try:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
-      return b"MaxText" in f.read()
+      command = f.read()
   except FileNotFoundError:  # gone meanwhile
-    return False
+    return f"process {pid} is no longer running"
   except OSError:  # no /proc (not Linux): alive is all that can be told
-    return True
+    return None
+  if b"MaxText" in command:
+    return None
+  program = os.path.basename(command.split(b"\0")[0]).decode(errors="replace") or "another process"
+  return f"pid {pid} is now {program}, not MaxText"
 
 
 def check_run_paths(config) -> None:
@@ -130,13 +136,14 @@ def run_lock(run_dir: str, key: str = "run_name", doing: str = "trained"):
                           "remove it") from None
       try:
         with open(path) as f:
-          owner = int(f.read().strip() or 0)
-      except (OSError, ValueError):
-        owner = 0
-      if owner and owner != os.getpid() and _running(owner):
+          owner = f.read().strip()
+      except OSError:
+        owner = ""
+      stale = _not_running(int(owner)) if owner.isdigit() else f"it holds {owner[:40]!r}, not a pid"
+      if owner != str(os.getpid()) and not stale:
         raise ConfigError(f"{key}: {run_dir} is being {doing} by process {owner} ({path}); "
                           f"use another {key} or stop that process") from None
-      logging.warning("taking over the stale lock %s of process %d, which is no longer running", path, owner)
+      logging.warning("taking over the stale lock %s: %s", path, stale or "an earlier process had this pid")
       with contextlib.suppress(FileNotFoundError):
         os.remove(path)
   with os.fdopen(fd, "w") as f:
@@ -156,9 +163,9 @@ def staging_dir(parent: str, writer: str) -> str:
   pattern = re.compile(re.escape(f".{writer}-") + r"(\d+)\.partial")
   for name in os.listdir(parent):
     match = pattern.fullmatch(name)
-    if match and int(match[1]) != os.getpid() and not _running(int(match[1])):
-      logging.warning("removing %s, left by process %s of %s, which is no longer running",
-                      os.path.join(parent, name), match[1], writer)
+    stale = match and int(match[1]) != os.getpid() and _not_running(int(match[1]))
+    if stale:
+      logging.warning("removing %s, left by %s (%s)", os.path.join(parent, name), writer, stale)
       shutil.rmtree(os.path.join(parent, name))
   path = os.path.join(parent, f".{writer}-{os.getpid()}.partial")
   os.makedirs(path)
@@ -242,22 +249,36 @@ def stop_signals():
   has to ask the others on the device each step; SIGINT is recorded and passed on to it."""
   received = []
   several = jax.process_count() > 1
+  handled = [signal.SIGINT] if several else list(SIGNALS)
+  # Python runs a handler once for all the signals that arrived during one call into C (a step,
+  # a compile), so two sent 20 ms apart would count as one; its C handler also writes a byte
+  # per signal delivered to the wakeup fd, which does count them.
+  delivered, wakeup = os.pipe()
+  for fd in (delivered, wakeup):
+    os.set_blocking(fd, False)
+  previous_wakeup = signal.set_wakeup_fd(wakeup, warn_on_full_buffer=False)
 
   def handle(signum, _):
-    if received:  # a second signal: the operator will not wait for the step; end at once
+    try:
+      count = sum(byte in handled for byte in os.read(delivered, 512))
+    except BlockingIOError:
+      count = 0
+    if received or count > 1:  # a second signal: the operator will not wait for the step; end at once
       signal.signal(signum, signal.SIG_DFL)
       signal.raise_signal(signum)
     received.append(signum)
     if several:
       signal.raise_signal(signal.SIGTERM)
 
-  handled = [signal.SIGINT] if several else list(SIGNALS)
   previous = {s: signal.signal(s, handle) for s in handled}
   try:
     yield received
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
+    signal.set_wakeup_fd(previous_wakeup)
+    os.close(delivered)
+    os.close(wakeup)
 
 
 def stop_requested(received: list, step_index: int) -> int:

@@ -169,13 +169,21 @@ def test_a_second_process_on_the_same_run_is_refused(tmp_path, text_cache):
   assert os.listdir(tmp_path / "busy") == [".lock"]
 
 
-def test_a_lock_of_an_unrelated_live_process_is_taken_over_and_one_that_is_a_directory_is_named(tmp_path):
+def test_a_stale_lock_is_taken_over_saying_why_and_one_that_is_a_directory_is_named(tmp_path, caplog):
   from MaxText import run_control
   unrelated = subprocess.Popen(["sleep", "300"])  # alive, but not this program: a reused pid
+  dead = subprocess.Popen(["true"])
+  dead.wait()
   try:
-    (tmp_path / ".lock").write_text(str(unrelated.pid))
-    with run_control.run_lock(str(tmp_path)):
-      assert (tmp_path / ".lock").read_text() == str(os.getpid())
+    for holder, why in [(unrelated.pid, f"pid {unrelated.pid} is now sleep, not MaxText"),
+                        (dead.pid, f"process {dead.pid} is no longer running"), ("", "it holds '', not a pid"),
+                        ("garbage", "it holds 'garbage', not a pid")]:
+      (tmp_path / ".lock").write_text(str(holder))
+      caplog.clear()
+      with run_control.run_lock(str(tmp_path)):
+        assert (tmp_path / ".lock").read_text() == str(os.getpid())
+      assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+          f"taking over the stale lock {tmp_path / '.lock'}: {why}"]
   finally:
     unrelated.kill()
   assert not (tmp_path / ".lock").exists()

@@ -57,8 +57,10 @@ def test_user_text_files_directories_globs_and_jsonl(tmp_path):
   assert read(tmp_path / "c.jsonl", "text_column=body") == ["gamma", "delta"]
   with pytest.raises(ConfigError, match="text_column='text'.*c.jsonl line 1"):
     read(tmp_path / "c.jsonl")
-  with pytest.raises(ConfigError, match="dataset_path=.*nowhere"):
+  with pytest.raises(ConfigError, match="dataset_path=.*nowhere': no such file or directory"):
     read(tmp_path / "nowhere")
+  with pytest.raises(ConfigError, match="dataset_path='/dev/zero': not a regular file"):  # not read till memory ends
+    read("/dev/zero")
   (tmp_path / "empty.txt").write_text("  \n")
   with pytest.raises(ConfigError, match="empty"):
     read(tmp_path / "empty.txt")
@@ -89,10 +91,11 @@ def test_one_document_holds_out_its_last_tenth():
 def test_bpe_is_trained_at_vocab_size_then_reused_from_the_cache(tmp_path, monkeypatch):
   config = text_config(tmp_path)
   documents = corpus.split_documents(corpus.read_documents(config))[0]
-  first = tokenizer.load_or_train(config, documents)
+  first, cache = tokenizer.load_or_train(config, documents)
   assert first.get_vocab_size() == config.vocab_size
+  tokenizer.save_atomic(first, cache)
   monkeypatch.setattr(tokenizer, "train_bpe", lambda *_: pytest.fail("trained twice"))
-  assert tokenizer.load_or_train(config, documents).to_str() == first.to_str()
+  assert tokenizer.load_or_train(config, documents)[0].to_str() == first.to_str()
   text = "Is this a dagger which I see before me?"
   assert first.decode(first.encode(text).ids) == text
 
@@ -101,7 +104,7 @@ def test_tokenizer_path_loads_any_tokenizer_json_and_bad_ones_are_config_errors(
   path = tmp_path / "tok.json"
   tokenizer.save_atomic(tokenizer.byte_tokenizer(), str(path))
   config = text_config(tmp_path, f"tokenizer_path={path}")
-  assert tokenizer.load_or_train(config, []).get_vocab_size() == 257
+  assert tokenizer.load_or_train(config, [])[0].get_vocab_size() == 257
   with pytest.raises(ConfigError, match="vocab_size=200.*257"):
     tokenizer.load_or_train(text_config(tmp_path, f"tokenizer_path={path}", "vocab_size=200"), [])
   # Ids with gaps: 2 tokens, but id 400 is past a 320-row embedding table.
@@ -115,12 +118,13 @@ def test_tokenizer_path_loads_any_tokenizer_json_and_bad_ones_are_config_errors(
       tokenizer.load_or_train(text_config(tmp_path, f"tokenizer_path={bad}"), [])
 
 
-def test_a_corpus_too_small_for_one_row_is_one_line_and_caches_no_tokens(tmp_path):
+@pytest.mark.parametrize("tokenizer_type", ["byte", "bpe"])
+def test_a_corpus_too_small_for_one_row_is_one_line_and_caches_nothing(tmp_path, tokenizer_type):
   (tmp_path / "small.txt").write_text("a few words\n" * 3)
-  config = text_config(tmp_path, f"dataset_path={tmp_path / 'small.txt'}", "tokenizer_type=byte")
+  config = text_config(tmp_path, f"dataset_path={tmp_path / 'small.txt'}", f"tokenizer_type={tokenizer_type}")
   with pytest.raises(ConfigError, match="fewer than one row of max_target_length=16"):
     input_pipeline.TextData(config)
-  assert not list(tmp_path.rglob("tokens-*"))
+  assert not (tmp_path / "cache").exists()  # neither the tokens nor the BPE trained on them
 
 
 def test_byte_tokenizer_round_trips_any_utf8():

@@ -56,6 +56,8 @@ def files(path: str, suffixes=TEXT_SUFFIXES) -> list[str]:
     found = glob.glob(path, recursive=True)
   elif os.path.isfile(path):
     found = [path]
+  elif os.path.exists(path):  # read whole, /dev/zero would take all memory
+    raise ConfigError(f"dataset_path={path!r}: not a regular file or directory")
   else:
     raise ConfigError(f"dataset_path={path!r}: no such file or directory")
   found = sorted(f for f in found if os.path.isfile(f))

@@ -95,7 +95,7 @@ class TextData:
 
   def __init__(self, config):
     train_docs, eval_docs = corpus.split_documents(corpus.read_documents(config))
-    self.tokenizer = tokenizers.load_or_train(config, train_docs)
+    self.tokenizer, tokenizer_cache = tokenizers.load_or_train(config, train_docs)
     self.eod = tokenizers.eod_id(self.tokenizer, "tokenizer")
     streams = {split: _tokenized(config, docs, self.tokenizer, split)
                for split, docs in (("train", train_docs), ("eval", eval_docs))}
@@ -103,6 +103,8 @@ class TextData:
       if len(stream) <= config.max_target_length:
         raise ConfigError(f"dataset_path={config.dataset_path!r}: the {split} split has {len(stream)} "
                           f"tokens, fewer than one row of max_target_length={config.max_target_length}")
+    if tokenizer_cache:
+      tokenizers.save_atomic(self.tokenizer, tokenizer_cache)
     self.train, self.eval = (stream if path is None else _cache(stream, path) for stream, path in streams.values())
 
 

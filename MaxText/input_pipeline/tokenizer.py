@@ -81,8 +81,10 @@ def eod_id(tokenizer: Tokenizer, source: str) -> int:
   raise ConfigError(f"{source}: has no end-of-document token (one of {', '.join(EOD_CANDIDATES)})")
 
 
-def from_config(config, train_documents) -> tuple[Tokenizer, str]:
-  """(the tokenizer the config asks for, the words naming where it came from)."""
+def from_config(config, train_documents) -> tuple[Tokenizer, str, str | None]:
+  """(the tokenizer the config asks for, the words naming where it came from, the cache path
+  where a BPE trained here is to be saved once the run is accepted, else None)."""
+  unsaved = None
   if config.tokenizer_path:
     path = config.tokenizer_path
     if os.path.isdir(path):  # a Hugging Face model directory
@@ -101,10 +103,9 @@ def from_config(config, train_documents) -> tuple[Tokenizer, str]:
       except Exception as e:  # written atomically, so damaged after the fact: train it again
         logging.warning("tokenizer cache %s is unreadable (%s); training it again", path, first_line(e))
     if tokenizer is None:
-      tokenizer = train_bpe(train_documents, config.vocab_size)
-      save_atomic(tokenizer, path)
+      tokenizer, unsaved = train_bpe(train_documents, config.vocab_size), path
     source = f"tokenizer {path}"
-  return tokenizer, source
+  return tokenizer, source, unsaved
 
 
 def load_pretrained(config, user: str) -> Tokenizer:
@@ -113,14 +114,16 @@ def load_pretrained(config, user: str) -> Tokenizer:
   if not config.tokenizer_path and config.tokenizer_type == "bpe":
     raise ConfigError(f"tokenizer_type='bpe': {user} does not train tokenizers (that would read the whole corpus "
                       "first); give tokenizer_path=tokenizer.json or tokenizer_type=byte")
-  tokenizer, source = from_config(config, [])
+  tokenizer, source, _ = from_config(config, [])
   eod_id(tokenizer, source)
   return tokenizer
 
 
-def load_or_train(config, train_documents) -> Tokenizer:
-  """The tokenizer the config asks for; larger than vocab_size is a config error."""
-  tokenizer, source = from_config(config, train_documents)
+def load_or_train(config, train_documents) -> tuple[Tokenizer, str | None]:
+  """(The tokenizer the config asks for, where to cache it once the run is accepted: a refused
+  start writes nothing; None when it was read from a file). Larger than vocab_size is a config
+  error."""
+  tokenizer, source, unsaved = from_config(config, train_documents)
   check_vocab_size(tokenizer, config.vocab_size, source)
   eod_id(tokenizer, source)
-  return tokenizer
+  return tokenizer, unsaved
