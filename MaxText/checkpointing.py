@@ -341,11 +341,17 @@ def parameters_item(path: str) -> str:
   return item
 
 
+def check_parameter_shapes(path: str, abstract_params) -> str:
+  """check_shapes for load_parameters_path=`path`; returns its parameters item."""
+  item = parameters_item(path)
+  check_shapes(item, abstract_params, f"load_parameters_path={path!r} needs the model keys it was saved with")
+  return item
+
+
 @_abandoned_reads_quiet()
 def load_parameters(path: str, abstract_params, params_sharding):
   """Parameters only, from a checkpoint step directory (or its `state` item) of any run."""
-  item = parameters_item(path)
-  check_shapes(item, abstract_params, f"load_parameters_path={path!r} needs the model keys it was saved with")
+  item = check_parameter_shapes(path, abstract_params)
   target = {"params": _with_shardings(abstract_params, params_sharding)}
   try:
     restored = ocp.PyTreeCheckpointer().restore(item, args=ocp.args.PyTreeRestore(

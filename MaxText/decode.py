@@ -49,6 +49,8 @@ def _check_not_destroyed(params, path: str) -> None:
 
 
 def generate(config) -> str:
+  if not config.prompt:  # before the flags' tokenizer, which may tokenize the whole corpus
+    raise errors.ConfigError("prompt='': give some text to continue")
   tokenizer, source = _tokenizer(config)
   tokenizers.check_vocab_size(tokenizer, config.vocab_size, source)
   model = Transformer(config)
@@ -67,7 +69,7 @@ def generate(config) -> str:
 
   prompt = tokenizer.encode(config.prompt, add_special_tokens=False).ids
   if not prompt:
-    raise errors.ConfigError("prompt='': give some text to continue")
+    raise errors.ConfigError(f"prompt={config.prompt!r}: the tokenizer ({source}) gives no tokens for it")
   tokens = list(prompt)
   key = jax.random.key(config.decode_sampling_seed)
   for i in range(config.max_decode_length):

@@ -70,9 +70,12 @@ def train(config) -> None:
   data = input_pipeline.load(config)
   mesh = sharding.create_mesh(config)
   trainer = train_step.build(config, mesh)
+  if config.load_parameters_path:  # another model's parameters: one line before the run directory is made
+    checkpointing.check_parameter_shapes(config.load_parameters_path, trainer.abstract_state.params)
   compiled, stats = _compile_to_fit(trainer, config)
   with run_control.run_lock(config.run_dir):
     run_control.check_resume(config, data.tokenizer, trained=checkpointing.latest_checkpoint(config) is not None)
+    data.save_caches()
     manager = checkpointing.create_manager(config)
     logging.info("train step memory per device:\n%s", costs.format_memory_stats(stats))
     try:

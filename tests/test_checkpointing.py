@@ -373,6 +373,10 @@ def test_load_parameters_path_starts_a_new_run_from_trained_parameters(tmp_path,
   assert list(loss) == [1] and loss[1] < reference[1][1] - 0.5
   missing, _ = train(tmp_path, "finetune2", text_cache, "steps=1", f"load_parameters_path={tmp_path}/nope")
   assert missing.returncode == 2 and "load_parameters_path" in missing.stderr
+  with pytest.raises(errors.ConfigError, match=r"has shape \(2, 32, 64\), this config.s model \(3, 32, 64\)"):
+    run_command("train", *RUN, text_cache, f"base_output_directory={tmp_path}", "run_name=deeper",
+                "base_num_decoder_layers=3", f"load_parameters_path={source}")
+  assert not (tmp_path / "deeper").exists()  # another model's parameters: refused before the run directory is made
   # Into a run that already has checkpoints it would be silently ignored: refused instead.
   again, _ = train(tmp_path, "finetune", text_cache, "steps=2", f"load_parameters_path={source}")
   assert again.returncode == 2 and "already has checkpoints" in again.stderr.strip().splitlines()[-1]
@@ -391,6 +395,8 @@ def test_decode_continues_the_prompt(reference, text_cache, capsys):
   assert decoded() == first
   # The run's own tokenizer.json decodes: the data flags are not even read.
   assert decoded("dataset_path=/no/such/corpus") == first
+  with pytest.raises(errors.ConfigError, match="prompt='': give some text"):
+    decoded("prompt=")
 
 
 def test_the_run_keeps_its_config_and_tokenizer_and_a_resume_may_not_change_the_tokenizer(tmp_path, reference,
@@ -402,9 +408,11 @@ def test_the_run_keeps_its_config_and_tokenizer_and_a_resume_may_not_change_the_
   shutil.copytree(run, tmp_path / "ref")
   before = tree_digest(tmp_path / "ref" / "checkpoints")
   config_yml = (tmp_path / "ref" / "config.yml").read_text()
-  result, _ = train(tmp_path, "ref", text_cache, "steps=14", "learning_rate_schedule_steps=14", "tokenizer_type=byte")
+  result, _ = train(tmp_path, "ref", text_cache, "steps=14", "learning_rate_schedule_steps=14", "tokenizer_type=byte",
+                    f"dataset_cache_dir={tmp_path / 'cache'}")
   assert result.returncode == 2 and "tokenizer other than the one run" in result.stderr
   assert (tmp_path / "ref" / "config.yml").read_text() == config_yml
+  assert not (tmp_path / "cache").exists()  # the refused start's tokens are not cached
   assert len(result.stderr.strip().splitlines()) == 1
   assert tree_digest(tmp_path / "ref" / "checkpoints") == before
 

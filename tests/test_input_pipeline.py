@@ -162,6 +162,7 @@ def test_packed_rows_never_cross_a_document_boundary():
 def test_text_is_tokenized_once_then_read_from_the_cache(tmp_path, monkeypatch):
   config = text_config(tmp_path)
   first = input_pipeline.TextData(config)
+  first.save_caches()
   monkeypatch.setattr(type(first.tokenizer), "encode_batch",
                       lambda *_, **__: pytest.fail("tokenized twice"), raising=False)
   second = input_pipeline.TextData(config)
@@ -227,8 +228,8 @@ def test_batches_from_a_step_on_follow_from_the_step_alone_for_any_number_of_pro
 def test_a_damaged_cache_entry_is_rebuilt_not_fatal(tmp_path):
   config = text_config(tmp_path)
   first = input_pipeline.TextData(config)
+  first.save_caches()
   want_tokenizer, want_train, want_eval = first.tokenizer.to_str(), np.array(first.train), np.array(first.eval)
-  del first  # its streams map the cache files cut below
   caches = sorted(tmp_path.rglob("*.npy")) + sorted(tmp_path.rglob("bpe-*.json"))
   assert [p.suffix for p in caches] == [".npy", ".npy", ".json"]
   for path in caches:  # cut each to half, as a full disk or a bad copy would

@@ -19,6 +19,7 @@ addressable: shuffling rows (not whole documents) and resuming at any index stay
 
 import glob
 import os
+from collections.abc import Callable
 from typing import NamedTuple
 
 import grain
@@ -82,16 +83,17 @@ def _tokenized(config, documents, tokenizer, split) -> tuple[np.ndarray, str | N
   return np.fromiter((t for e in encoded for t in (*e.ids, eod)), dtype=np.int32), path
 
 
-def _cache(stream: np.ndarray, path: str) -> np.ndarray:
+def _cache(stream: np.ndarray, path: str) -> None:
   os.makedirs(os.path.dirname(path), exist_ok=True)
   tmp = f"{path}.tmp{os.getpid()}.npy"
   np.save(tmp, stream)
   os.replace(tmp, path)
-  return np.load(path, mmap_mode="r")
 
 
 class TextData:
-  """The tokenizer and the tokenized train and eval streams of config.dataset_path."""
+  """The tokenizer and the tokenized train and eval streams of config.dataset_path. What was
+  trained or tokenized here is cached by save_caches, which a command calls once it has
+  accepted the start: a refused one writes nothing."""
 
   def __init__(self, config):
     train_docs, eval_docs = corpus.split_documents(corpus.read_documents(config))
@@ -99,13 +101,20 @@ class TextData:
     self.eod = tokenizers.eod_id(self.tokenizer, "tokenizer")
     streams = {split: _tokenized(config, docs, self.tokenizer, split)
                for split, docs in (("train", train_docs), ("eval", eval_docs))}
-    for split, (stream, _) in streams.items():  # before any cache is written: a failed run writes none
+    for split, (stream, _) in streams.items():
       if len(stream) <= config.max_target_length:
         raise ConfigError(f"dataset_path={config.dataset_path!r}: the {split} split has {len(stream)} "
                           f"tokens, fewer than one row of max_target_length={config.max_target_length}")
-    if tokenizer_cache:
-      tokenizers.save_atomic(self.tokenizer, tokenizer_cache)
-    self.train, self.eval = (stream if path is None else _cache(stream, path) for stream, path in streams.values())
+    self.train, self.eval = (stream for stream, _ in streams.values())
+    self._unsaved = [(stream, path) for stream, path in streams.values() if path]
+    self._unsaved_tokenizer = tokenizer_cache
+
+  def save_caches(self) -> None:
+    if self._unsaved_tokenizer:
+      tokenizers.save_atomic(self.tokenizer, self._unsaved_tokenizer)
+    for stream, path in self._unsaved:
+      _cache(stream, path)
+    self._unsaved, self._unsaved_tokenizer = [], None
 
 
 def batches(rows: grain.MapDataset, batch_size: int) -> grain.MapDataset:
@@ -138,6 +147,7 @@ class Data(NamedTuple):
   eval: grain.MapDataset | grain.IterDataset | None  # the same rows every evaluation; None: no held-out data
   worker_count: int = 0  # grain worker processes preparing batches (0: threads)
   worker_buffer_size: int = 1
+  save_caches: Callable[[], None] = lambda: None  # writes what loading trained or tokenized, once a run is accepted
 
 
 def synthetic_data(config) -> Data:
@@ -149,7 +159,7 @@ def text_data(config) -> Data:
   text = TextData(config)
   length = config.max_target_length
   return Data(text.tokenizer, text_rows(text.train, length, text.eod).shuffle(seed=config.data_shuffle_seed).repeat(),
-              text_rows(text.eval, length, text.eod).repeat())
+              text_rows(text.eval, length, text.eod).repeat(), save_caches=text.save_caches)
 
 
 def _shards(config, key: str):
