@@ -30,6 +30,7 @@ from jax.experimental import multihost_utils
 
 from MaxText.errors import ConfigError, UserError, first_line
 
+_ORBAX_DIR = os.path.dirname(ocp.__file__)
 COMMITTED = "_CHECKPOINT_METADATA"  # orbax's file in every step directory it committed (an empty stray one lacks it)
 
 
@@ -143,20 +144,38 @@ def latest_checkpoint(config) -> str | None:
   return None
 
 
+def _through_orbax(record) -> bool:
+  """Whether `record` carries an exception raised in or logged by orbax."""
+  if not record.exc_info:
+    return False
+  if _ORBAX_DIR in record.pathname:
+    return True
+  trace = record.exc_info[2]
+  while trace is not None and _ORBAX_DIR not in trace.tb_frame.f_code.co_filename:
+    trace = trace.tb_next
+  return trace is not None
+
+
 def _orbax_tracebacks_to_debug(record) -> bool:
-  """orbax logs a failed save with its traceback from each thread that sees it (three or four,
-  one after the interpreter began to exit); save and wait_for_saves raise it as one
-  CheckpointError naming the step, so those records go to the debug log as one line."""
-  if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
+  """A failed save or restore reaches the user as one line (CheckpointError, or the warning that
+  sets a damaged checkpoint aside), but orbax logs it with its traceback from each thread that
+  sees it, one after the interpreter began to exit, and asyncio reports each read orbax
+  abandoned, on whatever loop ran it, as a task exception never retrieved. Those records go to
+  the debug log as one line."""
+  if _through_orbax(record):
     logging.debug("orbax: %s: %s", record.getMessage(), first_line(record.exc_info[1]))
     return False
   return True
 
 
+def _quiet_orbax_tracebacks() -> None:
+  logging.get_absl_handler().addFilter(_orbax_tracebacks_to_debug)  # once: a filter already there is not added again
+
+
 def create_manager(config) -> ocp.CheckpointManager | None:
   if not config.enable_checkpointing:
     return None
-  logging.get_absl_handler().addFilter(_orbax_tracebacks_to_debug)
+  _quiet_orbax_tracebacks()
   # The trainer decides when to save (every checkpoint_period steps and the last step).
   options = ocp.CheckpointManagerOptions(
       max_to_keep=config.max_to_keep,
@@ -351,6 +370,7 @@ def check_parameter_shapes(path: str, abstract_params) -> str:
 @_abandoned_reads_quiet()
 def load_parameters(path: str, abstract_params, params_sharding):
   """Parameters only, from a checkpoint step directory (or its `state` item) of any run."""
+  _quiet_orbax_tracebacks()
   item = check_parameter_shapes(path, abstract_params)
   target = {"params": _with_shardings(abstract_params, params_sharding)}
   try:

@@ -15,6 +15,7 @@ import time
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import yaml
 from conftest import BASE_YML, ROOT, TINY, TINY_TEXT, run_cli, run_command
@@ -269,6 +270,26 @@ def test_reads_that_fail_after_orbax_closed_its_event_loop_print_no_traceback(ca
   caplog.clear()
   fail_on(asyncio.new_event_loop(), close=True)  # a loop made outside a restore is asyncio's own
   assert any("never retrieved" in r.getMessage() for r in caplog.records)
+
+
+def test_exceptions_through_orbax_reach_the_debug_log_only_and_others_are_kept():
+  """An abandoned read's exception, reported by asyncio from whatever loop ran it, or orbax's own
+  traceback of a failed save: the command says it in one line; other libraries' are printed."""
+  from absl import logging as absl_logging
+  from etils import epath
+  checkpointing._quiet_orbax_tracebacks()  # as every save and restore does
+  try:
+    ocp.PyTreeCheckpointHandler().metadata(epath.Path("/no/such/checkpoint/state"))
+  except Exception as e:  # whatever orbax raises
+    through_orbax = e
+  try:
+    raise ValueError("not from orbax")
+  except ValueError as e:
+    elsewhere = e
+  message = "Task exception was never retrieved"
+  never_retrieved = [logging.LogRecord("asyncio", logging.ERROR, asyncio.__file__, 1, message, None,
+                                       (type(e), e, e.__traceback__)) for e in (through_orbax, elsewhere)]
+  assert [bool(absl_logging.get_absl_handler().filter(r)) for r in never_retrieved] == [False, True]
 
 
 @pytest.mark.parametrize("how, why", [("garbage", "cannot be restored"), ("unreadable data", "cannot be restored"),
