@@ -24,6 +24,14 @@ def shared(text_cache):
   return lambda *overrides: tiny_config(*TINY_TEXT, text_cache, *overrides)
 
 
+def load(config):
+  """input_pipeline.load, its caches then written as train writes them: the corpus is tokenized
+  once for the session's tests."""
+  data = input_pipeline.load(config)
+  data.save_caches()
+  return data
+
+
 def test_strip_markdown_keeps_the_words_and_drops_the_markup():
   md = ("# Macbeth\n\n## ACT I\n\n### SCENE I. A desert place.\n\n_Thunder and lightning._\n\n"
         "**First Witch**  \nWhen shall we three meet again  \nIn thunder?\n\n__\\[Aside]_  \n"
@@ -178,11 +186,11 @@ def batches_of(config, data, count):
 
 def test_batches_are_shuffled_by_seed_and_resume_from_the_iterator_state(shared):
   config = shared()
-  data = input_pipeline.load(config)
+  data = load(config)
   batches = batches_of(config, data, 6)
   assert batches[0]["inputs"].shape == (config.global_batch_size_to_train_on, config.max_target_length)
   reseeded = shared("data_shuffle_seed=1")
-  assert not np.array_equal(batches[0]["inputs"], batches_of(reseeded, input_pipeline.load(reseeded), 1)[0]["inputs"])
+  assert not np.array_equal(batches[0]["inputs"], batches_of(reseeded, load(reseeded), 1)[0]["inputs"])
   iterator = input_pipeline.create_train_iterator(config, data)
   for _ in range(3):
     next(iterator)
@@ -195,7 +203,7 @@ def test_batches_are_shuffled_by_seed_and_resume_from_the_iterator_state(shared)
 
 def test_each_process_loads_its_slice_of_the_global_batch(shared, monkeypatch):
   config = shared()
-  data = input_pipeline.load(config)
+  data = load(config)
   whole = batches_of(config, data, 2)
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   parts = []
@@ -210,7 +218,7 @@ def test_each_process_loads_its_slice_of_the_global_batch(shared, monkeypatch):
 
 def test_batches_from_a_step_on_follow_from_the_step_alone_for_any_number_of_processes(shared, monkeypatch):
   config = shared()
-  data = input_pipeline.load(config)
+  data = load(config)
   assert input_pipeline.resumes_by_step(data)
   whole = batches_of(config, data, 5)[3:]
   monkeypatch.setattr(jax, "process_count", lambda: 2)
