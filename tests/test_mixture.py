@@ -9,6 +9,7 @@ from fractions import Fraction
 import jax
 import numpy as np
 import pytest
+from absl import flags
 from conftest import TINY, run_command, tiny_config
 
 from MaxText import run_control, sharding, train, train_step
@@ -135,6 +136,11 @@ def test_batches_from_any_step_are_the_uninterrupted_ones_on_one_or_two_processe
   for step, batch in enumerate(whole):
     jax.tree.map(np.testing.assert_array_equal, batch,
                  jax.tree.map(lambda *rows: np.stack(rows), *[data.train[step * size + i] for i in range(size)]))
+  flags.FLAGS.mark_as_parsed()  # grain's workers read its absl flags, which app.run parses outside pytest
+  in_a_worker = grain_config(corpora, "grain_worker_count=1")  # the mixture pickled into a worker process
+  resumed = input_pipeline.create_train_iterator(in_a_worker, input_pipeline.load(in_a_worker), 4)
+  for want in whole[4:]:
+    jax.tree.map(np.testing.assert_array_equal, next(resumed), want)
   for processes in (1, 2):
     monkeypatch.setattr(jax, "process_count", lambda processes=processes: processes)
     parts = []

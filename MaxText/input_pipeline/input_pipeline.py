@@ -20,6 +20,7 @@ addressable: shuffling rows (not whole documents) and resuming at any index stay
 import glob
 import os
 from collections.abc import Callable
+from fractions import Fraction
 from typing import NamedTuple
 
 import grain
@@ -213,7 +214,7 @@ def _parquet_rows(config, key: str, tokenizer: Tokenizer, shuffle: bool) -> grai
 
 class _Sources(NamedTuple):
   names: list[str]
-  weights: list  # Fractions, as written
+  weights: list[Fraction]  # as written
   rows: list[grain.MapDataset]  # each source's rows, unshuffled
   tokenizer: Tokenizer
 
