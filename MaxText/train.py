@@ -32,8 +32,8 @@ def _evaluate_rows(trainer: Trainer, config, params, rows) -> dict:
 
 def evaluate(trainer: Trainer, config, params, data) -> dict:
   """eval/loss, eval/perplexity, eval/accuracy of the held-out rows. Several eval sources are each
-  evaluated alone (eval/<source>/...), and eval/loss and eval/accuracy are their means weighted by
-  the sources' weights, so a source's loss does not move with how its rows fall into batches."""
+  evaluated alone on eval_steps batches (eval/<source>/...), so a source's figures are those it
+  would have as the only one, and eval/loss and eval/accuracy are their means by the sources' weights."""
   if not data.eval_weights:
     return {f"eval/{k}": v for k, v in _evaluate_rows(trainer, config, params, data.eval).items()}
   metrics, total = {}, sum(data.eval_weights.values())

@@ -8,7 +8,8 @@ Every row is a dict of [max_target_length] int32 arrays, MaxText's names:
   inputs_segmentation (document id within the row, 0 for padding), targets_segmentation
   (the loss mask: 0 where the target must not be scored).
 Datasets are grain MapDatasets with random access (all but streamed parquet), so a restored
-run starts at its step with exactly the batches it would have seen, on any number of hosts.
+run starts at its step with exactly the batches it would have seen, on any number of hosts;
+prepared shards may be a weighted mixture of corpora (mixture.py), which keeps that.
 
 Text is tokenized into a stream `doc EOD doc EOD ...` (dataset_type=text: in memory, cached as
 .npy; grain: by prepare_data, read from ArrayRecord shards by token_shards.TokenStream), and
