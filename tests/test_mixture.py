@@ -233,6 +233,13 @@ def test_a_bad_mixture_is_one_line_naming_its_source_and_writes_nothing(corpora,
   assert not list(tmp_path.iterdir())
 
 
+def test_parquet_takes_one_glob_not_a_mixture(corpora):
+  config = tiny_config("dataset_type=grain", "grain_file_type=parquet", "tokenizer_type=byte", "vocab_size=320",
+                       f"grain_train_files={mixture_of(corpora, 'train')}")
+  with pytest.raises(ConfigError, match="grain_file_type='parquet' reads one glob"):
+    input_pipeline.load(config)
+
+
 def test_new_weights_at_a_resume_are_logged_with_the_old_ones(corpora, tmp_path, caplog):
   (tmp_path / "default").mkdir()  # made by run_lock in a run
   old, new = mixture_of(corpora, "train"), mixture_of(corpora, "train", ("0.2", "0.3", "0.5"))
