@@ -20,6 +20,7 @@ from typing import Literal
 from MaxText import accelerators, losses, remat, sharding
 from MaxText.errors import ConfigError
 from MaxText.families import FAMILIES
+from MaxText.input_pipeline import mixture
 from MaxText.input_pipeline.input_pipeline import DATASET_TYPES
 from MaxText.layers.attentions import ATTENTIONS
 from MaxText.layers.context_parallel import STRATEGIES
@@ -403,8 +404,15 @@ class Data:
 @section("dataset_type=grain: prepared shards, streamed (MaxText's keys)")
 class Grain:
   """Prepared shards, read by grain."""
-  grain_train_files: str = key("", "glob of train files, e.g. DIR/train-*.arrayrecord (manifest.json beside them)")
-  grain_eval_files: str = key("", "glob of eval files, e.g. DIR/eval-*.arrayrecord; needed when eval_interval > 0")
+  grain_train_files: str = key(
+      "", "glob of train files, e.g. DIR/train-*.arrayrecord (manifest.json beside them), or a weighted mixture "
+          "GLOB,WEIGHT;GLOB,WEIGHT",
+      doc="A mixture (prepared corpora with one tokenizer) draws each corpus's share of every prefix of the rows, "
+          "each corpus reshuffled per epoch; metrics data/fraction/SOURCE and data/epochs/SOURCE, SOURCE "
+          "being its directory's name. See docs/guides/data.md.")
+  grain_eval_files: str = key("", "glob of eval files, e.g. DIR/eval-*.arrayrecord, or GLOB,WEIGHT;GLOB,WEIGHT "
+                                  "(eval/SOURCE/loss each, eval/loss their weighted mean); needed when "
+                                  "eval_interval > 0")
   grain_file_type: Literal["arrayrecord", "parquet"] = key(
       "arrayrecord", "arrayrecord: prepare_data's shards, read a window at a time; parquet: text tokenized on the fly",
       doc="parquet: text in text_column, tokenized on the fly (tokenizer_path or tokenizer_type=byte), each host "
@@ -413,6 +421,8 @@ class Grain:
   grain_per_worker_buffer_size: int = key(1, "batches each worker keeps ready")
 
   def check(self):
+    for name in ("grain_train_files", "grain_eval_files"):
+      mixture.parse(name, getattr(self, name))  # the syntax and the weights, before any file is read
     at_least(self, 0, "grain_worker_count")
     at_least(self, 1, "grain_per_worker_buffer_size")
 

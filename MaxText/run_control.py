@@ -225,13 +225,20 @@ def record_run_files(config, tokenizer) -> None:
   if jax.process_index() != 0:
     return
   path = os.path.join(config.run_dir, "config.yml")
-  if os.path.exists(path):  # a resume: its data order follows the batch size
+  if os.path.exists(path):  # a resume: its data order follows the batch size and the mixture's weights
     with open(path) as f:
-      before = (yaml.safe_load(f) or {}).get("global_batch_size_to_train_on")
-    if before not in (None, config.global_batch_size_to_train_on):
+      before = yaml.safe_load(f) or {}
+    batch = before.get("global_batch_size_to_train_on")
+    if batch not in (None, config.global_batch_size_to_train_on):
       logging.warning("run %s was trained with global batches of %s rows and resumes with %d: the batches from "
-                      "here on are not those of an uninterrupted run", config.run_dir, before,
+                      "here on are not those of an uninterrupted run", config.run_dir, batch,
                       config.global_batch_size_to_train_on)
+    mixture = before.get("grain_train_files")
+    if config.dataset_type == "grain" and mixture not in (None, config.grain_train_files):
+      logging.warning("run %s was trained on grain_train_files=%r and resumes with %r, a new phase: the rows "
+                      "trained so far stay as they were; from here on the rows are those the new weights give at "
+                      "this step, as if the run had always had them", config.run_dir, mixture,
+                      config.grain_train_files)
   _write_atomic(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
   path = os.path.join(config.run_dir, "tokenizer.json")
   if tokenizer is not None and not os.path.exists(path):

@@ -16,9 +16,9 @@ from MaxText.input_pipeline import input_pipeline
 from MaxText.train_step import Trainer, device_batch
 
 
-def evaluate(trainer: Trainer, config, params, data) -> dict:
-  """eval_steps held-out batches: eval/loss (cross entropy, no z-loss or MoE router losses), perplexity, accuracy."""
-  batches = input_pipeline.create_eval_iterator(config, data)
+def _evaluate_rows(trainer: Trainer, config, params, rows) -> dict:
+  """loss (cross entropy, no z-loss or MoE router losses), perplexity, accuracy of eval_steps batches of `rows`."""
+  batches = input_pipeline.create_eval_iterator(config, rows)
   sums = None
   for _ in range(config.eval_steps):
     batch_sums = trainer.eval_step(params, device_batch(trainer, next(batches)))
@@ -26,8 +26,22 @@ def evaluate(trainer: Trainer, config, params, data) -> dict:
   sums = {k: float(v) for k, v in jax.device_get(sums).items()}
   weights = max(sums["weights"], 1.0)
   cross_entropy = (sums["loss"] - sums["z_loss"] - sums.get("moe_aux_loss", 0.0)) / weights
-  return {"eval/loss": cross_entropy, "eval/perplexity": math.exp(min(cross_entropy, 50.0)),
-          "eval/accuracy": sums["correct"] / weights}
+  return {"loss": cross_entropy, "perplexity": math.exp(min(cross_entropy, 50.0)),
+          "accuracy": sums["correct"] / weights}
+
+
+def evaluate(trainer: Trainer, config, params, data) -> dict:
+  """eval/loss, eval/perplexity, eval/accuracy of the held-out rows. Several eval sources are each
+  evaluated alone on eval_steps batches (eval/<source>/...), so a source's figures are those it
+  would have as the only one, and eval/loss and eval/accuracy are their means by the sources' weights."""
+  if not data.eval_weights:
+    return {f"eval/{k}": v for k, v in _evaluate_rows(trainer, config, params, data.eval).items()}
+  metrics, total = {}, sum(data.eval_weights.values())
+  for name, rows in data.eval.items():
+    metrics.update({f"eval/{name}/{k}": v for k, v in _evaluate_rows(trainer, config, params, rows).items()})
+  loss, accuracy = (sum(w * metrics[f"eval/{name}/{k}"] for name, w in data.eval_weights.items()) / total
+                    for k in ("loss", "accuracy"))
+  return {**metrics, "eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0)), "eval/accuracy": accuracy}
 
 
 def initial_state(trainer: Trainer, config, manager, data):
@@ -122,7 +136,8 @@ def _train_steps(trainer, config, compiled, state, data, train_iterator, manager
     return {**fetched, **clock.lap()}
 
   def log(step: int, fetched: dict) -> None:
-    logger.write(step, fetched, force_log=step == config.steps)
+    progress = data.progress(step * config.global_batch_size_to_train_on)  # the rows steps 1..step drew
+    logger.write(step, {**fetched, **progress}, force_log=step == config.steps)
     streak.update(step, fetched["learning/nonfinite"], latest_checkpoint)
 
   # The host never makes the device wait: step N is dispatched before step N-1's metrics are

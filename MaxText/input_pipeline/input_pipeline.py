@@ -8,7 +8,8 @@ Every row is a dict of [max_target_length] int32 arrays, MaxText's names:
   inputs_segmentation (document id within the row, 0 for padding), targets_segmentation
   (the loss mask: 0 where the target must not be scored).
 Datasets are grain MapDatasets with random access (all but streamed parquet), so a restored
-run starts at its step with exactly the batches it would have seen, on any number of hosts.
+run starts at its step with exactly the batches it would have seen, on any number of hosts;
+prepared shards may be a weighted mixture of corpora (mixture.py), which keeps that.
 
 Text is tokenized into a stream `doc EOD doc EOD ...` (dataset_type=text: in memory, cached as
 .npy; grain: by prepare_data, read from ArrayRecord shards by token_shards.TokenStream), and
@@ -20,6 +21,7 @@ addressable: shuffling rows (not whole documents) and resuming at any index stay
 import glob
 import os
 from collections.abc import Callable
+from fractions import Fraction
 from typing import NamedTuple
 
 import grain
@@ -29,7 +31,7 @@ from absl import logging
 from tokenizers import Tokenizer
 
 from MaxText.errors import ConfigError, first_line
-from MaxText.input_pipeline import corpus, token_shards
+from MaxText.input_pipeline import corpus, mixture, token_shards
 from MaxText.input_pipeline import tokenizer as tokenizers
 
 
@@ -144,10 +146,15 @@ class Data(NamedTuple):
   # Rows, endless and shuffled: a MapDataset of all rows (each process takes its slices), or
   # an IterDataset of this process's rows (streamed formats, each process reading its files).
   train: grain.MapDataset | grain.IterDataset
-  eval: grain.MapDataset | grain.IterDataset | None  # the same rows every evaluation; None: no held-out data
+  # The same rows every evaluation; None: no held-out data; {source: rows} for several sources,
+  # each evaluated alone and weighted by eval_weights into the total.
+  eval: grain.MapDataset | grain.IterDataset | dict[str, grain.MapDataset] | None
   worker_count: int = 0  # grain worker processes preparing batches (0: threads)
   worker_buffer_size: int = 1
   save_caches: Callable[[], None] = lambda: None  # writes what loading trained or tokenized, once a run is accepted
+  eval_weights: dict[str, float] | None = None  # of the eval sources, when eval is a dict
+  # The data/* metrics once the first `rows` global training rows are drawn (mixture.Mixture).
+  progress: Callable[[int], dict] = lambda rows: {}
 
 
 def synthetic_data(config) -> Data:
@@ -162,13 +169,13 @@ def text_data(config) -> Data:
               text_rows(text.eval, length, text.eod).repeat(), save_caches=text.save_caches)
 
 
-def _shards(config, key: str):
-  """(TokenStream, Tokenizer) of the prepared shards named by config key `key`."""
-  stream, tokenizer = token_shards.open_split(key, getattr(config, key))
+def _shards(config, key: str, pattern: str):
+  """(TokenStream, Tokenizer) of the prepared shards matching `pattern`, a source of config key `key`."""
+  stream, tokenizer = token_shards.open_split(key, pattern)
   if len(stream) <= config.max_target_length:
-    raise ConfigError(f"{key}={getattr(config, key)!r}: {len(stream)} tokens, fewer than one row of "
+    raise ConfigError(f"{key}={pattern!r}: {len(stream)} tokens, fewer than one row of "
                       f"max_target_length={config.max_target_length}")
-  tokenizers.check_vocab_size(tokenizer, config.vocab_size, f"the tokenizer of {key}={getattr(config, key)!r}")
+  tokenizers.check_vocab_size(tokenizer, config.vocab_size, f"the tokenizer of {key}={pattern!r}")
   return stream, tokenizer
 
 
@@ -206,11 +213,26 @@ def _parquet_rows(config, key: str, tokenizer: Tokenizer, shuffle: bool) -> grai
   return windows.map(lambda window: pack(window["tokens"], eod))
 
 
-def _shard_rows(config, key: str, shuffle: bool):
-  """(endless rows, tokenizer) of the prepared shards named by config key `key`."""
-  stream, tokenizer = _shards(config, key)
-  rows = text_rows(stream, config.max_target_length, stream.eod)
-  return (rows.shuffle(seed=config.data_shuffle_seed) if shuffle else rows).repeat(), tokenizer
+class _Sources(NamedTuple):
+  names: list[str]
+  weights: list[Fraction]  # as written
+  rows: list[grain.MapDataset]  # each source's rows, unshuffled
+  tokenizer: Tokenizer
+
+
+def _shard_sources(config, key: str) -> _Sources:
+  """The prepared corpora config key `key` names (mixture.parse), which must share one tokenizer."""
+  sources = mixture.parse(key, getattr(config, key))
+  opened = [_shards(config, key, source.pattern) for source in sources]
+  names = mixture.names([os.path.dirname(stream.paths[0]) for stream, _ in opened])
+  first = opened[0][1]
+  for name, source, (_, tokenizer) in zip(names, sources, opened):
+    if tokenizer.to_str() != first.to_str():
+      raise ConfigError(f"{key}: source {name!r} ({source.pattern}) was tokenized with another tokenizer "
+                        f"(vocabulary {tokenizer.get_vocab_size()}) than source {names[0]!r} (vocabulary "
+                        f"{first.get_vocab_size()}); a mixture's corpora must share one")
+  rows = [text_rows(stream, config.max_target_length, stream.eod) for stream, _ in opened]
+  return _Sources(names, [s.weight for s in sources], rows, first)
 
 
 def grain_data(config) -> Data:
@@ -219,21 +241,35 @@ def grain_data(config) -> Data:
   if config.eval_interval and not config.grain_eval_files:
     raise ConfigError(f"grain_eval_files='': needed for eval_interval={config.eval_interval} (e.g. "
                       f"DIR/eval-*.arrayrecord beside the train shards), or set eval_interval=0")
-  held_out = None
+  held_out, extra = None, {}
   if config.grain_file_type == "parquet":
+    for key in ("grain_train_files", "grain_eval_files"):
+      value = getattr(config, key)
+      if value and mixture.parse(key, value) != [mixture.Source(value.strip(), 1)]:
+        raise ConfigError(f"{key}={value!r}: grain_file_type='parquet' reads one glob; mixtures are "
+                          "of prepare_data's shards (prepare each corpus, then weigh them)")
     tokenizer = tokenizers.load_pretrained(config, "grain_file_type='parquet'")
     tokenizers.check_vocab_size(tokenizer, config.vocab_size, "the tokenizer of grain_file_type='parquet'")
     train = _parquet_rows(config, "grain_train_files", tokenizer, shuffle=True)
     if config.grain_eval_files:
       held_out = _parquet_rows(config, "grain_eval_files", tokenizer, shuffle=False)
   else:
-    train, tokenizer = _shard_rows(config, "grain_train_files", shuffle=True)
+    sources = _shard_sources(config, "grain_train_files")
+    tokenizer = sources.tokenizer
+    mixed = mixture.Mixture(sources.names, sources.rows, sources.weights, config.data_shuffle_seed)
+    train, extra["progress"] = mixed.rows, mixed.progress
     if config.grain_eval_files:
-      held_out, eval_tokenizer = _shard_rows(config, "grain_eval_files", shuffle=False)
-      if eval_tokenizer.to_str() != tokenizer.to_str():
+      held = _shard_sources(config, "grain_eval_files")
+      if held.tokenizer.to_str() != tokenizer.to_str():
         raise ConfigError(f"grain_eval_files={config.grain_eval_files!r}: tokenized with another tokenizer than "
                           f"grain_train_files={config.grain_train_files!r}")
-  return Data(tokenizer, train, held_out, config.grain_worker_count, config.grain_per_worker_buffer_size)
+      if len(held.rows) == 1:
+        held_out = held.rows[0].repeat()
+      else:
+        held_out = {name: rows.repeat() for name, rows in zip(held.names, held.rows)}
+        extra["eval_weights"] = {name: float(w) for name, w in zip(held.names, held.weights)}
+  return Data(tokenizer, train, held_out, config.grain_worker_count, config.grain_per_worker_buffer_size,
+              **extra)
 
 
 # dataset_type -> the function giving its Data; the only place that tells the types apart.
@@ -261,6 +297,7 @@ def create_train_iterator(config, data: Data, step: int = 0) -> grain.DatasetIte
   return iter(dataset)
 
 
-def create_eval_iterator(config, data: Data) -> grain.DatasetIterator:
-  """The same eval_steps batches of held-out rows every time (repeated if the split is short)."""
-  return iter(_batches(data.eval, config.micro_batch_size))
+def create_eval_iterator(config, rows: grain.MapDataset | grain.IterDataset) -> grain.DatasetIterator:
+  """The same eval_steps batches of held-out rows (data.eval, or one of its sources) every time
+  (repeated if the split is short)."""
+  return iter(_batches(rows, config.micro_batch_size))

@@ -1,0 +1,275 @@
+"""Weighted mixtures of prepared corpora: which rows, resumed at any step, their metrics, bad input."""
+
+import json
+import logging
+import math
+import re
+from fractions import Fraction
+
+import jax
+import numpy as np
+import pytest
+from absl import flags
+from conftest import TINY, run_command, tiny_config
+
+from MaxText import run_control, sharding, train, train_step
+from MaxText.errors import ConfigError
+from MaxText.input_pipeline import input_pipeline, mixture, prepare_data, token_shards, tokenizer
+
+# name -> (its documents' letters, train documents): no two corpora share a letter, so a row's
+# tokens say which corpus it came from; sizes differ, so the sources' epochs do.
+CORPORA = {"alpha": ("ab", 40), "beta": ("cd", 20), "gamma": ("ef", 12)}
+WEIGHTS = ("0.5", "0.3", "0.2")
+
+
+def write_documents(directory, letters, count, longest, seed):
+  directory.mkdir(parents=True)
+  rng = np.random.default_rng(seed)
+  with open(directory / "documents.jsonl", "w") as f:
+    for _ in range(count):
+      f.write(json.dumps({"text": "".join(rng.choice(list(letters), rng.integers(1, longest)))}) + "\n")
+  return directory
+
+
+def prepare(tmp, name, letters, count, *overrides, longest=60):
+  source = write_documents(tmp / "text" / name, letters, count, longest, seed=count)
+  prepare_data.prepare(tiny_config(f"dataset_path={source}", "tokenizer_type=byte", f"output_path={tmp / name}",
+                                   "num_train_shards=2", "prepare_workers=1", *overrides))
+  return tmp / name
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("corpora")
+  return {name: prepare(tmp, name, letters, count) for name, (letters, count) in CORPORA.items()}
+
+
+def mixture_of(corpora, split, weights=WEIGHTS):
+  return ";".join(f"{corpora[name]}/{split}-*,{weight}" for name, weight in zip(CORPORA, weights))
+
+
+def grain_config(corpora, *overrides):
+  return tiny_config("dataset_type=grain", f"grain_train_files={mixture_of(corpora, 'train')}", "vocab_size=320",
+                     "grain_worker_count=0", *overrides)
+
+
+def reference_sources(weights, rows):
+  """Which source each of the first `rows` rows comes from, drawn one row at a time: source i
+  takes a row that sources 0..i-1 left whenever its count of such rows falls behind
+  ceil(seen * w_i / (w_i + ... + w_last))."""
+  weights = [Fraction(w) for w in weights]
+  seen, taken, drawn = [0] * len(weights), [0] * len(weights), []
+  for _ in range(rows):
+    for i, weight in enumerate(weights):
+      seen[i] += 1
+      if taken[i] < math.ceil(seen[i] * weight / sum(weights[i:])):
+        taken[i] += 1
+        drawn.append(i)
+        break
+  return drawn
+
+
+def reference_rows(config, corpora, rows):
+  """The first `rows` rows of the mixture, by a plain loop: the k-th row of source s is row k mod
+  its size of epoch k // size, shuffled with the source's seed plus that epoch."""
+  streams = [token_shards.open_split("grain_train_files", f"{corpora[name]}/train-*")[0] for name in CORPORA]
+  sources = [input_pipeline.text_rows(np.asarray(s[:]), config.max_target_length, s.eod) for s in streams]
+  drawn, out = [0] * len(sources), []
+  for s in reference_sources(WEIGHTS, rows):
+    epoch, k = divmod(drawn[s], len(sources[s]))
+    seed = (config.data_shuffle_seed + s * mixture.SEED_STRIDE + epoch) % 2**32
+    out.append(sources[s].shuffle(seed=seed)[k])
+    drawn[s] += 1
+  return out, drawn, [len(s) for s in sources]
+
+
+def corpus_of(row) -> str:
+  byte = tokenizer.byte_tokenizer()
+  tokens = set(row["inputs"].tolist()) - {tokenizer.eod_id(byte, "byte")}
+  return next(name for name, (letters, _) in CORPORA.items() if tokens <= set(byte.encode(letters).ids))
+
+
+@pytest.mark.parametrize("weights", [(1, 1), (3, 1, 1), (0.5, 0.3, 0.2), (1, 1000), (Fraction(1, 3), 2, 7, 0.25)])
+def test_every_prefix_holds_each_source_within_a_few_rows_of_its_share(weights):
+  interleave = mixture.Interleave([Fraction(w) for w in weights])
+  shares = [Fraction(w) / sum(map(Fraction, weights)) for w in weights]
+  drawn = reference_sources(weights, 2000)
+  for rows in range(0, 2001, 37):
+    counts = interleave.counts(rows)
+    assert counts == [drawn[:rows].count(i) for i in range(len(weights))]
+    assert all(abs(c - rows * share) < len(weights) for c, share in zip(counts, shares))
+  assert [interleave[r] for r in range(300)] == [(s, drawn[:r].count(s)) for r, s in enumerate(drawn[:300])]
+
+
+def test_rows_are_each_sources_reshuffled_epochs_in_the_weights_shares(corpora):
+  config = grain_config(corpora)
+  data = input_pipeline.load(config)
+  rows = 400
+  want, drawn, sizes = reference_rows(config, corpora, rows)
+  assert all(d > size for d, size in zip(drawn, sizes))  # every source is into its second epoch or later
+  got = [data.train[r] for r in range(rows)]
+  for a, b in zip(got, want):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+  from_tokens = [corpus_of(row) for row in got]
+  for name, weight in zip(CORPORA, WEIGHTS):
+    assert abs(from_tokens.count(name) / rows - float(weight)) < 0.02
+  assert data.progress(rows) == {k: v for name, d, size in zip(CORPORA, drawn, sizes)
+                                 for k, v in ((f"data/fraction/{name}", d / rows), (f"data/epochs/{name}", d / size))}
+
+
+def test_random_access_equals_sequential_iteration(corpora):
+  data = input_pipeline.load(grain_config(corpora))
+  rows = 120
+  sequential = [row for _, row in zip(range(rows), data.train.to_iter_dataset())]
+  order = np.random.default_rng(0).permutation(rows)
+  for r in order:
+    jax.tree.map(np.testing.assert_array_equal, data.train[int(r)], sequential[r])
+
+
+def test_batches_from_any_step_are_the_uninterrupted_ones_on_one_or_two_processes(corpora, monkeypatch):
+  config = grain_config(corpora)
+  data = input_pipeline.load(config)
+  assert input_pipeline.resumes_by_step(data)
+  iterator = input_pipeline.create_train_iterator(config, data)
+  whole = [next(iterator) for _ in range(6)]
+  size = config.global_batch_size_to_train_on
+  for step, batch in enumerate(whole):
+    jax.tree.map(np.testing.assert_array_equal, batch,
+                 jax.tree.map(lambda *rows: np.stack(rows), *[data.train[step * size + i] for i in range(size)]))
+  flags.FLAGS.mark_as_parsed()  # grain's workers read its absl flags, which app.run parses outside pytest
+  in_a_worker = grain_config(corpora, "grain_worker_count=1")  # the mixture pickled into a worker process
+  resumed = input_pipeline.create_train_iterator(in_a_worker, input_pipeline.load(in_a_worker), 4)
+  for want in whole[4:]:
+    jax.tree.map(np.testing.assert_array_equal, next(resumed), want)
+  for processes in (1, 2):
+    monkeypatch.setattr(jax, "process_count", lambda processes=processes: processes)
+    parts = []
+    for p in range(processes):
+      monkeypatch.setattr(jax, "process_index", lambda p=p: p)
+      resumed = input_pipeline.create_train_iterator(config, data, 4)
+      parts.append([next(resumed) for _ in range(2)])
+    for step in range(2):
+      jax.tree.map(lambda want, *got: np.testing.assert_array_equal(np.concatenate(got), want), whole[4 + step],
+                   *[part[step] for part in parts])
+
+
+def test_a_lone_glob_with_or_without_a_weight_reads_as_before(corpora):
+  lone = f"{corpora['alpha']}/train-*"
+  config = grain_config(corpora, f"grain_train_files={lone}")
+  stream, _ = token_shards.open_split("grain_train_files", lone)
+  before = input_pipeline.text_rows(np.asarray(stream[:]), config.max_target_length, stream.eod)
+  before = before.shuffle(seed=config.data_shuffle_seed).repeat()
+  for value in (lone, f"{lone},3"):
+    data = input_pipeline.load(grain_config(corpora, f"grain_train_files={value}"))
+    for r in range(3 * len(stream) // config.max_target_length):
+      jax.tree.map(np.testing.assert_array_equal, data.train[r], before[r])
+
+
+def test_each_eval_source_scores_as_it_does_alone_and_eval_loss_is_their_weighted_mean(corpora):
+  weights = (1, 3)
+  names = list(CORPORA)[:2]
+  mixed = grain_config(corpora, "eval_steps=2", "grain_eval_files=" + ";".join(
+      f"{corpora[name]}/eval-*,{w}" for name, w in zip(names, weights)))
+  trainer = train_step.build(mixed, sharding.create_mesh(mixed))
+  with sharding.activate(trainer.mesh, mixed):
+    params = trainer.init(jax.random.key(0)).params
+    got = train.evaluate(trainer, mixed, params, input_pipeline.load(mixed))
+    alone = {}
+    for name in names:
+      config = grain_config(corpora, "eval_steps=2", f"grain_eval_files={corpora[name]}/eval-*")
+      alone[name] = train.evaluate(trainer, config, params, input_pipeline.load(config))
+  for name in names:
+    for metric in ("loss", "perplexity", "accuracy"):
+      assert got[f"eval/{name}/{metric}"] == alone[name][f"eval/{metric}"]
+  assert alone[names[0]]["eval/loss"] != alone[names[1]]["eval/loss"]
+  for metric in ("loss", "accuracy"):
+    mean = sum(w * alone[n][f"eval/{metric}"] for n, w in zip(names, weights)) / sum(weights)
+    assert got[f"eval/{metric}"] == pytest.approx(mean, rel=1e-12)
+  assert got["eval/perplexity"] == pytest.approx(math.exp(got["eval/loss"]), rel=1e-12)
+
+
+def test_sources_are_named_by_their_corpus_directory_numbered_when_two_share_one():
+  assert mixture.names(["/d/web", "/e/web", "/d/books"]) == ["web_1", "web_2", "books"]
+
+
+@pytest.fixture(scope="module")
+def bad_corpora(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("bad")
+  other = tokenizer.byte_tokenizer()
+  other.add_special_tokens(["<|other|>"])
+  other.save(str(tmp / "other.json"))
+  return {"other": prepare(tmp, "other", "ab", 20, f"tokenizer_path={tmp / 'other.json'}"),
+          "small": prepare(tmp, "small", "cd", 3, longest=3)}
+
+
+# What each bad value of grain_train_files is, and the line it gives ("…": anything).
+BAD = {
+    "negative weight": (lambda c: f"{c['alpha']}/train-*,-1;{c['beta']}/train-*,1",
+                        lambda c: f"source '{c['alpha']}/train-*' has weight '-1', not a positive number"),
+    "zero weight": (lambda c: f"{c['alpha']}/train-*,1;{c['beta']}/train-*,0",
+                    lambda c: f"source '{c['beta']}/train-*' has weight '0', not a positive number"),
+    "weight not a number": (lambda c: f"{c['alpha']}/train-*,half;{c['beta']}/train-*,1",
+                            lambda c: f"source '{c['alpha']}/train-*' has weight 'half'"),
+    "weights on some sources": (lambda c: f"{c['alpha']}/train-*,1;{c['beta']}/train-*",
+                                lambda c: f"source '{c['beta']}/train-*' has no weight"),
+    "a glob matching nothing": (lambda c: f"{c['alpha']}/train-*,1;{c['alpha']}/nothing-*,1",
+                                lambda c: f"grain_train_files='{c['alpha']}/nothing-*': matches no .arrayrecord"),
+    "another tokenizer": (lambda c: f"{c['alpha']}/train-*,1;{c['other']}/train-*,1",
+                          lambda c: f"source 'other' ({c['other']}/train-*) was tokenized with another tokenizer "
+                                    "(vocabulary 258) than source 'alpha' (vocabulary 257)"),
+    "fewer tokens than a row": (lambda c: f"{c['alpha']}/train-*,1;{c['small']}/train-*,1",
+                                lambda c: f"grain_train_files='{c['small']}/train-*': … tokens, fewer than one row"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_a_bad_mixture_is_one_line_naming_its_source_and_writes_nothing(corpora, bad_corpora, tmp_path, bad):
+  paths = {**corpora, **bad_corpora}
+  value, message = (f(paths) for f in BAD[bad])
+  with pytest.raises(ConfigError, match=".*".join(map(re.escape, message.split("…")))) as raised:
+    run_command("train", *TINY, "dataset_type=grain", f"grain_train_files={value}", "vocab_size=320",
+                f"base_output_directory={tmp_path}", "run_name=bad")
+  assert "\n" not in str(raised.value)
+  assert not list(tmp_path.iterdir())
+
+
+def test_parquet_takes_one_glob_not_a_mixture(corpora):
+  config = tiny_config("dataset_type=grain", "grain_file_type=parquet", "tokenizer_type=byte", "vocab_size=320",
+                       f"grain_train_files={mixture_of(corpora, 'train')}")
+  with pytest.raises(ConfigError, match="grain_file_type='parquet' reads one glob"):
+    input_pipeline.load(config)
+
+
+def test_new_weights_at_a_resume_are_logged_with_the_old_ones(corpora, tmp_path, caplog):
+  (tmp_path / "default").mkdir()  # made by run_lock in a run
+  old, new = mixture_of(corpora, "train"), mixture_of(corpora, "train", ("0.2", "0.3", "0.5"))
+  run_control.record_run_files(grain_config(corpora, f"base_output_directory={tmp_path}"), None)
+  with caplog.at_level(logging.WARNING):
+    run_control.record_run_files(grain_config(corpora, f"base_output_directory={tmp_path}",
+                                              f"grain_train_files={new}"), None)
+  assert f"trained on grain_train_files={old!r} and resumes with {new!r}, a new phase" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_mixture_run_cut_and_resumed_logs_what_the_uninterrupted_one_does(corpora, tmp_path):
+  """Losses, per-source eval and data metrics of a run stopped at step 2 and resumed to 4 are
+  those of the 4-step run, and data/* are the fractions and epochs of the rows drawn so far."""
+  evals = ";".join(f"{corpora[name]}/eval-*,{w}" for name, w in zip(CORPORA, WEIGHTS))
+
+  def run(name, steps):
+    config = grain_config(corpora, f"base_output_directory={tmp_path}", f"run_name={name}", f"steps={steps}",
+                          "enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false",
+                          "learning_rate_schedule_steps=4", f"metrics_file={tmp_path / name}.jsonl",
+                          "eval_interval=2", "eval_steps=1", f"grain_eval_files={evals}")
+    train.train(config)
+    return config, {r["step"]: r for r in map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())}
+
+  config, whole = run("whole", 4)
+  run("cut", 2)
+  _, resumed = run("cut", 4)
+  timing = lambda record: {k: v for k, v in record.items() if not k.startswith("perf/")}
+  assert {s: timing(r) for s, r in resumed.items()} == {s: timing(r) for s, r in whole.items()}
+  _, drawn, sizes = reference_rows(config, corpora, 4 * config.global_batch_size_to_train_on)
+  for name, d, size in zip(CORPORA, drawn, sizes):
+    assert whole[4][f"data/fraction/{name}"] == d / sum(drawn) and whole[4][f"data/epochs/{name}"] == d / size
+    assert np.isfinite(whole[4][f"eval/{name}/loss"])
