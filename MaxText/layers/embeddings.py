@@ -73,13 +73,22 @@ def lookup(table, tokens):
                        check_vma=True)(table, tokens)
 
 
-def rope_timescales(cfg, head_dim: int):
-  """[head_dim / 2] wavelengths / 2pi of the rotated feature pairs: rope_max_timescale^(i / half),
-  and with rope_type=llama3.1 Llama 3.1's rescaling: pairs whose wavelength exceeds
+def rope_timescales(cfg, head_dim: int, sliding=False):
+  """[head_dim / 2] wavelengths / 2pi of the rotated feature pairs: base^(i / half), the base
+  local_rope_max_timescale on sliding-window layers where it is set, else rope_max_timescale;
+  with rope_type=llama3.1 Llama 3.1's rescaling: pairs whose wavelength exceeds
   rope_original_max_position / rope_low_freq_factor slowed by rope_scaling_factor, those
-  below rope_original_max_position / rope_high_freq_factor kept, a linear blend between."""
+  below rope_original_max_position / rope_high_freq_factor kept, a linear blend between; on the
+  global layers all slowed by rope_linear_scaling_factor. `sliding` is traced inside a scan, so
+  both are formed and it picks one."""
   half = head_dim // 2
-  timescale = cfg.rope_max_timescale ** (jnp.arange(half, dtype=jnp.float32) / half)
+  exponent = jnp.arange(half, dtype=jnp.float32) / half
+  timescale = _rescaled(cfg, cfg.rope_max_timescale ** exponent) * cfg.rope_linear_scaling_factor
+  local = _rescaled(cfg, (cfg.local_rope_max_timescale or cfg.rope_max_timescale) ** exponent)
+  return jnp.where(sliding, local, timescale)
+
+
+def _rescaled(cfg, timescale):
   if cfg.rope_type == "default":
     return timescale
   factor, low, high, original = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
