@@ -1,6 +1,6 @@
 """Hugging Face checkpoints: converted weights give transformers' own logits and greedy tokens
 (golden files written by tests/assets/hf/make_golden.py from random LlamaForCausalLM,
-Qwen3ForCausalLM, Gemma2ForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM), both converters
+Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM), both converters
 round-trip bit for bit, and runs continue from the imported weights with the model directory's tokenizer."""
 
 import dataclasses
@@ -35,6 +35,9 @@ FAMILIES = {"llama": ("decoder_block=llama2", "logits_via_embedding=false"),
             "llama3.1": ("decoder_block=llama2", "logits_via_embedding=true", *LLAMA31_ROPE),
             "gemma2": ("decoder_block=gemma2", "logits_via_embedding=true", "sliding_window_size=8",
                        "query_pre_attn_scalar=24", "attn_logits_soft_cap=2", "final_logits_soft_cap=3"),
+            "gemma3": ("decoder_block=gemma3", "logits_via_embedding=true", "base_num_decoder_layers=7",
+                       "sliding_window_size=4", "query_pre_attn_scalar=24", "rope_max_timescale=1000000",
+                       "local_rope_max_timescale=10000", "rope_linear_scaling_factor=8"),
             "qwen3_moe": ("decoder_block=qwen3_moe", "logits_via_embedding=false", *MOE, "base_moe_mlp_dim=24",
                           "norm_topk_prob=true"),
             "qwen3_moe_tied": ("decoder_block=qwen3_moe", "logits_via_embedding=true", *MOE, "base_moe_mlp_dim=24",
@@ -78,11 +81,13 @@ def test_converted_weights_give_the_hugging_face_logits(family, settings):
 @pytest.mark.parametrize("family, without", [
     ("qwen3", "decoder_block=llama2"), ("llama3.1", "rope_type=default"), ("gemma2", "decoder_block=llama2"),
     ("gemma2", "sliding_window_size=0"), ("gemma2", "query_pre_attn_scalar=0"), ("gemma2", "attn_logits_soft_cap=0"),
-    ("gemma2", "final_logits_soft_cap=0"), ("qwen3_moe", "norm_topk_prob=false"),
+    ("gemma2", "final_logits_soft_cap=0"), ("gemma3", "decoder_block=gemma2"), ("gemma3", "sliding_window_size=0"),
+    ("gemma3", "local_rope_max_timescale=0"), ("gemma3", "rope_linear_scaling_factor=1"),
+    ("qwen3_moe", "norm_topk_prob=false"),
     ("qwen3_moe_tied", "norm_topk_prob=true"), ("mixtral", "num_experts_per_tok=1")])
 def test_without_the_family_feature_the_logits_are_not_matched(family, without):
-  """Qwen3's q/k norms, Llama 3.1's RoPE rescaling, each of Gemma 2's features and the experts'
-  routing matter: the
+  """Qwen3's q/k norms, Llama 3.1's RoPE rescaling, each of Gemma 2's and Gemma 3's features (its
+  q/k norms and five-to-one pattern are what it adds to gemma2) and the experts' routing matter: the
   same weights without one miss transformers' logits by over 100 times what the parity test
   allows."""
   logits, golden = logits_and_golden(family, tiny_config(*SHAPE, *FAMILIES[family], without))
@@ -128,7 +133,7 @@ def test_greedy_decoding_of_an_imported_model_gives_the_hugging_face_tokens(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "llama3.1", "gemma2", "qwen3_moe", "mixtral_tied"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3.1", "gemma2", "gemma3", "qwen3_moe", "mixtral_tied"])
 def test_import_export_round_trip_and_continued_pretraining(tmp_path, family):
   """The command lines of docs/guides/huggingface.md: Hugging Face -> checkpoint ->
   Hugging Face gives the same tensors bit for bit with no model key given (config.json's are
