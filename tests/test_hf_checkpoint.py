@@ -419,6 +419,21 @@ def test_the_config_json_written_for_each_family_reads_back_as_the_same_model(fa
   assert (written["architectures"], written["model_type"]) == (golden["architectures"], golden["model_type"])
 
 
+def test_gemma3_config_json_in_transformers_4_keys_reads_as_the_same_model():
+  """The Hub's Gemma 3 files (transformers 4) name the global RoPE rope_theta and rope_scaling,
+  the local base rope_local_base_freq, and the pattern sliding_window_pattern, without
+  layer_types: the golden config.json (transformers 5, RoPE keyed by layer type) so rewritten
+  gives the same model keys."""
+  golden = mapping.read_config(str(ASSETS / "gemma3"))
+  rope = golden["rope_parameters"]
+  hub = {key: value for key, value in golden.items() if key not in ("rope_parameters", "layer_types")}
+  hub.update(rope_theta=rope["full_attention"]["rope_theta"],
+             rope_local_base_freq=rope["sliding_attention"]["rope_theta"],
+             rope_scaling={k: v for k, v in rope["full_attention"].items() if k != "rope_theta"},
+             sliding_window_pattern=golden["layer_types"].index("full_attention") + 1)
+  assert mapping.model_keys(hub, "hub") == mapping.model_keys(golden, "golden")
+
+
 def test_a_new_family_is_one_registry_entry(monkeypatch, tmp_path):
   """A family added to families.FAMILIES alone is a decoder_block the config accepts, whose
   switches the layers read, and whose weights and config.json both converters map."""
