@@ -172,10 +172,10 @@ class Model:
          "the others to the whole row; 0: every layer attends to the whole row",
       doc="The family's sliding_window_pattern picks the sliding layers: the last of every 2 layers is global in "
           "Gemma 2 (layers 0, 2, 4, ... slide), the last of every 6 in Gemma 3.")
-  local_rope_max_timescale: int = key(0, "> 0: RoPE base wavelength of the sliding-window layers (Gemma 3: 10000); "
-                                         "0: rope_max_timescale")
-  rope_linear_scaling_factor: float = key(1.0, "the global layers' RoPE positions are divided by this (Gemma 3 4B, "
-                                               "12B, 27B: 8); 1: none")
+  local_rope_max_timescale: int = key(0, "> 0: the sliding-window layers' own RoPE base wavelength, neither rescaling "
+                                         "applied (Gemma 3: 10000); 0: they share the global layers' RoPE")
+  rope_linear_scaling_factor: float = key(1.0, "RoPE positions are divided by this (linear scaling; Gemma 3 4B, 12B, "
+                                               "27B: 8, on the global layers only); 1: none")
 
   def check(self):
     at_least(self, 1, "vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",

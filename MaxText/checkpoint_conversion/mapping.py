@@ -58,7 +58,7 @@ def _expected(config) -> dict:
     unused.update(_LLAMA31_ROPE_KEYS)
   return {**{key: getattr(config, key) for key in config_schema.fields("model") if key not in unused},
           "rope_max_timescale": float(config.rope_max_timescale),
-          "local_rope_max_timescale": float(config.local_rope_max_timescale or config.rope_max_timescale),
+          "local_rope_max_timescale": float(config.local_rope_max_timescale),
           "rope_linear_scaling_factor": float(config.rope_linear_scaling_factor),
           "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim}
 
@@ -80,10 +80,13 @@ def model_keys(hf: dict, hf_path: str) -> dict:
 def _model_keys(hf: dict, block: str) -> dict:
   family, layers = FAMILIES[block], hf["num_hidden_layers"]
   # transformers 5 keys Gemma 3's RoPE by layer type; version 4 (and the Hub's files) write the
-  # global layers' in rope_scaling and the local base as rope_local_base_freq.
+  # global layers' in rope_scaling and the local base as rope_local_base_freq. Its local layers'
+  # RoPE is plain.
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   rope, local = rope.get("full_attention", rope), rope.get("sliding_attention", {})
   local_base = local.get("rope_theta", hf.get("rope_local_base_freq")) if family.hf_rope_by_layer_type else None
+  if local.get("rope_type", "default") != "default":
+    local_base = f"sliding layers' rope_type {local['rope_type']} (not supported)"
   rope_type = rope.get("rope_type", rope.get("type", "default"))
   head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
   expected = pattern(layers, family.sliding_window_pattern)
@@ -95,9 +98,7 @@ def _model_keys(hf: dict, block: str) -> dict:
     window = (hf["sliding_window"] if kinds == expected else
               f"layer_types {kinds} (supported: {block}'s, the last of every {family.sliding_window_pattern} layers "
               "global)")
-  # Linear scaling slows every layer in transformers, but only the global layers where the sliding
-  # ones have their own RoPE (Gemma 3), as here.
-  linear = rope_type == "linear" and (family.hf_rope_by_layer_type or window == 0)
+  linear = rope_type == "linear"
   return {"decoder_block": block,
           "vocab_size": hf["vocab_size"], "base_emb_dim": hf["hidden_size"], "base_mlp_dim": hf["intermediate_size"],
           "base_num_query_heads": hf["num_attention_heads"],
@@ -107,7 +108,7 @@ def _model_keys(hf: dict, block: str) -> dict:
           "logits_via_embedding": bool(hf.get("tie_word_embeddings", family.hf_tied_by_default)),
           "rope_max_timescale": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
           "normalization_layer_epsilon": hf["rms_norm_eps"],
-          "local_rope_max_timescale": local_base,
+          "local_rope_max_timescale": local_base or 0,
           "rope_type": {"default": "default", "llama3": "llama3.1"}.get(
               rope_type, "default" if linear else f"{rope_type} (not supported)"),
           "rope_linear_scaling_factor": rope["factor"] if linear else 1.0,
@@ -139,7 +140,6 @@ def _moe_keys(hf: dict, family) -> dict:
 
 def check_shape(config, hf: dict, hf_path: str) -> None:
   found = model_keys(hf, hf_path)
-  found["local_rope_max_timescale"] = float(found["local_rope_max_timescale"] or found["rope_max_timescale"])
   for key, want in _expected(config).items():
     if found[key] != want:
       raise errors.ConfigError(f"{key}={want!r}: {hf_path}/config.json has {found[key]!r} (set {key}, or leave "
@@ -249,7 +249,8 @@ def hf_config(config, dtype: str) -> dict:
     rope.update(rope_type="linear", factor=config.rope_linear_scaling_factor)
   family = FAMILIES[config.decoder_block]
   local_base = float(config.local_rope_max_timescale or config.rope_max_timescale)
-  by_type = {"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": local_base}}
+  local = {"rope_type": "default", "rope_theta": local_base} if config.local_rope_max_timescale else rope
+  by_type = {"full_attention": rope, "sliding_attention": local}
   dense_width = config.base_moe_mlp_dim if family.hf_expert_width_key == "intermediate_size" else config.base_mlp_dim
   return {"architectures": [family.hf_architecture], "model_type": family.hf_model_type,
           "vocab_size": config.vocab_size, "hidden_size": config.base_emb_dim, "intermediate_size": dense_width,
@@ -285,11 +286,10 @@ def check_exportable(config) -> None:
   if config.rope_linear_scaling_factor != 1 and config.rope_type != "default":
     raise errors.ConfigError(f"rope_linear_scaling_factor={config.rope_linear_scaling_factor}: config.json holds "
                              f"one RoPE scaling, and rope_type={config.rope_type!r} is another")
-  if config.sliding_window_size and not family.hf_rope_by_layer_type and (
-      config.local_rope_max_timescale not in (0, config.rope_max_timescale) or config.rope_linear_scaling_factor != 1):
-    raise errors.ConfigError(f"local_rope_max_timescale={config.local_rope_max_timescale}, rope_linear_scaling_factor="
-                             f"{config.rope_linear_scaling_factor}: {family.hf_architecture} gives its sliding and "
-                             "global layers one RoPE; export as a family with a RoPE per layer type (gemma3)")
+  if config.sliding_window_size and config.local_rope_max_timescale and not family.hf_rope_by_layer_type:
+    raise errors.ConfigError(f"local_rope_max_timescale={config.local_rope_max_timescale}: {family.hf_architecture} "
+                             "gives its sliding and global layers one RoPE; export with local_rope_max_timescale=0 "
+                             "or as a family with a RoPE per layer type (gemma3)")
   if family.hf_norm_topk_prob not in (None, config.norm_topk_prob):
     raise errors.ConfigError(f"norm_topk_prob={config.norm_topk_prob}: {family.hf_architecture} fixes it at "
                              f"{family.hf_norm_topk_prob}; export with norm_topk_prob={family.hf_norm_topk_prob} "

@@ -74,18 +74,19 @@ def lookup(table, tokens):
 
 
 def rope_timescales(cfg, head_dim: int, sliding=False):
-  """[head_dim / 2] wavelengths / 2pi of the rotated feature pairs: base^(i / half), the base
-  local_rope_max_timescale on sliding-window layers where it is set, else rope_max_timescale;
-  with rope_type=llama3.1 Llama 3.1's rescaling: pairs whose wavelength exceeds
+  """[head_dim / 2] wavelengths / 2pi of the rotated feature pairs: rope_max_timescale^(i / half),
+  with rope_type=llama3.1 Llama 3.1's rescaling (pairs whose wavelength exceeds
   rope_original_max_position / rope_low_freq_factor slowed by rope_scaling_factor, those
-  below rope_original_max_position / rope_high_freq_factor kept, a linear blend between; on the
-  global layers all slowed by rope_linear_scaling_factor. `sliding` is traced inside a scan, so
-  both are formed and it picks one."""
+  below rope_original_max_position / rope_high_freq_factor kept, a linear blend between), all
+  slowed by rope_linear_scaling_factor. Where local_rope_max_timescale is set, the sliding-window
+  layers have their own, plain local_rope_max_timescale^(i / half), as Gemma 3's; `sliding` is
+  traced inside a scan, so both are formed and it picks one."""
   half = head_dim // 2
   exponent = jnp.arange(half, dtype=jnp.float32) / half
   timescale = _rescaled(cfg, cfg.rope_max_timescale ** exponent) * cfg.rope_linear_scaling_factor
-  local = _rescaled(cfg, (cfg.local_rope_max_timescale or cfg.rope_max_timescale) ** exponent)
-  return jnp.where(sliding, local, timescale)
+  if not cfg.local_rope_max_timescale:
+    return timescale
+  return jnp.where(sliding, cfg.local_rope_max_timescale ** exponent, timescale)
 
 
 def _rescaled(cfg, timescale):
