@@ -449,8 +449,14 @@ def test_a_new_family_is_one_registry_entry(monkeypatch, tmp_path):
   mapping.check_shape(config, hf, "toy")
 
 
-def test_an_export_the_hugging_face_class_cannot_express_is_refused():
-  config = tiny_config(*SHAPE, *FAMILIES["mixtral"], "norm_topk_prob=false")
-  with pytest.raises(errors.ConfigError, match=r"^norm_topk_prob=False: MixtralForCausalLM fixes it at True"):
-    mapping.check_exportable(config)
-  mapping.check_exportable(tiny_config(*SHAPE, *FAMILIES["qwen3_moe"]))
+@pytest.mark.parametrize("family, settings, message", [
+    ("mixtral", ("norm_topk_prob=false",), r"^norm_topk_prob=False: MixtralForCausalLM fixes it at True"),
+    ("gemma2", ("local_rope_max_timescale=100",), r"^local_rope_max_timescale=100: Gemma2ForCausalLM gives its "
+                                                  "sliding and global layers one RoPE"),
+    ("llama3.1", ("rope_linear_scaling_factor=2",), r"^rope_linear_scaling_factor=2.0: config.json holds one RoPE "
+                                                    "scaling, and rope_type='llama3.1' is another")],
+    ids=["mixtral unnormalised", "gemma2 local base", "llama3.1 and linear"])
+def test_an_export_the_hugging_face_class_cannot_express_is_refused(family, settings, message):
+  with pytest.raises(errors.ConfigError, match=message):
+    mapping.check_exportable(tiny_config(*SHAPE, *FAMILIES[family], *settings))
+  mapping.check_exportable(tiny_config(*SHAPE, *FAMILIES[family]))
