@@ -142,9 +142,10 @@ class Model:
   """The decoder: its family and shapes. The family is llama2 (Llama 2, 3, 3.1, 3.2), qwen3
   (Llama's layer with an RMSNorm over each head's queries and keys before RoPE), gemma2 (GeGLU,
   RMSNorm scaled by 1 + w, norms before and after attention and MLP, embeddings scaled by
-  sqrt(base_emb_dim)), or the mixtures of experts qwen3_moe (qwen3's attention) and mixtral
+  sqrt(base_emb_dim)), gemma3 (gemma2's layer with qwen3's query/key norms, five sliding-window
+  layers to one global), or the mixtures of experts qwen3_moe (qwen3's attention) and mixtral
   (llama2's). Each is one entry of families.FAMILIES; the attention keys (soft cap, query scale,
-  sliding window) are separate so any family can use them. Zero turns a cap or a window off,
+  sliding window, the RoPE bases) are separate so any family can use them. Zero turns a cap or a window off,
   as in MaxText."""
   decoder_block: one_of(FAMILIES) = key("llama2", "the family (families.FAMILIES)")
   vocab_size: int = key(4096, "rows of the embedding table and columns of the output head")
@@ -167,8 +168,15 @@ class Model:
   attn_logits_soft_cap: float = key(0.0, "> 0: attention scores = cap * tanh(scores / cap) (Gemma 2: 50); 0: none")
   final_logits_soft_cap: float = key(0.0, "> 0: logits = cap * tanh(logits / cap) (Gemma 2: 30); 0: none")
   query_pre_attn_scalar: int = key(0, "queries are scaled by query_pre_attn_scalar^-0.5 (Gemma 2: 256); 0: head_dim")
-  sliding_window_size: int = key(0, "> 0: layers 0, 2, 4, ... attend only to the last this many tokens (Gemma 2: "
-                                    "4096), the odd layers to the whole row; 0: every layer attends to the whole row")
+  sliding_window_size: int = key(
+      0, "> 0: the family's sliding layers attend only to the last this many tokens (Gemma 2: 4096, Gemma 3: 1024), "
+         "the others to the whole row; 0: every layer attends to the whole row",
+      doc="The family's sliding_window_pattern picks the sliding layers: the last of every 2 layers is global in "
+          "Gemma 2 (layers 0, 2, 4, ... slide), the last of every 6 in Gemma 3.")
+  local_rope_max_timescale: int = key(0, "> 0: the sliding-window layers' own RoPE base wavelength, neither rescaling "
+                                         "applied (Gemma 3: 10000); 0: they share the global layers' RoPE")
+  rope_linear_scaling_factor: float = key(1.0, "RoPE positions are divided by this (linear scaling; Gemma 3 4B, 12B, "
+                                               "27B: 8, on the global layers only); 1: none")
 
   def check(self):
     at_least(self, 1, "vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
@@ -183,7 +191,9 @@ class Model:
     if head_dim % 2:
       raise ConfigError(f"head_dim={head_dim}: must be even (RoPE rotates pairs of features)")
     require(self.rope_max_timescale > 0, self, "rope_max_timescale", "must be > 0")
-    at_least(self, 0, "final_logits_soft_cap", "attn_logits_soft_cap", "query_pre_attn_scalar", "sliding_window_size")
+    at_least(self, 0, "final_logits_soft_cap", "attn_logits_soft_cap", "query_pre_attn_scalar", "sliding_window_size",
+             "local_rope_max_timescale")
+    require(self.rope_linear_scaling_factor > 0, self, "rope_linear_scaling_factor", "must be > 0")
     require(self.rope_high_freq_factor > self.rope_low_freq_factor > 0, self, "rope_high_freq_factor",
             f"must be > rope_low_freq_factor={self.rope_low_freq_factor} > 0")
     require(self.rope_scaling_factor > 0 and self.rope_original_max_position > 0, self, "rope_scaling_factor",

@@ -11,7 +11,7 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-  """A decoder family. The first six fields are the layers' switches."""
+  """A decoder family. The first seven fields are the layers' switches."""
 
   # RMSNorm over each head's queries and keys before RoPE (Qwen3).
   qk_norm: bool = False
@@ -25,6 +25,9 @@ class Family:
   mlp_activation: str = "silu"
   # Every layer's MLP is a mixture of num_experts experts (layers/moe.py).
   moe: bool = False
+  # With sliding_window_size, the last layer of every this many attends to the whole row and the
+  # others to the window (Gemma 2: 2, layers 0, 2, 4, ... sliding; Gemma 3: 6, five local then one global).
+  sliding_window_pattern: int = 2
 
   # Hugging Face: config.json's `architectures[0]` and `model_type`.
   hf_architecture: str = ""
@@ -33,9 +36,12 @@ class Family:
   hf_activation_key: str = "hidden_act"
   hf_activation: str = "silu"
   # What transformers assumes where config.json is silent: a tied head (tie_word_embeddings),
-  # and sliding attention on the even layers when `sliding_window` is set without `layer_types`.
+  # and the family's sliding_window_pattern when `sliding_window` is set without `layer_types`.
   hf_tied_by_default: bool = False
-  hf_sliding_on_even_layers_by_default: bool = False
+  hf_sliding_by_default: bool = False
+  # transformers keys rope_parameters by layer type (full_attention, sliding_attention), and its
+  # version 4 names the local base rope_local_base_freq: the sliding layers have their own base (Gemma 3).
+  hf_rope_by_layer_type: bool = False
   # A mixture of experts' tensor names under model.layers.{i}: (router, expert e's gate, up and
   # down projections); config.json's key for the expert count and for one expert's width.
   hf_expert_names: tuple[str, str, str, str] | None = None
@@ -45,7 +51,8 @@ class Family:
   # norm_topk_prob key); None where config.json says.
   hf_norm_topk_prob: bool | None = None
 
-  SWITCHES = ("qk_norm", "sandwich_norms", "norm_plus_one", "scale_embedding", "mlp_activation", "moe")
+  SWITCHES = ("qk_norm", "sandwich_norms", "norm_plus_one", "scale_embedding", "mlp_activation", "moe",
+              "sliding_window_pattern")
 
   def switches(self) -> dict:
     """The layers' switches, as config keys."""
@@ -54,16 +61,21 @@ class Family:
 
 _LLAMA = Family(hf_architecture="LlamaForCausalLM", hf_model_type="llama")
 _QWEN3 = dataclasses.replace(_LLAMA, qk_norm=True, hf_architecture="Qwen3ForCausalLM", hf_model_type="qwen3")
+_GEMMA2 = Family(
+    sandwich_norms=True, norm_plus_one=True, scale_embedding=True, mlp_activation="gelu_tanh",
+    hf_architecture="Gemma2ForCausalLM", hf_model_type="gemma2", hf_activation_key="hidden_activation",
+    hf_activation="gelu_pytorch_tanh", hf_tied_by_default=True, hf_sliding_by_default=True)
 
 FAMILIES = {
     # Llama 2, 3, 3.1, 3.2.
     "llama2": _LLAMA,
     "qwen3": _QWEN3,
     # Gemma 2's published config.json names neither a tied head nor layer_types.
-    "gemma2": Family(
-        sandwich_norms=True, norm_plus_one=True, scale_embedding=True, mlp_activation="gelu_tanh",
-        hf_architecture="Gemma2ForCausalLM", hf_model_type="gemma2", hf_activation_key="hidden_activation",
-        hf_activation="gelu_pytorch_tanh", hf_tied_by_default=True, hf_sliding_on_even_layers_by_default=True),
+    "gemma2": _GEMMA2,
+    # Gemma 3 (text): Gemma 2's layer with query/key norms (1 + w, as its other norms), five local
+    # layers to one global; its soft caps are off and its RoPE bases are model keys.
+    "gemma3": dataclasses.replace(_GEMMA2, qk_norm=True, sliding_window_pattern=6, hf_architecture="Gemma3ForCausalLM",
+                                  hf_model_type="gemma3_text", hf_rope_by_layer_type=True),
     "qwen3_moe": dataclasses.replace(
         _QWEN3, moe=True, hf_architecture="Qwen3MoeForCausalLM", hf_model_type="qwen3_moe",
         hf_expert_names=("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Bring your own weights, for every family in tests/assets/hf (llama, llama3.1, qwen3, gemma2, and the
+# Bring your own weights, for every family in tests/assets/hf (llama, llama3.1, qwen3, gemma2, gemma3, and the
 # mixtures of experts qwen3_moe and mixtral, each with an untied and a tied head):
 #   1. import the Hugging Face model (every model key from its config.json);
 #   2. parity: the imported model's logits equal transformers' (golden.npz) to 1e-5;
@@ -14,7 +14,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's MaxText f
 out=${1:-$(mktemp -d)}
 python=${PYTHON:-.venv/bin/python}
 
-for family in llama llama3.1 qwen3 gemma2 qwen3_moe qwen3_moe_tied mixtral mixtral_tied; do
+for family in llama llama3.1 qwen3 gemma2 gemma3 qwen3_moe qwen3_moe_tied mixtral mixtral_tied; do
   hf=tests/assets/hf/$family
   dir=$out/$family
   echo "== $family: import"

@@ -1,5 +1,5 @@
 """The sliced attention (attention_head_chunks): the unsliced attention's loss and gradients under
-remat policies, both stack modes, Qwen3's qk norm, Gemma 2's window and soft cap, and sharded
+remat policies, both stack modes, Qwen3's qk norm, Gemma 2's window and soft cap, Gemma 3's, and sharded
 meshes (tensor-sharded heads, context parallelism with both strategies), with less temp memory."""
 
 import jax
@@ -9,7 +9,7 @@ from test_mlp_chunks import VARIANTS as MLP_VARIANTS
 from test_mlp_chunks import assert_setting_changes_nothing, compiled_loss_and_grads
 
 # TINY has 4 query and 2 key/value heads: 2 slices of one key/value head and its 2 query heads.
-# The MLP tests' variants, Gemma 2 with a window shorter than the rows, and two more.
+# The MLP tests' variants, Gemma 2 with a window shorter than the rows, and three more.
 VARIANTS = {
     **MLP_VARIANTS,
     "gemma2, save_out_proj, interval 2": ("decoder_block=gemma2", "remat_policy=save_out_proj",
@@ -17,6 +17,9 @@ VARIANTS = {
     "save_qkv_proj, chunked, with mlp_chunks": ("remat_policy=save_qkv_proj", "attention=chunked",
                                                 "attention_chunk_size=8", "mlp_chunks=2"),
     "qwen3 (qk norm)": ("decoder_block=qwen3",),
+    # Its q/k norms scale by 1 + w; the last of 6 layers is global, the others local with their own RoPE base.
+    "gemma3": ("decoder_block=gemma3", "base_num_decoder_layers=6", "sliding_window_size=8",
+               "local_rope_max_timescale=100", "rope_linear_scaling_factor=8"),
 }
 
 

@@ -1,6 +1,6 @@
 """Hugging Face checkpoints: converted weights give transformers' own logits and greedy tokens
 (golden files written by tests/assets/hf/make_golden.py from random LlamaForCausalLM,
-Qwen3ForCausalLM, Gemma2ForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM), both converters
+Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM), both converters
 round-trip bit for bit, and runs continue from the imported weights with the model directory's tokenizer."""
 
 import dataclasses
@@ -35,6 +35,9 @@ FAMILIES = {"llama": ("decoder_block=llama2", "logits_via_embedding=false"),
             "llama3.1": ("decoder_block=llama2", "logits_via_embedding=true", *LLAMA31_ROPE),
             "gemma2": ("decoder_block=gemma2", "logits_via_embedding=true", "sliding_window_size=8",
                        "query_pre_attn_scalar=24", "attn_logits_soft_cap=2", "final_logits_soft_cap=3"),
+            "gemma3": ("decoder_block=gemma3", "logits_via_embedding=true", "base_num_decoder_layers=7",
+                       "sliding_window_size=4", "query_pre_attn_scalar=24", "rope_max_timescale=1000000",
+                       "local_rope_max_timescale=10000", "rope_linear_scaling_factor=8"),
             "qwen3_moe": ("decoder_block=qwen3_moe", "logits_via_embedding=false", *MOE, "base_moe_mlp_dim=24",
                           "norm_topk_prob=true"),
             "qwen3_moe_tied": ("decoder_block=qwen3_moe", "logits_via_embedding=true", *MOE, "base_moe_mlp_dim=24",
@@ -78,11 +81,13 @@ def test_converted_weights_give_the_hugging_face_logits(family, settings):
 @pytest.mark.parametrize("family, without", [
     ("qwen3", "decoder_block=llama2"), ("llama3.1", "rope_type=default"), ("gemma2", "decoder_block=llama2"),
     ("gemma2", "sliding_window_size=0"), ("gemma2", "query_pre_attn_scalar=0"), ("gemma2", "attn_logits_soft_cap=0"),
-    ("gemma2", "final_logits_soft_cap=0"), ("qwen3_moe", "norm_topk_prob=false"),
+    ("gemma2", "final_logits_soft_cap=0"), ("gemma3", "decoder_block=gemma2"), ("gemma3", "sliding_window_size=0"),
+    ("gemma3", "local_rope_max_timescale=0"), ("gemma3", "rope_linear_scaling_factor=1"),
+    ("qwen3_moe", "norm_topk_prob=false"),
     ("qwen3_moe_tied", "norm_topk_prob=true"), ("mixtral", "num_experts_per_tok=1")])
 def test_without_the_family_feature_the_logits_are_not_matched(family, without):
-  """Qwen3's q/k norms, Llama 3.1's RoPE rescaling, each of Gemma 2's features and the experts'
-  routing matter: the
+  """Qwen3's q/k norms, Llama 3.1's RoPE rescaling, each of Gemma 2's and Gemma 3's features (its
+  q/k norms and five-to-one pattern are what it adds to gemma2) and the experts' routing matter: the
   same weights without one miss transformers' logits by over 100 times what the parity test
   allows."""
   logits, golden = logits_and_golden(family, tiny_config(*SHAPE, *FAMILIES[family], without))
@@ -128,7 +133,7 @@ def test_greedy_decoding_of_an_imported_model_gives_the_hugging_face_tokens(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "llama3.1", "gemma2", "qwen3_moe", "mixtral_tied"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3.1", "gemma2", "gemma3", "qwen3_moe", "mixtral_tied"])
 def test_import_export_round_trip_and_continued_pretraining(tmp_path, family):
   """The command lines of docs/guides/huggingface.md: Hugging Face -> checkpoint ->
   Hugging Face gives the same tensors bit for bit with no model key given (config.json's are
@@ -241,7 +246,7 @@ def test_bf16_weights_stay_bf16_unless_convert_dtype_asks(tmp_path, convert_dtyp
   assert json.loads((exported / "config.json").read_text())["torch_dtype"] == stored
 
 
-@pytest.mark.parametrize("model_name", ["llama3.2-1b", "qwen3-0.6b", "gemma2-2b"])
+@pytest.mark.parametrize("model_name", ["llama3.2-1b", "qwen3-0.6b", "gemma2-2b", "gemma3-1b"])
 def test_a_published_config_json_gives_the_model_file_keys(tmp_path, model_name):
   """config.json as the Hub publishes it (transcribed in tests/assets/hf/published_configs.json;
   Gemma 2's names neither a tied head nor layer_types, which transformers takes as tied and
@@ -305,7 +310,7 @@ def split_and_lose_a_shard(hf):
     (split_and_lose_a_shard, "model-00002-of-00002.safetensors, which is not there"),
     (lambda hf: edit_config(hf, architectures=["MistralForCausalLM"]),
      "architecture MistralForCausalLM is not supported (supported: LlamaForCausalLM, Qwen3ForCausalLM, "
-     "Gemma2ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM)"),
+     "Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM)"),
     (lambda hf: drop_tensor(hf, "model.layers.1.mlp.up_proj.weight"), "tensor model.layers.1.mlp.up_proj.weight is "
      "missing"),
     (lambda hf: reshape_tensor(hf, "model.layers.2.self_attn.k_proj.weight"),
@@ -414,6 +419,21 @@ def test_the_config_json_written_for_each_family_reads_back_as_the_same_model(fa
   assert (written["architectures"], written["model_type"]) == (golden["architectures"], golden["model_type"])
 
 
+def test_gemma3_config_json_in_transformers_4_keys_reads_as_the_same_model():
+  """The Hub's Gemma 3 files (transformers 4) name the global RoPE rope_theta and rope_scaling,
+  the local base rope_local_base_freq, and the pattern sliding_window_pattern, without
+  layer_types: the golden config.json (transformers 5, RoPE keyed by layer type) so rewritten
+  gives the same model keys."""
+  golden = mapping.read_config(str(ASSETS / "gemma3"))
+  rope = golden["rope_parameters"]
+  hub = {key: value for key, value in golden.items() if key not in ("rope_parameters", "layer_types")}
+  hub.update(rope_theta=rope["full_attention"]["rope_theta"],
+             rope_local_base_freq=rope["sliding_attention"]["rope_theta"],
+             rope_scaling={k: v for k, v in rope["full_attention"].items() if k != "rope_theta"},
+             sliding_window_pattern=golden["layer_types"].index("full_attention") + 1)
+  assert mapping.model_keys(hub, "hub") == mapping.model_keys(golden, "golden")
+
+
 def test_a_new_family_is_one_registry_entry(monkeypatch, tmp_path):
   """A family added to families.FAMILIES alone is a decoder_block the config accepts, whose
   switches the layers read, and whose weights and config.json both converters map."""
@@ -429,8 +449,14 @@ def test_a_new_family_is_one_registry_entry(monkeypatch, tmp_path):
   mapping.check_shape(config, hf, "toy")
 
 
-def test_an_export_the_hugging_face_class_cannot_express_is_refused():
-  config = tiny_config(*SHAPE, *FAMILIES["mixtral"], "norm_topk_prob=false")
-  with pytest.raises(errors.ConfigError, match=r"^norm_topk_prob=False: MixtralForCausalLM fixes it at True"):
-    mapping.check_exportable(config)
-  mapping.check_exportable(tiny_config(*SHAPE, *FAMILIES["qwen3_moe"]))
+@pytest.mark.parametrize("family, settings, message", [
+    ("mixtral", ("norm_topk_prob=false",), r"^norm_topk_prob=False: MixtralForCausalLM fixes it at True"),
+    ("gemma2", ("local_rope_max_timescale=100",), r"^local_rope_max_timescale=100: Gemma2ForCausalLM gives its "
+                                                  "sliding and global layers one RoPE"),
+    ("llama3.1", ("rope_linear_scaling_factor=2",), r"^rope_linear_scaling_factor=2.0: config.json holds one RoPE "
+                                                    "scaling, and rope_type='llama3.1' is another")],
+    ids=["mixtral unnormalised", "gemma2 local base", "llama3.1 and linear"])
+def test_an_export_the_hugging_face_class_cannot_express_is_refused(family, settings, message):
+  with pytest.raises(errors.ConfigError, match=message):
+    mapping.check_exportable(tiny_config(*SHAPE, *FAMILIES[family], *settings))
+  mapping.check_exportable(tiny_config(*SHAPE, *FAMILIES[family]))

@@ -118,16 +118,22 @@ def test_every_stack_gives_the_same_loss_and_gradients_from_the_same_parameters(
 
 GEMMA2 = ("decoder_block=gemma2", "base_num_decoder_layers=7", "sliding_window_size=5", "query_pre_attn_scalar=24",
           "attn_logits_soft_cap=2", "final_logits_soft_cap=3", "logits_via_embedding=true")
+# Gemma 3's five local layers to one global: layer 5 is global, layer 6 local again; the local
+# layers have their own RoPE base and the global ones slowed positions.
+GEMMA3 = ("decoder_block=gemma3", "base_num_decoder_layers=7", "sliding_window_size=5", "query_pre_attn_scalar=24",
+          "local_rope_max_timescale=100", "rope_linear_scaling_factor=8", "logits_via_embedding=true")
 
 
+@pytest.mark.parametrize("family", [GEMMA2, GEMMA3], ids=["gemma2", "gemma3"])
 @pytest.mark.parametrize("settings", [("remat_layer_interval=3", "remat_policy=full"), ("remat_policy=minimal",),
                                       ("attention=chunked", "attention_chunk_size=4")], ids=" ".join)
-def test_gemma2_gives_the_same_loss_and_gradients_under_every_memory_setting(settings):
-  """The sliding-window layers (even ones) are picked by a traced index inside the scan: in
-  blocks of 3 of 7 layers the second block starts at the odd layer 3, and layer 6 is left
-  over. Remat, and the soft cap and window inside query chunks, against the Python loop."""
-  reference = tiny_config(*GEMMA2, "scan_layers=false")
-  config = tiny_config(*GEMMA2, *settings)
+def test_gemma_gives_the_same_loss_and_gradients_under_every_memory_setting(settings, family):
+  """The sliding-window layers are picked by a traced index inside the scan: in blocks of 3
+  of 7 layers the second block starts at layer 3 (odd: global in Gemma 2, local in Gemma 3),
+  Gemma 3's global layer 5 is the last of the second block, and layer 6 is left over. Remat,
+  and the soft cap and window inside query chunks, against the Python loop."""
+  reference = tiny_config(*family, "scan_layers=false")
+  config = tiny_config(*family, *settings)
   params, inputs = init_params(reference), model_inputs(reference)
   want_loss, want_grads = loss_and_grads(reference, params, inputs)
   loss, grads = loss_and_grads(config, params, inputs)

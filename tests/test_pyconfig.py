@@ -60,8 +60,8 @@ def test_every_model_config_resolves_and_its_model_traces(name):
     assert layers["mlp"]["wi_0"]["kernel"].value.shape == (cfg.base_num_decoder_layers, cfg.base_emb_dim,
                                                            cfg.base_mlp_dim)
   assert layers["self_attention"]["key"]["kernel"].value.shape[2:] == (cfg.base_num_kv_heads, cfg.head_dim)
-  assert ("query_norm" in layers["self_attention"]) == (cfg.decoder_block in ("qwen3", "qwen3_moe"))
-  assert ("post_ffw_norm" in layers) == (cfg.decoder_block == "gemma2")
+  assert ("query_norm" in layers["self_attention"]) == (cfg.decoder_block in ("qwen3", "qwen3_moe", "gemma3"))
+  assert ("post_ffw_norm" in layers) == (cfg.decoder_block in ("gemma2", "gemma3"))
   assert ("logits_kernel" in params) == (not cfg.logits_via_embedding)
 
 
@@ -117,10 +117,12 @@ def test_config_is_read_only():
     ("run_name=../other", "run_name"),
     ("run_name=/tmp/elsewhere", "run_name"),
     ("run_name=..", "run_name"),
-    ("decoder_block=gemma3", "decoder_block"),
+    ("decoder_block=gemma4", "decoder_block"),
     ("attn_logits_soft_cap=-1", "attn_logits_soft_cap"),
     ("query_pre_attn_scalar=-1", "query_pre_attn_scalar"),
     ("sliding_window_size=-1", "sliding_window_size"),
+    ("local_rope_max_timescale=-1", "local_rope_max_timescale"),
+    ("rope_linear_scaling_factor=0", "rope_linear_scaling_factor"),
     ("steps=10000000000", "steps"),
     ("vocab_size=4e9", "vocab_size"),
     ('logical_axis_rules=[["embed", ["fsdp", "fsdp"]]]', "logical_axis_rules"),

@@ -2,8 +2,8 @@
 converters read (to_maxtext.py, to_huggingface.py), config.json both ways, and reading a
 directory's safetensors one tensor at a time.
 
-Supported: LlamaForCausalLM (Llama 2, 3, 3.1, 3.2), Qwen3ForCausalLM, Gemma2ForCausalLM, and the
-mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM.
+Supported: LlamaForCausalLM (Llama 2, 3, 3.1, 3.2), Qwen3ForCausalLM, Gemma2ForCausalLM,
+Gemma3ForCausalLM (Gemma 3's text decoder), and the mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM.
 """
 
 import glob
@@ -31,10 +31,16 @@ def tool_argv(argv: list) -> list:
   return [*argv[:1], NO_DATA, *argv[1:]] if argv else argv
 
 
+def pattern(num_layers: int, period: int) -> list:
+  """Hugging Face's per-layer attention kinds for a window on all but the last of every `period` layers."""
+  return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)]
+
+
 def layer_types(config) -> list:
-  """Hugging Face's per-layer attention kinds for this config (sliding on even layers)."""
-  return ["sliding_attention" if config.sliding_window_size and i % 2 == 0 else "full_attention"
-          for i in range(config.base_num_decoder_layers)]
+  """Hugging Face's per-layer attention kinds for this config."""
+  if not config.sliding_window_size:
+    return ["full_attention"] * config.base_num_decoder_layers
+  return pattern(config.base_num_decoder_layers, config.sliding_window_pattern)
 
 
 # Llama 3.1's RoPE rescaling: config.json holds them only for rope_type llama3.1.
@@ -52,6 +58,8 @@ def _expected(config) -> dict:
     unused.update(_LLAMA31_ROPE_KEYS)
   return {**{key: getattr(config, key) for key in config_schema.fields("model") if key not in unused},
           "rope_max_timescale": float(config.rope_max_timescale),
+          "local_rope_max_timescale": float(config.local_rope_max_timescale),
+          "rope_linear_scaling_factor": float(config.rope_linear_scaling_factor),
           "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim}
 
 
@@ -70,17 +78,27 @@ def model_keys(hf: dict, hf_path: str) -> dict:
 
 
 def _model_keys(hf: dict, block: str) -> dict:
+  family, layers = FAMILIES[block], hf["num_hidden_layers"]
+  # transformers 5 keys Gemma 3's RoPE by layer type; version 4 (and the Hub's files) write the
+  # global layers' in rope_scaling and the local base as rope_local_base_freq. Its local layers'
+  # RoPE is plain.
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  rope, local = rope.get("full_attention", rope), rope.get("sliding_attention", {})
+  local_base = local.get("rope_theta", hf.get("rope_local_base_freq")) if family.hf_rope_by_layer_type else None
+  if local.get("rope_type", "default") != "default":
+    local_base = f"sliding layers' rope_type {local['rope_type']} (not supported)"
   rope_type = rope.get("rope_type", rope.get("type", "default"))
   head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-  alternating = [("full_attention", "sliding_attention")[i % 2 == 0] for i in range(hf["num_hidden_layers"])]
-  family = FAMILIES[block]
-  by_default = family.hf_sliding_on_even_layers_by_default and hf.get("sliding_window")
-  kinds = hf.get("layer_types") or (alternating if by_default else ["full_attention"] * hf["num_hidden_layers"])
+  expected = pattern(layers, family.sliding_window_pattern)
+  by_default = family.hf_sliding_by_default and hf.get("sliding_window")
+  kinds = hf.get("layer_types") or (pattern(layers, hf.get("sliding_window_pattern", family.sliding_window_pattern))
+                                    if by_default else ["full_attention"] * layers)
   window = 0
   if "sliding_attention" in kinds:
-    window = (hf["sliding_window"] if kinds == alternating
-              else f"layer_types {kinds} (supported: sliding on even layers only)")
+    window = (hf["sliding_window"] if kinds == expected else
+              f"layer_types {kinds} (supported: {block}'s, the last of every {family.sliding_window_pattern} layers "
+              "global)")
+  linear = rope_type == "linear"
   return {"decoder_block": block,
           "vocab_size": hf["vocab_size"], "base_emb_dim": hf["hidden_size"], "base_mlp_dim": hf["intermediate_size"],
           "base_num_query_heads": hf["num_attention_heads"],
@@ -90,7 +108,10 @@ def _model_keys(hf: dict, block: str) -> dict:
           "logits_via_embedding": bool(hf.get("tie_word_embeddings", family.hf_tied_by_default)),
           "rope_max_timescale": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
           "normalization_layer_epsilon": hf["rms_norm_eps"],
-          "rope_type": {"default": "default", "llama3": "llama3.1"}.get(rope_type, f"{rope_type} (not supported)"),
+          "local_rope_max_timescale": local_base or 0,
+          "rope_type": {"default": "default", "llama3": "llama3.1"}.get(
+              rope_type, "default" if linear else f"{rope_type} (not supported)"),
+          "rope_linear_scaling_factor": rope["factor"] if linear else 1.0,
           "rope_scaling_factor": rope.get("factor"), "rope_low_freq_factor": rope.get("low_freq_factor"),
           "rope_high_freq_factor": rope.get("high_freq_factor"),
           "rope_original_max_position": rope.get("original_max_position_embeddings"),
@@ -224,7 +245,12 @@ def hf_config(config, dtype: str) -> dict:
     rope.update(rope_type="llama3", factor=config.rope_scaling_factor, low_freq_factor=config.rope_low_freq_factor,
                 high_freq_factor=config.rope_high_freq_factor,
                 original_max_position_embeddings=config.rope_original_max_position)
+  if config.rope_linear_scaling_factor != 1:
+    rope.update(rope_type="linear", factor=config.rope_linear_scaling_factor)
   family = FAMILIES[config.decoder_block]
+  local_base = float(config.local_rope_max_timescale or config.rope_max_timescale)
+  local = {"rope_type": "default", "rope_theta": local_base} if config.local_rope_max_timescale else rope
+  by_type = {"full_attention": rope, "sliding_attention": local}
   dense_width = config.base_moe_mlp_dim if family.hf_expert_width_key == "intermediate_size" else config.base_mlp_dim
   return {"architectures": [family.hf_architecture], "model_type": family.hf_model_type,
           "vocab_size": config.vocab_size, "hidden_size": config.base_emb_dim, "intermediate_size": dense_width,
@@ -233,13 +259,16 @@ def hf_config(config, dtype: str) -> dict:
           "head_dim": config.head_dim, family.hf_activation_key: family.hf_activation,
           "rms_norm_eps": config.normalization_layer_epsilon, "max_position_embeddings": config.max_target_length,
           "tie_word_embeddings": config.logits_via_embedding, "rope_theta": float(config.rope_max_timescale),
-          "rope_scaling": rope if config.rope_type != "default" else None,
+          "rope_scaling": rope if rope["rope_type"] != "default" else None,
+          "rope_parameters": by_type if family.hf_rope_by_layer_type else rope,
+          **({"rope_local_base_freq": local_base} if family.hf_rope_by_layer_type else {}),
           # dtype for transformers 5, torch_dtype for 4
-          "rope_parameters": rope, "attention_bias": False, "torch_dtype": dtype, "dtype": dtype,
+          "attention_bias": False, "torch_dtype": dtype, "dtype": dtype,
           "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim,
           "attn_logit_softcapping": config.attn_logits_soft_cap or None,
           "final_logit_softcapping": config.final_logits_soft_cap or None,
           "sliding_window": config.sliding_window_size or None, "layer_types": layer_types(config),
+          "sliding_window_pattern": config.sliding_window_pattern,
           **(_moe_config(config) if config.moe else {})}
 
 
@@ -254,6 +283,13 @@ def _moe_config(config) -> dict:
 def check_exportable(config) -> None:
   """A config Hugging Face's class for its family cannot express is refused before anything is written."""
   family = FAMILIES[config.decoder_block]
+  if config.rope_linear_scaling_factor != 1 and config.rope_type != "default":
+    raise errors.ConfigError(f"rope_linear_scaling_factor={config.rope_linear_scaling_factor}: config.json holds "
+                             f"one RoPE scaling, and rope_type={config.rope_type!r} is another")
+  if config.sliding_window_size and config.local_rope_max_timescale and not family.hf_rope_by_layer_type:
+    raise errors.ConfigError(f"local_rope_max_timescale={config.local_rope_max_timescale}: {family.hf_architecture} "
+                             "gives its sliding and global layers one RoPE; export with local_rope_max_timescale=0 "
+                             "or as a family with a RoPE per layer type (gemma3)")
   if family.hf_norm_topk_prob not in (None, config.norm_topk_prob):
     raise errors.ConfigError(f"norm_topk_prob={config.norm_topk_prob}: {family.hf_architecture} fixes it at "
                              f"{family.hf_norm_topk_prob}; export with norm_topk_prob={family.hf_norm_topk_prob} "

@@ -247,15 +247,17 @@ def attend_heads(cfg, q, k, v, positions, segment_ids, layer_index):
   """The attention of projected (and qk-normed) q [B, T, N, H], k and v [B, T, K, H]: RoPE,
   the layout, the configured kernel or context parallelism; the context [B, T, N, H]."""
   head_dim = q.shape[3]
-  timescale = rope_timescales(cfg, head_dim)
+  # The family's pattern: the last of every sliding_window_pattern layers attends to the whole
+  # row, the others to a window of the last tokens (and with their own RoPE base).
+  window = cfg.sliding_window_size or None
+  sliding = window is not None and (layer_index + 1) % cfg.sliding_window_pattern != 0
+  timescale = rope_timescales(cfg, head_dim, sliding)
   q, k = apply_rope(q, positions, timescale), apply_rope(k, positions, timescale)
   split = context_parallel.shards() > 1  # each context shard attends its own queries
   q = nn.with_logical_constraint(q, BATCH_LENGTH_HEADS)
   k = nn.with_logical_constraint(k, BATCH_LENGTH_KV_HEADS if split else BATCH_FULL_LENGTH_KV_HEADS)
   v = nn.with_logical_constraint(v, BATCH_LENGTH_KV_HEADS if split else BATCH_FULL_LENGTH_KV_HEADS)
   scale, soft_cap = (cfg.query_pre_attn_scalar or head_dim)**-0.5, cfg.attn_logits_soft_cap
-  # Gemma 2 alternates: even layers see a window of the last tokens, odd ones the whole row.
-  window, sliding = cfg.sliding_window_size or None, layer_index % 2 == 0
   if split:
     context = context_parallel.attention(q, k, v, segment_ids, cfg, scale,
                                          functools.partial(head.soft_cap, cap=soft_cap),

@@ -73,13 +73,23 @@ def lookup(table, tokens):
                        check_vma=True)(table, tokens)
 
 
-def rope_timescales(cfg, head_dim: int):
+def rope_timescales(cfg, head_dim: int, sliding=False):
   """[head_dim / 2] wavelengths / 2pi of the rotated feature pairs: rope_max_timescale^(i / half),
-  and with rope_type=llama3.1 Llama 3.1's rescaling: pairs whose wavelength exceeds
+  with rope_type=llama3.1 Llama 3.1's rescaling (pairs whose wavelength exceeds
   rope_original_max_position / rope_low_freq_factor slowed by rope_scaling_factor, those
-  below rope_original_max_position / rope_high_freq_factor kept, a linear blend between."""
+  below rope_original_max_position / rope_high_freq_factor kept, a linear blend between), all
+  slowed by rope_linear_scaling_factor. Where local_rope_max_timescale is set, the sliding-window
+  layers have their own, plain local_rope_max_timescale^(i / half), as Gemma 3's; `sliding` is
+  traced inside a scan, so both are formed and it picks one."""
   half = head_dim // 2
-  timescale = cfg.rope_max_timescale ** (jnp.arange(half, dtype=jnp.float32) / half)
+  exponent = jnp.arange(half, dtype=jnp.float32) / half
+  timescale = _rescaled(cfg, cfg.rope_max_timescale ** exponent) * cfg.rope_linear_scaling_factor
+  if not cfg.local_rope_max_timescale:
+    return timescale
+  return jnp.where(sliding, cfg.local_rope_max_timescale ** exponent, timescale)
+
+
+def _rescaled(cfg, timescale):
   if cfg.rope_type == "default":
     return timescale
   factor, low, high, original = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,

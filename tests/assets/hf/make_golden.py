@@ -1,6 +1,7 @@
 """Writes the Hugging Face parity assets: python tests/assets/hf/make_golden.py [NAME ...] (all,
 or only the named ones; needs torch and transformers, which are not runtime dependencies; any
-versions that have Qwen3, Gemma 2, Qwen3-MoE and Mixtral).
+versions that have Qwen3, Gemma 2, Gemma 3, Qwen3-MoE and Mixtral; Gemma 3's RoPE per layer type
+needs transformers 5).
 
 For each family, a small randomly initialised transformers model saved as Hugging Face does
 (config.json, model.safetensors), its float32 logits on fixed tokens and its greedy
@@ -32,6 +33,14 @@ MODELS = {
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
         tie_word_embeddings=True, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
         final_logit_softcapping=3.0, initializer_range=0.2)),
+    # Gemma 3 with every feature made to bite: 7 layers, so local layers both before and after
+    # the global layer 5; a window of 4; the local and global RoPE bases far apart, the global
+    # positions slowed 8 times; query scale off head_dim.
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        num_hidden_layers=7, tie_word_embeddings=True, sliding_window=4, query_pre_attn_scalar=24,
+        rope_parameters=dict(full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1000000.0),
+                             sliding_attention=dict(rope_type="default", rope_theta=10000.0)),
+        initializer_range=0.2)),
     # Mixtures of 4 experts, 2 per token, tied and untied, Qwen3-MoE's top-k weights renormalised
     # or not (Mixtral's always are).
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
@@ -55,7 +64,7 @@ def main():
       continue
     torch.manual_seed(0)
     # eager: the attention that applies Gemma 2's soft cap (SDPA has none)
-    model = model_class(config_class(**SHAPE, **extra, torch_dtype="float32", attn_implementation="eager")).eval()
+    model = model_class(config_class(**{**SHAPE, **extra}, torch_dtype="float32", attn_implementation="eager")).eval()
     with torch.no_grad():  # random norms too, so a norm mapped to the wrong place shows
       for param_name, param in model.named_parameters():
         if param_name.endswith("norm.weight"):
