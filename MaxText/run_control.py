@@ -172,17 +172,25 @@ def staging_dir(parent: str, writer: str) -> str:
   return path
 
 
+class _Signalled(BaseException):
+  """What signals_raise's handler raises: a BaseException, as KeyboardInterrupt is, so that no
+  library's `except Exception` around the line it lands on (tqdm's, starting its monitor
+  thread) takes it for its own failure and carries on."""
+
+
 @contextlib.contextmanager
 def signals_raise():
   """SIGTERM and SIGINT raise Preempted in the main thread, so a tool's cleanup (its
   `except BaseException`) runs before it exits 143 or 130 with one line; by default SIGTERM
   would end the process at once, leaving its partial output behind."""
   def handle(signum, _):
-    raise Preempted(signum, f"{SIGNALS[signum]} before the output was complete: nothing was written")
+    raise _Signalled(signum)
 
   previous = {s: signal.signal(s, handle) for s in SIGNALS}
   try:
     yield
+  except _Signalled as e:
+    raise Preempted(e.args[0], f"{SIGNALS[e.args[0]]} before the output was complete: nothing was written") from None
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)

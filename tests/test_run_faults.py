@@ -70,6 +70,19 @@ def test_a_second_signal_ends_the_process_at_once(signals):
   assert ("one handled" in result.stdout) == ("one handled" in signals)
 
 
+def test_a_signal_to_a_tool_is_not_swallowed_by_a_librarys_except_exception():
+  """prepare_data and the converters stop on SIGTERM with one line, wherever it lands: tqdm's
+  `except Exception` around starting its monitor thread once took it and the tool ran on."""
+  with pytest.raises(run_control.Preempted, match="SIGTERM before the output was complete") as stopped:
+    with run_control.signals_raise():
+      try:
+        signal.raise_signal(signal.SIGTERM)
+      except Exception:  # as tqdm's
+        pass
+      pytest.fail("the signal was swallowed")
+  assert stopped.value.exit_code == 128 + signal.SIGTERM
+
+
 def test_an_unwritable_checkpoints_directory_is_one_line_before_step_1(tmp_path):
   (tmp_path / "r").mkdir()
   (tmp_path / "r" / "checkpoints").write_text("not a directory")
