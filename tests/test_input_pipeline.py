@@ -232,9 +232,10 @@ def test_batches_from_a_step_on_follow_from_the_step_alone_for_any_number_of_pro
       np.testing.assert_array_equal(np.concatenate([parts[0][step][key], parts[1][step][key]]), whole[step][key])
 
 
-@pytest.mark.slow
 def test_a_damaged_cache_entry_is_rebuilt_not_fatal(tmp_path):
-  config = text_config(tmp_path)
+  # A corpus of its own, a few kB: the plays would be tokenized and their BPE trained twice.
+  (tmp_path / "corpus.txt").write_text("".join(f"line {i} of a small corpus, enough for rows\n" for i in range(400)))
+  config = text_config(tmp_path, f"dataset_path={tmp_path / 'corpus.txt'}")
   first = input_pipeline.TextData(config)
   first.save_caches()
   want_tokenizer, want_train, want_eval = first.tokenizer.to_str(), np.array(first.train), np.array(first.eval)
