@@ -197,3 +197,15 @@ def assert_mesh_gradients_equal_one_device(meshes, *overrides):
     with on_devices(8):
       got = loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=1", *mesh, *overrides))
     assert_trees_close(got, want, rtol=1e-5, what=name)
+
+
+# The files that take longest (minutes on 2 cores), first. pytest-xdist hands each free worker the
+# next file in collection order, so one of these collected last, as the alphabet puts test_sharding
+# and test_tpu_compile, would run alone at the end while the other worker idles.
+LONGEST_FIRST = ("test_plan.py", "test_checkpointing.py", "test_tpu_compile.py", "test_sharding.py", "test_moe.py",
+                 "test_remat.py", "test_context_parallel.py", "test_hf_checkpoint.py", "test_multiprocess.py")
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the others keep their order
