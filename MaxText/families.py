@@ -50,6 +50,11 @@ class Family:
   # True where the Hugging Face class always renormalises the top-k router weights (it has no
   # norm_topk_prob key); None where config.json says.
   hf_norm_topk_prob: bool | None = None
+  # A multimodal class whose language model is this family's (imported alone): its architecture,
+  # and what transformers assumes where its config.json's text_config is silent (the Hub's files
+  # name only what differs from those defaults), as (key, value) pairs.
+  hf_multimodal_architecture: str = ""
+  hf_text_config_defaults: tuple = ()
 
   SWITCHES = ("qk_norm", "sandwich_norms", "norm_plus_one", "scale_embedding", "mlp_activation", "moe",
               "sliding_window_pattern")
@@ -74,8 +79,15 @@ FAMILIES = {
     "gemma2": _GEMMA2,
     # Gemma 3 (text): Gemma 2's layer with query/key norms (1 + w, as its other norms), five local
     # layers to one global; its soft caps are off and its RoPE bases are model keys.
-    "gemma3": dataclasses.replace(_GEMMA2, qk_norm=True, sliding_window_pattern=6, hf_architecture="Gemma3ForCausalLM",
-                                  hf_model_type="gemma3_text", hf_rope_by_layer_type=True),
+    "gemma3": dataclasses.replace(
+        _GEMMA2, qk_norm=True, sliding_window_pattern=6, hf_architecture="Gemma3ForCausalLM",
+        hf_model_type="gemma3_text", hf_rope_by_layer_type=True,
+        hf_multimodal_architecture="Gemma3ForConditionalGeneration",
+        hf_text_config_defaults=(("vocab_size", 262208), ("hidden_size", 2304), ("intermediate_size", 9216),
+                                 ("num_hidden_layers", 26), ("num_attention_heads", 8), ("num_key_value_heads", 4),
+                                 ("head_dim", 256), ("rms_norm_eps", 1e-6), ("rope_theta", 1000000.0),
+                                 ("rope_local_base_freq", 10000.0), ("query_pre_attn_scalar", 256),
+                                 ("sliding_window", 4096), ("sliding_window_pattern", 6))),
     "qwen3_moe": dataclasses.replace(
         _QWEN3, moe=True, hf_architecture="Qwen3MoeForCausalLM", hf_model_type="qwen3_moe",
         hf_expert_names=("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",

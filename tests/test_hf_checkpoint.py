@@ -59,11 +59,11 @@ def imported_params(config, hf_path):
   return params
 
 
-def logits_and_golden(family, config):
+def logits_and_golden(family, config, hf_path=None):
   golden = np.load(ASSETS / family / "golden.npz")
   tokens = golden["tokens"]
   positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
-  logits = Transformer(config).apply({"params": imported_params(config, ASSETS / family)},
+  logits = Transformer(config).apply({"params": imported_params(config, hf_path or ASSETS / family)},
                                      tokens, positions, np.ones_like(tokens))
   return np.asarray(logits), golden["logits"]
 
@@ -246,12 +246,14 @@ def test_bf16_weights_stay_bf16_unless_convert_dtype_asks(tmp_path, convert_dtyp
   assert json.loads((exported / "config.json").read_text())["torch_dtype"] == stored
 
 
-@pytest.mark.parametrize("model_name", ["llama3.2-1b", "qwen3-0.6b", "gemma2-2b", "gemma3-1b"])
+@pytest.mark.parametrize("model_name", ["llama3.2-1b", "qwen3-0.6b", "gemma2-2b", "gemma3-1b", "gemma3-4b",
+                                        "gemma3-27b"])
 def test_a_published_config_json_gives_the_model_file_keys(tmp_path, model_name):
   """config.json as the Hub publishes it (transcribed in tests/assets/hf/published_configs.json;
   Gemma 2's names neither a tied head nor layer_types, which transformers takes as tied and
-  sliding on even layers): with model_name it agrees with configs/models/NAME.yml, and without
-  it to_maxtext resolves the same model keys."""
+  sliding on even layers; Gemma 3 4B's and 27B's are Gemma3ForConditionalGeneration, whose
+  text_config names only what differs from transformers' defaults): with model_name it agrees
+  with configs/models/NAME.yml, and without it to_maxtext resolves the same model keys."""
   (tmp_path / "config.json").write_text(json.dumps(
       json.loads((ASSETS / "published_configs.json").read_text())[model_name]))
   named = to_maxtext.resolve_config([BASE_YML, f"hf_model_path={tmp_path}", f"model_name={model_name}"])
@@ -310,7 +312,7 @@ def split_and_lose_a_shard(hf):
     (split_and_lose_a_shard, "model-00002-of-00002.safetensors, which is not there"),
     (lambda hf: edit_config(hf, architectures=["MistralForCausalLM"]),
      "architecture MistralForCausalLM is not supported (supported: LlamaForCausalLM, Qwen3ForCausalLM, "
-     "Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM)"),
+     "Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Gemma3ForConditionalGeneration)"),
     (lambda hf: drop_tensor(hf, "model.layers.1.mlp.up_proj.weight"), "tensor model.layers.1.mlp.up_proj.weight is "
      "missing"),
     (lambda hf: reshape_tensor(hf, "model.layers.2.self_attn.k_proj.weight"),
@@ -432,6 +434,29 @@ def test_gemma3_config_json_in_transformers_4_keys_reads_as_the_same_model():
              rope_scaling={k: v for k, v in rope["full_attention"].items() if k != "rope_theta"},
              sliding_window_pattern=golden["layer_types"].index("full_attention") + 1)
   assert mapping.model_keys(hub, "hub") == mapping.model_keys(golden, "golden")
+
+
+@pytest.mark.parametrize("names", ["hub", "transformers 5"])
+def test_the_language_model_of_a_multimodal_gemma3_gives_its_logits_of_text(tmp_path, names):
+  """Gemma3ForConditionalGeneration's language model, imported alone with every model key from
+  its config.json's text_config (the vision tower and projector left out, as is a missing
+  lm_head under a tied one), gives the multimodal model's logits of text alone: under the Hub's
+  tensor names (language_model.model.*) and transformers 5's (model.language_model.*)."""
+  hf = ASSETS / "gemma3_multimodal"
+  if names == "transformers 5":
+    shutil.copytree(hf, tmp_path / "hf")
+    hf = tmp_path / "hf"
+    tensors = load_file(hf / "model.safetensors")
+    save_file({re.sub(r"^language_model\.model\.", "model.language_model.", n): t for n, t in tensors.items()},
+              hf / "model.safetensors")
+  config = to_maxtext.resolve_config([BASE_YML, f"hf_model_path={hf}"])
+  assert (config.decoder_block, config.base_num_decoder_layers, config.sliding_window_size) == ("gemma3", 7, 4)
+  tensors = mapping.tensor_index(str(hf))
+  mapping.check_tensors(config, tensors, str(hf))
+  assert not [n for n in tensors if "vision" in n or "projector" in n]
+  logits, golden = logits_and_golden("gemma3_multimodal", config, hf)
+  scale = np.abs(golden).max()
+  np.testing.assert_allclose(logits / scale, golden / scale, rtol=0, atol=1e-5)
 
 
 def test_a_new_family_is_one_registry_entry(monkeypatch, tmp_path):

@@ -3,7 +3,8 @@ converters read (to_maxtext.py, to_huggingface.py), config.json both ways, and r
 directory's safetensors one tensor at a time.
 
 Supported: LlamaForCausalLM (Llama 2, 3, 3.1, 3.2), Qwen3ForCausalLM, Gemma2ForCausalLM,
-Gemma3ForCausalLM (Gemma 3's text decoder), and the mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM.
+Gemma3ForCausalLM (Gemma 3's text decoder), and the mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM;
+imported only, the language model of Gemma3ForConditionalGeneration (Gemma 3 4B, 12B, 27B as published).
 """
 
 import glob
@@ -24,6 +25,10 @@ from MaxText.families import FAMILIES
 NO_DATA = "dataset_type=synthetic"
 # Tensors some Hugging Face checkpoints carry that the model recomputes or ties: not weights.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# A multimodal checkpoint's language model, under the Hub's names or transformers 5's, -> the names
+# its causal-LM class gives it; the other towers' tensors (vision, projector) are not imported.
+LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                           "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}
 
 
 def tool_argv(argv: list) -> list:
@@ -63,14 +68,33 @@ def _expected(config) -> dict:
           "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim}
 
 
+def _multimodal_family(hf: dict):
+  """The family whose language model config.json's multimodal architecture holds, or None."""
+  architecture = (hf.get("architectures") or [""])[0]
+  return next((f for f in FAMILIES.values() if architecture and f.hf_multimodal_architecture == architecture), None)
+
+
+def language_model(hf: dict) -> dict:
+  """A multimodal config.json as its language model's causal-LM config.json: its text_config
+  over transformers' defaults for what that leaves out; any other config.json as it is."""
+  family = _multimodal_family(hf)
+  if family is None:
+    return hf
+  tied = {"tie_word_embeddings": hf["tie_word_embeddings"]} if "tie_word_embeddings" in hf else {}
+  return {**dict(family.hf_text_config_defaults), **tied, **(hf.get("text_config") or {}),
+          "architectures": [family.hf_architecture]}
+
+
 def model_keys(hf: dict, hf_path: str) -> dict:
   """The config keys config.json sets (None where it sets none); an architecture this project
   lacks, or a config.json without a size, is a config error."""
+  hf = language_model(hf)
   architecture = (hf.get("architectures") or ["(none)"])[0]
   blocks = {family.hf_architecture: block for block, family in FAMILIES.items()}
   if architecture not in blocks:
+    multimodal = [f.hf_multimodal_architecture for f in FAMILIES.values() if f.hf_multimodal_architecture]
     raise errors.ConfigError(f"hf_model_path={hf_path!r}: architecture {architecture} is not supported "
-                             f"(supported: {', '.join(blocks)})")
+                             f"(supported: {', '.join([*blocks, *multimodal])})")
   try:
     return _model_keys(hf, blocks[architecture])
   except KeyError as e:
@@ -313,8 +337,9 @@ def read_config(hf_path: str) -> dict:
 
 
 def tensor_index(hf_path: str) -> dict:
-  """{name: (file, shape, dtype)} of a Hugging Face model directory's tensors, sharded
-  (model.safetensors.index.json) or not, from the files' headers."""
+  """{name: (file, shape, dtype, name in the file)} of a Hugging Face model directory's tensors,
+  sharded (model.safetensors.index.json) or not, from the files' headers; of a multimodal
+  model's, its language model's alone, named as its causal-LM class names them."""
   index = os.path.join(hf_path, "model.safetensors.index.json")
   if os.path.isfile(index):
     try:
@@ -338,10 +363,13 @@ def tensor_index(hf_path: str) -> dict:
       with safe_open(file, framework="numpy") as handle:
         for name in handle.keys():
           header = handle.get_slice(name)
-          tensors[name] = (file, tuple(header.get_shape()), header.get_dtype())
+          tensors[name] = (file, tuple(header.get_shape()), header.get_dtype(), name)
     except Exception as e:  # safetensors raises its own error types for truncated or foreign files
       raise errors.ConfigError(f"hf_model_path={hf_path!r}: {os.path.basename(file)} is not a readable "
                                f"safetensors file ({errors.first_line(e)})") from None
+  if _multimodal_family(read_config(hf_path)):
+    tensors = {causal + name[len(prefix):]: value for name, value in tensors.items()
+               for prefix, causal in LANGUAGE_MODEL_PREFIXES.items() if name.startswith(prefix)}
   return tensors
 
 
@@ -356,7 +384,7 @@ def read_tensor(tensors: dict, name: str) -> np.ndarray:
   """One tensor, copied out of its file, which is closed again: the file's pages read so far do
   not stay mapped, so memory holds what is being converted, not the whole model."""
   with safe_open(tensors[name][0], framework="numpy") as handle:
-    return handle.get_tensor(name)
+    return handle.get_tensor(tensors[name][3])
 
 
 def check_tensors(config, tensors: dict, hf_path: str) -> None:

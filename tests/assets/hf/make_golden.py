@@ -16,6 +16,15 @@ import numpy as np
 import torch
 import transformers
 
+def gemma3_multimodal(torch_dtype, attn_implementation, **text):
+  """Gemma3ForConditionalGeneration's config: the text model given, a one-layer vision tower."""
+  vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=28, patch_size=14)
+  return transformers.Gemma3Config(text_config=transformers.Gemma3TextConfig(**text), vision_config=vision,
+                                   mm_tokens_per_image=4, boi_token_index=93, eoi_token_index=94, image_token_index=95,
+                                   torch_dtype=torch_dtype, attn_implementation=attn_implementation)
+
+
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0)
 PROMPT, GREEDY = 8, 8  # greedy decoding: the first row's first PROMPT tokens, continued by GREEDY tokens
@@ -37,6 +46,13 @@ MODELS = {
     # the global layer 5; a window of 4; the local and global RoPE bases far apart, the global
     # positions slowed 8 times; query scale off head_dim.
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        num_hidden_layers=7, tie_word_embeddings=True, sliding_window=4, query_pre_attn_scalar=24,
+        rope_parameters=dict(full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1000000.0),
+                             sliding_attention=dict(rope_type="default", rope_theta=10000.0)),
+        initializer_range=0.2)),
+    # The same text model inside Gemma3ForConditionalGeneration, as Gemma 3 4B, 12B and 27B are
+    # published; the golden logits are its logits of text alone.
+    "gemma3_multimodal": (gemma3_multimodal, transformers.Gemma3ForConditionalGeneration, dict(
         num_hidden_layers=7, tie_word_embeddings=True, sliding_window=4, query_pre_attn_scalar=24,
         rope_parameters=dict(full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1000000.0),
                              sliding_attention=dict(rope_type="default", rope_theta=10000.0)),
