@@ -47,6 +47,10 @@ def layer_types(config) -> list:
 _LLAMA31_ROPE_KEYS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                       "rope_original_max_position")
 
+# YaRN's and MLA's keys: no family converted here has them.
+_YARN_ROPE_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_MLA_KEYS = ("attention_type", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
 
 def _expected(config) -> dict:
   """config.json's values for this config: every key that affects the model but those it
@@ -56,6 +60,10 @@ def _expected(config) -> dict:
   unused = {"base_mlp_dim"} if config.moe else set(config_schema.fields("model", [config_schema.MoE]))
   if config.rope_type != "llama3.1":
     unused.update(_LLAMA31_ROPE_KEYS)
+  if config.rope_type != "yarn":
+    unused.update(_YARN_ROPE_KEYS)
+  if config.attention_type == "global":
+    unused.update(_MLA_KEYS)
   return {**{key: getattr(config, key) for key in config_schema.fields("model") if key not in unused},
           "rope_max_timescale": float(config.rope_max_timescale),
           "local_rope_max_timescale": float(config.local_rope_max_timescale),
