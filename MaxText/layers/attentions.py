@@ -3,6 +3,7 @@
 
 import functools
 import json
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -309,10 +310,33 @@ def mla_attention(cfg, x, positions, segment_ids, layer_index):
   return checkpoint_name(jnp.einsum("btnh,nhd->btd", context, wo), "out_proj")
 
 
-# attention_type= -> (config, x [B, T, D] in the layer's input dtype, positions, segment ids,
-# layer index) -> the attention's output [B, T, D], its parameters made in the calling module.
-# A new attention is one entry; config_schema takes the choices from these keys.
-ATTENTION_TYPES = {"global": global_attention, "mla": mla_attention}
+def global_macs(cfg) -> tuple[int, int]:
+  d, heads, kv_heads, head_dim = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
+  return d * heads * head_dim + 2 * d * kv_heads * head_dim + heads * head_dim * d, 2 * heads * head_dim
+
+
+def mla_macs(cfg) -> tuple[int, int]:
+  d, heads, rank = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.q_lora_rank
+  qk, latent, v_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+  query = rank * (d + heads * qk) if rank else d * heads * qk
+  keys_values = d * (latent + cfg.qk_rope_head_dim) + latent * heads * (cfg.qk_nope_head_dim + v_dim)
+  return query + keys_values + heads * v_dim * d, heads * (qk + v_dim)
+
+
+class AttentionType(NamedTuple):
+  """layer: (config, x [B, T, D], positions, segment ids, layer index) -> the attention's output
+  [B, T, D], its parameters made in the calling module; macs: config -> (multiply-adds per token
+  of its projections, per (query, key) pair of its scores and context, all heads), the cost
+  model's count (costs.ATTENTION_MACS)."""
+  layer: Callable
+  macs: Callable
+
+
+# attention_type= -> its AttentionType. A new attention is one entry; config_schema takes the
+# choices from these keys.
+ATTENTION_TYPES = {"global": AttentionType(global_attention, global_macs),
+                   "mla": AttentionType(mla_attention, mla_macs)}
+costs.ATTENTION_MACS.update({name: kind.macs for name, kind in ATTENTION_TYPES.items()})
 
 
 class Attention(nn.Module):
@@ -323,7 +347,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, layer_index):
-    return ATTENTION_TYPES[self.config.attention_type](self.config, x, positions, segment_ids, layer_index)
+    return ATTENTION_TYPES[self.config.attention_type].layer(self.config, x, positions, segment_ids, layer_index)
 
 
 def attend_heads(cfg, q, k, v, segment_ids, layer_index, scale):
