@@ -12,6 +12,7 @@ import pytest
 from conftest import assert_mesh_gradients_equal_one_device, assert_trees_close, model_inputs, tiny_config
 
 from MaxText import costs, errors, sharding, train_step
+from MaxText.checkpoint_conversion import mapping
 from MaxText.layers.attentions import Attention, dot_product_attention, flash_attention, mla_scale
 from MaxText.layers.embeddings import rope_attention_factor, rope_timescales
 
@@ -177,3 +178,9 @@ def test_bad_mla_and_yarn_settings_are_one_line_config_errors(overrides, message
   with pytest.raises(errors.ConfigError) as e:
     tiny_config(*MLA, *overrides)
   assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, message", [(MLA, "attention_type='mla'"), (YARN, "rope_type='yarn'")])
+def test_no_hugging_face_export_drops_mla_or_yarn(overrides, message):
+  with pytest.raises(errors.ConfigError, match=f"^{message}: no family's Hugging Face export writes it$"):
+    mapping.check_exportable(tiny_config(*overrides))

@@ -291,6 +291,10 @@ def _moe_config(config) -> dict:
 def check_exportable(config) -> None:
   """A config Hugging Face's class for its family cannot express is refused before anything is written."""
   family = FAMILIES[config.decoder_block]
+  # No family here has MLA or YaRN in its Hugging Face class (_MLA_KEYS, _YARN_ROPE_KEYS).
+  for key, value in (("attention_type", "mla"), ("rope_type", "yarn")):
+    if getattr(config, key) == value:
+      raise errors.ConfigError(f"{key}={value!r}: no family's Hugging Face export writes it")
   if config.rope_linear_scaling_factor != 1 and config.rope_type != "default":
     raise errors.ConfigError(f"rope_linear_scaling_factor={config.rope_linear_scaling_factor}: config.json holds "
                              f"one RoPE scaling, and rope_type={config.rope_type!r} is another")
