@@ -108,7 +108,7 @@ def _yarn(cfg, timescale):
   # The feature index d whose wavelength base^(d / dim) * 2pi makes `turns` turns over the context.
   index = lambda turns: dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
   low, high = max(math.floor(index(cfg.beta_fast)), 0), min(math.ceil(index(cfg.beta_slow)), dim - 1)
-  slowed = jnp.clip((jnp.arange(timescale.shape[0], dtype=jnp.float32) - low) / max(high - low, 1e-3), 0.0, 1.0)
+  slowed = jnp.clip((jnp.arange(timescale.shape[0], dtype=jnp.float32) - low) / ((high - low) or 1e-3), 0.0, 1.0)
   return 1 / ((1 - slowed) / timescale + slowed / (cfg.rope_scaling_factor * timescale))
 
 
