@@ -22,8 +22,9 @@ from MaxText.errors import ConfigError
 from MaxText.families import FAMILIES
 from MaxText.input_pipeline import mixture
 from MaxText.input_pipeline.input_pipeline import DATASET_TYPES
-from MaxText.layers.attentions import ATTENTIONS
+from MaxText.layers.attentions import ATTENTION_TYPES, ATTENTIONS
 from MaxText.layers.context_parallel import STRATEGIES
+from MaxText.layers.embeddings import ROPE_TYPES
 
 
 def one_of(registry) -> type:
@@ -156,13 +157,23 @@ class Model:
   base_num_decoder_layers: int = key(4, "number of decoder layers")
   head_dim: int | None = key(None, "per-head width; null: base_emb_dim // base_num_query_heads")
   rope_max_timescale: int = key(10000, "RoPE base wavelength (Llama 2: 10000, Llama 3: 500000)")
-  rope_type: Literal["default", "llama3.1"] = key(
-      "default", "default, or llama3.1: Llama 3.1's frequency rescaling with the four keys below",
-      doc="llama3.1 is Hugging Face's rope_type \"llama3\" (Llama 3.1: 8, 1, 4, 8192; Llama 3.2: 32, 1, 4, 8192).")
-  rope_scaling_factor: float = key(8.0, "llama3.1: how much slower the low frequencies turn")
+  rope_type: one_of(ROPE_TYPES) = key(
+      "default", "default, llama3.1 (Llama 3.1's frequency rescaling) or yarn (YaRN) (layers/embeddings.ROPE_TYPES)",
+      doc="llama3.1 is Hugging Face's rope_type \"llama3\" (Llama 3.1: 8, 1, 4, 8192; Llama 3.2: 32, 1, 4, 8192), "
+          "with rope_scaling_factor, rope_low_freq_factor, rope_high_freq_factor and rope_original_max_position. yarn "
+          "is Hugging Face's \"yarn\" with rope_scaling_factor, rope_original_max_position, beta_fast, beta_slow, "
+          "mscale and mscale_all_dim (DeepSeek-V3: 40, 4096, 32, 1, 1, 1).")
+  rope_scaling_factor: float = key(8.0, "llama3.1, yarn: how much slower the low frequencies turn")
   rope_low_freq_factor: float = key(1.0, "llama3.1: wavelengths above original / this are slowed")
   rope_high_freq_factor: float = key(4.0, "llama3.1: wavelengths below original / this are kept")
-  rope_original_max_position: int = key(8192, "llama3.1: the context the model was first trained at")
+  rope_original_max_position: int = key(8192, "llama3.1, yarn: the context the model was first trained at")
+  beta_fast: float = key(32.0, "yarn: frequencies turning more than this many times over the original context are "
+                               "kept")
+  beta_slow: float = key(1.0, "yarn: frequencies turning fewer times than this are slowed by rope_scaling_factor")
+  mscale: float = key(0.0, "yarn: RoPE's cos and sin are scaled by mscale(mscale) / mscale(mscale_all_dim) where "
+                           "both are > 0, else by mscale(1); mscale(m) = 0.1 m ln(rope_scaling_factor) + 1")
+  mscale_all_dim: float = key(0.0, "yarn with attention_type=mla: > 0 multiplies the softmax scale by "
+                                   "mscale(mscale_all_dim)^2 (DeepSeek: 1); 0: not")
   normalization_layer_epsilon: float = key(1.0e-5, "RMSNorm epsilon")
   logits_via_embedding: bool = key(False, "tie the output head to the token embedding table")
   attn_logits_soft_cap: float = key(0.0, "> 0: attention scores = cap * tanh(scores / cap) (Gemma 2: 50); 0: none")
@@ -177,6 +188,19 @@ class Model:
                                          "applied (Gemma 3: 10000); 0: they share the global layers' RoPE")
   rope_linear_scaling_factor: float = key(1.0, "RoPE positions are divided by this (linear scaling; Gemma 3 4B, 12B, "
                                                "27B: 8, on the global layers only); 1: none")
+
+  attention_type: one_of(ATTENTION_TYPES) = key(
+      "global", "global (query, key and value heads, GQA) or mla (DeepSeek's multi-head latent attention) "
+                "(layers/attentions.ATTENTION_TYPES)",
+      doc="mla: keys and values are projected from kv_lora_rank latent features, each head's key then shares one "
+          "RoPE key of qk_rope_head_dim features; base_num_kv_heads equals base_num_query_heads, head_dim is unused "
+          "(docs/design/attention.md).")
+  q_lora_rank: int = key(0, "mla: > 0: queries are projected through this many latent features (DeepSeek-V3: 1536); "
+                            "0: from the input directly (DeepSeek-V2-Lite)")
+  kv_lora_rank: int = key(512, "mla: latent features keys and values are projected from")
+  qk_nope_head_dim: int = key(128, "mla: each query and key head's features without RoPE")
+  qk_rope_head_dim: int = key(64, "mla: each query and key head's features with RoPE (the key's shared by all heads)")
+  v_head_dim: int = key(128, "mla: each value head's features")
 
   def check(self):
     at_least(self, 1, "vocab_size", "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
@@ -199,6 +223,16 @@ class Model:
     require(self.rope_scaling_factor > 0 and self.rope_original_max_position > 0, self, "rope_scaling_factor",
             "and rope_original_max_position must be > 0")
     require(self.normalization_layer_epsilon > 0, self, "normalization_layer_epsilon", "must be > 0")
+    require(self.beta_fast > self.beta_slow > 0, self, "beta_fast", f"must be > beta_slow={self.beta_slow} > 0")
+    at_least(self, 0, "mscale", "mscale_all_dim")
+    if self.attention_type == "mla":
+      at_least(self, 0, "q_lora_rank")
+      at_least(self, 1, "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
+      require(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0, self, "qk_rope_head_dim",
+              "must be even and > 0 (RoPE rotates pairs of features)")
+      require(self.base_num_kv_heads == self.base_num_query_heads, self, "base_num_kv_heads",
+              f"must equal base_num_query_heads={self.base_num_query_heads} for attention_type=mla (every head has "
+              "its own keys and values)")
 
 
 @section("Layer execution")
@@ -555,11 +589,14 @@ class Mesh:
        ["activation_vocab", ["tensor"]], ["activation_embed", []], ["exp", ["expert"]],
        ["exp_fsdp", ["expert", "fsdp", "context"]], ["embed", ["fsdp", "context", "expert"]],
        ["embed", ["fsdp", "context"]], ["vocab", ["tensor"]], ["q_heads", ["tensor"]], ["kv_heads", ["tensor"]],
-       ["heads", ["tensor"]], ["mlp", ["tensor"]], ["kv", []], ["norm", []], ["layers", []]],
+       ["heads", ["tensor"]], ["mlp", ["tensor"]], ["kv", []], ["norm", []], ["layers", []],
+       ["q_lora", ["fsdp", "context", "expert"]], ["kv_lora", ["fsdp", "context", "expert"]], ["q_lora_up_proj", []],
+       ["kv_lora_up_proj", []], ["kv_head_dim", []]],
       "model axis name -> mesh axes, first unused match wins (flax semantics)",
       doc="`exp` comes before `embed`, so the experts' weights shard their `exp` axis first; `exp_fsdp` is the "
           "experts' weights where the experts divide over those axes (moe.py), and the second `embed` rule serves "
-          "the experts' weights whose `exp` axis took `expert`.")
+          "the experts' weights whose `exp` axis took `expert`. attention_type=mla's latent features (q_lora, "
+          "kv_lora: the inputs of wq_b and wkv_b) shard as `embed` does.")
 
   @staticmethod
   def axis_rules(rules: list) -> list:

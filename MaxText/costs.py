@@ -20,6 +20,9 @@ from MaxText import accelerators
 
 # pallas_call name prefix -> its FLOPs (eqn -> float), registered by the module that calls it.
 KERNEL_FLOPS: dict[str, Callable] = {}
+# attention_type -> (config -> (multiply-adds per token of a layer's attention projections, per
+# (query, key) pair of its scores and context, all heads)), registered by layers/attentions.
+ATTENTION_MACS: dict[str, Callable] = {}
 
 
 def _kernel_flops(eqn) -> float:
@@ -35,21 +38,20 @@ def training_flops_per_step(config) -> float:
   """Model FLOPs of one optimizer step, all devices together (recomputation not counted).
 
   Matmuls: 2 FLOPs per multiply-add, forward plus a backward twice the forward. Causal
-  attention scores and context count only the half of the T x T products that the mask keeps.
+  attention scores and context count only the half of the T x T products that the mask keeps;
+  the attention's own counts are its attention_type's (ATTENTION_MACS).
   A mixture of experts counts its active parameters only: the router and the
   num_experts_per_tok experts each token goes to.
   """
-  d, m, v, hd = config.base_emb_dim, config.base_mlp_dim, config.vocab_size, config.head_dim
-  hq, hkv, layers, length = (config.base_num_query_heads, config.base_num_kv_heads,
-                             config.base_num_decoder_layers, config.max_target_length)
-  batch = config.global_batch_size_to_train_on
+  d, m, v = config.base_emb_dim, config.base_mlp_dim, config.vocab_size
+  layers, length, batch = config.base_num_decoder_layers, config.max_target_length, config.global_batch_size_to_train_on
   if config.moe:
     mlp_params = d * config.num_experts + config.num_experts_per_tok * 3 * d * config.base_moe_mlp_dim
   else:
     mlp_params = 3 * d * m
-  layer_params = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + mlp_params
-  matmul = 2 * batch * length * (layers * layer_params + d * v)
-  attention = 2 * 2 * batch * length * length * hq * hd * layers / 2
+  attention_params, per_pair = ATTENTION_MACS[config.attention_type](config)
+  matmul = 2 * batch * length * (layers * (attention_params + mlp_params) + d * v)
+  attention = 2 * batch * length * length * per_pair * layers / 2
   return 3 * (matmul + attention)
 
 

@@ -232,6 +232,9 @@ def _validate(v: dict) -> None:
              f"max_target_length={v['max_target_length']} tokens: at least 1 is needed", v)
   _require(v["expert_exchange"] != "all_to_all" or v["capacity_factor"] is None, "expert_exchange",
            f"all_to_all needs dropless routing (capacity_factor null, not {v['capacity_factor']})", v)
+  # MLA's latent keys and values are shared by all heads: no slice of heads stands alone.
+  _require(v["attention_head_chunks"] == 1 or v["attention_type"] != "mla", "attention_head_chunks",
+           "must be 1 for attention_type=mla", v)
   _require(v["learning_rate_schedule_steps"] is None or v["learning_rate_schedule_steps"] >= v["steps"],
            "learning_rate_schedule_steps", f"must be >= steps={v['steps']}, or null for `steps`", v)
   if v["dataset_type"] == "text" and not v["tokenizer_path"]:

@@ -106,6 +106,8 @@ def check_divisible(v: dict) -> None:
   for name, axes in v["logical_axis_rules"]:
     rules.setdefault(name, axes)
   checks = list(sizes.items())
+  if v["attention_type"] == "mla":  # wq_b [q_lora, q_heads, kv], wkv_b [kv_lora, kv_heads, kv_head_dim]
+    checks += [("q_lora", ("q_lora_rank", v["q_lora_rank"])), ("kv_lora", ("kv_lora_rank", v["kv_lora_rank"]))]
   if v["moe"]:  # the experts' weights: [exp, embed, mlp]
     checks += [("exp", ("num_experts", v["num_experts"])), ("mlp", ("base_moe_mlp_dim", v["base_moe_mlp_dim"]))]
   for name, (what, size) in checks:

@@ -189,13 +189,13 @@ def loss_gradients(config, batch=None):
   return {"loss": np.asarray(value), **{jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}}
 
 
-def assert_mesh_gradients_equal_one_device(meshes, *overrides):
+def assert_mesh_gradients_equal_one_device(meshes, *overrides, model=()):
   """SHARDED's loss and gradients with `overrides` on 8 devices under each of `meshes` ({name:
-  overrides}) equal one device's without them, rtol 1e-5."""
-  want = loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=8"))
+  overrides}) equal one device's without them, rtol 1e-5; `model`'s overrides apply to both."""
+  want = loss_gradients(tiny_config(*SHARDED, *model, "per_device_batch_size=8"))
   for name, mesh in meshes.items():
     with on_devices(8):
-      got = loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=1", *mesh, *overrides))
+      got = loss_gradients(tiny_config(*SHARDED, *model, "per_device_batch_size=1", *mesh, *overrides))
     assert_trees_close(got, want, rtol=1e-5, what=name)
 
 

@@ -52,6 +52,10 @@ def layer_types(config) -> list:
 _LLAMA31_ROPE_KEYS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                       "rope_original_max_position")
 
+# YaRN's and MLA's keys: no family converted here has them.
+_YARN_ROPE_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_MLA_KEYS = ("attention_type", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
 
 def _expected(config) -> dict:
   """config.json's values for this config: every key that affects the model but those it
@@ -61,6 +65,10 @@ def _expected(config) -> dict:
   unused = {"base_mlp_dim"} if config.moe else set(config_schema.fields("model", [config_schema.MoE]))
   if config.rope_type != "llama3.1":
     unused.update(_LLAMA31_ROPE_KEYS)
+  if config.rope_type != "yarn":
+    unused.update(_YARN_ROPE_KEYS)
+  if config.attention_type == "global":
+    unused.update(_MLA_KEYS)
   return {**{key: getattr(config, key) for key in config_schema.fields("model") if key not in unused},
           "rope_max_timescale": float(config.rope_max_timescale),
           "local_rope_max_timescale": float(config.local_rope_max_timescale),
@@ -307,6 +315,10 @@ def _moe_config(config) -> dict:
 def check_exportable(config) -> None:
   """A config Hugging Face's class for its family cannot express is refused before anything is written."""
   family = FAMILIES[config.decoder_block]
+  # No family here has MLA or YaRN in its Hugging Face class (_MLA_KEYS, _YARN_ROPE_KEYS).
+  for key, value in (("attention_type", "mla"), ("rope_type", "yarn")):
+    if getattr(config, key) == value:
+      raise errors.ConfigError(f"{key}={value!r}: no family's Hugging Face export writes it")
   if config.rope_linear_scaling_factor != 1 and config.rope_type != "default":
     raise errors.ConfigError(f"rope_linear_scaling_factor={config.rope_linear_scaling_factor}: config.json holds "
                              f"one RoPE scaling, and rope_type={config.rope_type!r} is another")

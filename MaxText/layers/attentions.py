@@ -1,7 +1,9 @@
-"""Grouped-query causal self-attention with RoPE and document (segment) masking."""
+"""Causal self-attention with RoPE and document (segment) masking: grouped-query attention
+(attention_type=global) and DeepSeek's multi-head latent attention (mla)."""
 
 import functools
 import json
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -10,8 +12,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import costs, head, sharding
 from MaxText.layers import context_parallel
-from MaxText.layers.embeddings import apply_rope, rope_timescales
-from MaxText.layers.linears import kernel, kernel_run, sum_of_slices
+from MaxText.layers.embeddings import apply_rope, rope_attention_factor, rope_timescales, yarn_mscale
+from MaxText.layers.linears import kernel, kernel_run, sum_of_slices, weights_as
 from MaxText.layers.normalizations import norm_scale, rms_norm_with
 
 BATCH_LENGTH_HEADS = ("activation_batch", "activation_length", "activation_heads", None)
@@ -31,18 +33,21 @@ def attention_mask(query_index, segment_ids, window=None):
 
 
 def attend(q, k, v, mask, scale, soft_cap):
-  """softmax(soft_cap(scale * q.k) where mask) . v over [B, T, N, H] rows, GQA. Without a cap,
-  jax.nn.dot_product_attention (which can pick a fused implementation); with one (Gemma 2)
-  the scores are formed here, since it has no cap."""
-  if not soft_cap:
+  """softmax(soft_cap(scale * q.k) where mask) . v over [B, T, N, H] rows, GQA, values [B, T, K, Hv].
+  Without a cap and with Hv = H, jax.nn.dot_product_attention (which can pick a fused
+  implementation); with a cap (Gemma 2) or values of another width (MLA), neither of which it
+  takes, the scores are formed here."""
+  if not soft_cap and v.shape[3] == q.shape[3]:
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
   batch, length, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-  scores = jnp.where(mask[:, :, None], head.soft_cap(scores, soft_cap), jnp.finfo(jnp.float32).min)
+  if soft_cap:
+    scores = head.soft_cap(scores, soft_cap)
+  scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(batch, length, heads, head_dim)
+  return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(batch, length, heads, v.shape[3])
 
 
 def dot_product_attention(q, k, v, segment_ids, scale=None, soft_cap=0.0, window=None):
@@ -65,8 +70,8 @@ def chunked_attention(q, k, v, segment_ids, num_chunks, scale=None, soft_cap=0.0
   def attend_chunk(q_chunk, q_index):
     return attend(q_chunk, k, v, attention_mask(q_index, segment_ids, window), scale, soft_cap)
 
-  out = jax.lax.map(lambda args: attend_chunk(*args), (chunks, index))  # [chunks, B, T / chunks, N, H]
-  return jnp.moveaxis(out, 0, 2).reshape(q.shape)
+  out = jax.lax.map(lambda args: attend_chunk(*args), (chunks, index))  # [chunks, B, T / chunks, N, Hv]
+  return jnp.moveaxis(out, 0, 2).reshape(*q.shape[:3], v.shape[3])
 
 
 FLASH_BLOCK = 512  # query and key block of the splash kernel, or the whole row when shorter
@@ -125,6 +130,10 @@ def flash_attention(q, k, v, segment_ids, platform, scale=None, soft_cap=0.0, wi
   `interpret` runs the kernel in Pallas's interpreter (any backend, slowly: for tests)."""
   kernel = functools.partial(FLASH_KERNELS[platform], scale=q.shape[3]**-0.5 if scale is None else scale,
                              soft_cap=soft_cap, interpret=interpret)
+  # The kernels take one head width: values of another (MLA's) are padded with zero features,
+  # which add nothing to the scores (queries and keys) or are cut from the context (values).
+  width, v_width = max(q.shape[3], v.shape[3]), v.shape[3]
+  q, k, v = (jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[3])]) for x in (q, k, v))
 
   def attend_rows(q, k, v, segment_ids):
     if not window:
@@ -134,14 +143,14 @@ def flash_attention(q, k, v, segment_ids, platform, scale=None, soft_cap=0.0, wi
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return attend_rows(q, k, v, segment_ids)
+    return attend_rows(q, k, v, segment_ids)[..., :v_width]
   batch, _, heads, _ = nn.logical_to_mesh_axes(BATCH_LENGTH_HEADS)
   kv_heads = nn.logical_to_mesh_axes(BATCH_FULL_LENGTH_KV_HEADS)[2]
   rows = jax.sharding.PartitionSpec(batch, None, heads, None)
   return jax.shard_map(attend_rows, in_specs=(rows, jax.sharding.PartitionSpec(batch, None, kv_heads, None),
                                          jax.sharding.PartitionSpec(batch, None, kv_heads, None),
                                          jax.sharding.PartitionSpec(batch, None)),
-                       out_specs=rows, check_vma=False)(q, k, v, segment_ids)
+                       out_specs=rows, check_vma=False)(q, k, v, segment_ids)[..., :v_width]
 
 
 # What the cost model counts for the flash kernels' pallas_calls, which are custom calls, not
@@ -208,56 +217,149 @@ ATTENTIONS = {
 }
 
 
+def _window(cfg, layer_index):
+  """(window or None, whether this layer slides): the family's pattern makes the last of every
+  sliding_window_pattern layers attend to the whole row, the others to a window of the last
+  tokens (and with their own RoPE base). layer_index is traced inside a scan."""
+  window = cfg.sliding_window_size or None
+  return window, window is not None and (layer_index + 1) % cfg.sliding_window_pattern != 0
+
+
+def rotate(cfg, x, positions, layer_index):
+  """RoPE, as the configuration and the layer say, over all of x's last axis [B, T, heads, d]."""
+  timescale = rope_timescales(cfg, x.shape[3], _window(cfg, layer_index)[1])
+  return apply_rope(x, positions, timescale, rope_attention_factor(cfg))
+
+
+def global_attention(cfg, x, positions, segment_ids, layer_index):
+  """attention_type=global: q, k and v projected from x, RoPE over each whole head; base_num_kv_heads
+  divides base_num_query_heads (GQA, MQA at 1). With attention_head_chunks > 1, projections
+  included, in that many slices of its key/value heads, each with the query heads that share them
+  (linears.sum_of_slices); slice k is the k-th run of every tensor shard's own heads
+  (linears.kernel_run), so no head moves between devices."""
+  dim, heads, kv_heads, head_dim = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
+  projections = (kernel(cfg, "query", (dim, heads, head_dim), ("embed", "q_heads", "kv")),
+                 kernel(cfg, "key", (dim, kv_heads, head_dim), ("embed", "kv_heads", "kv")),
+                 kernel(cfg, "value", (dim, kv_heads, head_dim), ("embed", "kv_heads", "kv")))
+  out = kernel(cfg, "out", (heads, head_dim, dim), ("heads", "kv", "embed"), num_in_axes=2)
+  if cfg.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
+    q_scale, k_scale = norm_scale(cfg, "query_norm", head_dim), norm_scale(cfg, "key_norm", head_dim)
+  chunks, dtype = cfg.attention_head_chunks, jnp.dtype(cfg.dtype)
+  shards = sharding.logical_shards(cfg.to_dict(), "kv_heads")
+  scale = (cfg.query_pre_attn_scalar or head_dim)**-0.5
+
+  def attention_slice(x, k, out_dtype):
+    wq, wk, wv = (kernel_run(w, 1, shards, chunks, k, dtype) for w in projections)  # [D, n, H]
+    q = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, wq), "query_proj")
+    kk = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, wk), "key_proj")
+    v = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, wv), "value_proj")
+    if cfg.qk_norm:
+      q, kk = rms_norm_with(cfg, q_scale, q), rms_norm_with(cfg, k_scale, kk)
+    q, kk = rotate(cfg, q, positions, layer_index), rotate(cfg, kk, positions, layer_index)
+    context = attend_heads(cfg, q, kk, v, segment_ids, layer_index, scale)
+    wo = kernel_run(out, 0, shards, chunks, k, dtype)  # [n, H, D]
+    return jnp.einsum("btnh,nhd->btd", context, wo, preferred_element_type=out_dtype)
+
+  return checkpoint_name(sum_of_slices(cfg, x, chunks, attention_slice), "out_proj")
+
+
+def mla_scale(cfg) -> float:
+  """MLA's softmax scale: (qk_nope_head_dim + qk_rope_head_dim)^-0.5 (query_pre_attn_scalar^-0.5
+  where set), times DeepSeek's YaRN temperature mscale(rope_scaling_factor, mscale_all_dim)^2
+  with rope_type=yarn and mscale_all_dim set."""
+  scale = (cfg.query_pre_attn_scalar or cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)**-0.5
+  if cfg.rope_type == "yarn" and cfg.mscale_all_dim:
+    scale *= yarn_mscale(cfg.rope_scaling_factor, cfg.mscale_all_dim)**2
+  return scale
+
+
+def mla_attention(cfg, x, positions, segment_ids, layer_index):
+  """attention_type=mla, DeepSeek-V2/V3's multi-head latent attention (MaxText's parameter names).
+
+  Queries: x query, or with q_lora_rank > 0 rmsnorm(x wq_a) wq_b, each head's [qk_nope_head_dim]
+  features then [qk_rope_head_dim]. Keys and values: x wkv_a is [kv_lora_rank] latent features,
+  then one [qk_rope_head_dim] RoPE key k_pe that every head shares; rmsnorm(latent) wkv_b gives
+  each head's [qk_nope_head_dim] key features, then its [v_head_dim] value. A head's key is its
+  own features then k_pe. RoPE rotates the pairs (i, i + qk_rope_head_dim / 2) of q_pe and k_pe
+  (the half-split layout of the other families; a checkpoint in DeepSeek's interleaved layout has
+  those output features permuted on import, which leaves every q_pe . k_pe unchanged)."""
+  dim, heads = cfg.base_emb_dim, cfg.base_num_query_heads
+  nope, rope, latent, v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+  dtype = jnp.dtype(cfg.dtype)
+  x = x.astype(dtype)
+  if cfg.q_lora_rank:
+    wq_a = kernel(cfg, "wq_a", (dim, cfg.q_lora_rank), ("embed", "q_lora_up_proj"))
+    q_norm = norm_scale(cfg, "q_norm", cfg.q_lora_rank)
+    wq_b = kernel(cfg, "wq_b", (cfg.q_lora_rank, heads, nope + rope), ("q_lora", "q_heads", "kv"))
+    q = jnp.einsum("btr,rnh->btnh", rms_norm_with(cfg, q_norm, x @ weights_as(wq_a, dtype)), weights_as(wq_b, dtype))
+  else:
+    q = jnp.einsum("btd,dnh->btnh", x, weights_as(kernel(cfg, "query", (dim, heads, nope + rope),
+                                                         ("embed", "q_heads", "kv")), dtype))
+  q = checkpoint_name(q, "query_proj")
+  kv_a = x @ weights_as(kernel(cfg, "wkv_a", (dim, latent + rope), ("embed", "kv_lora_up_proj")), dtype)
+  compressed = rms_norm_with(cfg, norm_scale(cfg, "kv_norm", latent), kv_a[..., :latent])
+  wkv_b = kernel(cfg, "wkv_b", (latent, heads, nope + v_dim), ("kv_lora", "kv_heads", "kv_head_dim"))
+  kv = jnp.einsum("btr,rnh->btnh", compressed, weights_as(wkv_b, dtype))
+  k_pe = rotate(cfg, kv_a[..., None, latent:], positions, layer_index)  # [B, T, 1, rope]
+  q = jnp.concatenate([q[..., :nope], rotate(cfg, q[..., nope:], positions, layer_index)], axis=-1)
+  k = checkpoint_name(jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_pe, (*kv.shape[:3], rope))], axis=-1),
+                      "key_proj")
+  v = checkpoint_name(kv[..., nope:], "value_proj")
+  context = attend_heads(cfg, q, k, v, segment_ids, layer_index, mla_scale(cfg))
+  wo = weights_as(kernel(cfg, "out", (heads, v_dim, dim), ("heads", "kv", "embed"), num_in_axes=2), dtype)
+  return checkpoint_name(jnp.einsum("btnh,nhd->btd", context, wo), "out_proj")
+
+
+def global_macs(cfg) -> tuple[int, int]:
+  d, heads, kv_heads, head_dim = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
+  return d * heads * head_dim + 2 * d * kv_heads * head_dim + heads * head_dim * d, 2 * heads * head_dim
+
+
+def mla_macs(cfg) -> tuple[int, int]:
+  d, heads, rank = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.q_lora_rank
+  qk, latent, v_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+  query = rank * (d + heads * qk) if rank else d * heads * qk
+  keys_values = d * (latent + cfg.qk_rope_head_dim) + latent * heads * (cfg.qk_nope_head_dim + v_dim)
+  return query + keys_values + heads * v_dim * d, heads * (qk + v_dim)
+
+
+class AttentionType(NamedTuple):
+  """layer: (config, x [B, T, D], positions, segment ids, layer index) -> the attention's output
+  [B, T, D], its parameters made in the calling module; macs: config -> (multiply-adds per token
+  of its projections, per (query, key) pair of its scores and context, all heads), the cost
+  model's count (costs.ATTENTION_MACS)."""
+  layer: Callable
+  macs: Callable
+
+
+# attention_type= -> its AttentionType. A new attention is one entry; config_schema takes the
+# choices from these keys.
+ATTENTION_TYPES = {"global": AttentionType(global_attention, global_macs),
+                   "mla": AttentionType(mla_attention, mla_macs)}
+costs.ATTENTION_MACS.update({name: kind.macs for name, kind in ATTENTION_TYPES.items()})
+
+
 class Attention(nn.Module):
-  """Self-attention; base_num_kv_heads divides base_num_query_heads (GQA, MQA at 1). With
-  attention_head_chunks > 1, projections included, in that many slices of its key/value heads,
-  each with the query heads that share them (linears.sum_of_slices); slice k is the k-th run of
-  every tensor shard's own heads (linears.kernel_run), so no head moves between devices."""
+  """Self-attention of the configured attention_type (ATTENTION_TYPES), its parameters under
+  this module's name."""
 
   config: object
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, layer_index):
-    cfg = self.config
-    dim, heads, kv_heads, head_dim = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
-    projections = (kernel(cfg, "query", (dim, heads, head_dim), ("embed", "q_heads", "kv")),
-                   kernel(cfg, "key", (dim, kv_heads, head_dim), ("embed", "kv_heads", "kv")),
-                   kernel(cfg, "value", (dim, kv_heads, head_dim), ("embed", "kv_heads", "kv")))
-    out = kernel(cfg, "out", (heads, head_dim, dim), ("heads", "kv", "embed"), num_in_axes=2)
-    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
-      q_scale, k_scale = norm_scale(cfg, "query_norm", head_dim), norm_scale(cfg, "key_norm", head_dim)
-    chunks, dtype = cfg.attention_head_chunks, jnp.dtype(cfg.dtype)
-    shards = sharding.logical_shards(cfg.to_dict(), "kv_heads")
-
-    def attention_slice(x, k, out_dtype):
-      wq, wk, wv = (kernel_run(w, 1, shards, chunks, k, dtype) for w in projections)  # [D, n, H]
-      q = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, wq), "query_proj")
-      kk = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, wk), "key_proj")
-      v = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, wv), "value_proj")
-      if cfg.qk_norm:
-        q, kk = rms_norm_with(cfg, q_scale, q), rms_norm_with(cfg, k_scale, kk)
-      context = attend_heads(cfg, q, kk, v, positions, segment_ids, layer_index)
-      wo = kernel_run(out, 0, shards, chunks, k, dtype)  # [n, H, D]
-      return jnp.einsum("btnh,nhd->btd", context, wo, preferred_element_type=out_dtype)
-
-    return checkpoint_name(sum_of_slices(cfg, x, chunks, attention_slice), "out_proj")
+    return ATTENTION_TYPES[self.config.attention_type].layer(self.config, x, positions, segment_ids, layer_index)
 
 
-def attend_heads(cfg, q, k, v, positions, segment_ids, layer_index):
-  """The attention of projected (and qk-normed) q [B, T, N, H], k and v [B, T, K, H]: RoPE,
-  the layout, the configured kernel or context parallelism; the context [B, T, N, H]."""
-  head_dim = q.shape[3]
-  # The family's pattern: the last of every sliding_window_pattern layers attends to the whole
-  # row, the others to a window of the last tokens (and with their own RoPE base).
-  window = cfg.sliding_window_size or None
-  sliding = window is not None and (layer_index + 1) % cfg.sliding_window_pattern != 0
-  timescale = rope_timescales(cfg, head_dim, sliding)
-  q, k = apply_rope(q, positions, timescale), apply_rope(k, positions, timescale)
+def attend_heads(cfg, q, k, v, segment_ids, layer_index, scale):
+  """The attention of rotated queries q [B, T, N, H] to keys k [B, T, K, H] and values
+  v [B, T, K, Hv] (K divides N; Hv may differ from H): the layout, the configured kernel or
+  context parallelism, the layer's window; the context [B, T, N, Hv]."""
+  window, sliding = _window(cfg, layer_index)
   split = context_parallel.shards() > 1  # each context shard attends its own queries
   q = nn.with_logical_constraint(q, BATCH_LENGTH_HEADS)
   k = nn.with_logical_constraint(k, BATCH_LENGTH_KV_HEADS if split else BATCH_FULL_LENGTH_KV_HEADS)
   v = nn.with_logical_constraint(v, BATCH_LENGTH_KV_HEADS if split else BATCH_FULL_LENGTH_KV_HEADS)
-  scale, soft_cap = (cfg.query_pre_attn_scalar or head_dim)**-0.5, cfg.attn_logits_soft_cap
+  soft_cap = cfg.attn_logits_soft_cap
   if split:
     context = context_parallel.attention(q, k, v, segment_ids, cfg, scale,
                                          functools.partial(head.soft_cap, cap=soft_cap),

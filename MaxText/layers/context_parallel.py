@@ -75,17 +75,17 @@ def _by_kv_head(x, kv_heads):
 
 
 def dot_block(q, k, v, q_index, k_index, q_segments, k_segments, window, scale, cap):
-  """q [B, Tq, N, H] against one key/value block [B, Tk, K, H] (GQA: K divides N), scored as
-  _scores does: (context normalised over the block [B, Tq, N, H] float32, logsumexp of its
+  """q [B, Tq, N, H] against one key/value block [B, Tk, K, H] and [B, Tk, K, Hv] (GQA: K
+  divides N), scored as _scores does: (context normalised over the block [B, Tq, N, Hv] float32, logsumexp of its
   scores [B, Tq, N] float32). A row that sees no key of the block gets logsumexp ~ -1e30, so
   it weighs nothing in the merge."""
-  batch, length, heads, head_dim = q.shape
+  batch, length, heads, _ = q.shape
   scores = _scores(q, k, q_index, k_index, q_segments, k_segments, window, scale, cap)
   lse = jax.nn.logsumexp(scores, axis=-1)
   probs = jnp.exp(scores - lse[..., None]).astype(v.dtype)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v, preferred_element_type=jnp.float32)
   lse = jnp.moveaxis(lse.reshape(batch, heads, length), 1, 2)
-  return out.reshape(batch, length, heads, head_dim), lse
+  return out.reshape(batch, length, heads, v.shape[3]), lse
 
 
 def dot_block_grads(q, k, v, q_index, k_index, q_segments, k_segments, window, lse, d_out, d_lse, scale, cap):

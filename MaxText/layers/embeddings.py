@@ -1,5 +1,7 @@
 """Token embedding and rotary position embedding (RoPE)."""
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -75,23 +77,22 @@ def lookup(table, tokens):
 
 def rope_timescales(cfg, head_dim: int, sliding=False):
   """[head_dim / 2] wavelengths / 2pi of the rotated feature pairs: rope_max_timescale^(i / half),
-  with rope_type=llama3.1 Llama 3.1's rescaling (pairs whose wavelength exceeds
-  rope_original_max_position / rope_low_freq_factor slowed by rope_scaling_factor, those
-  below rope_original_max_position / rope_high_freq_factor kept, a linear blend between), all
-  slowed by rope_linear_scaling_factor. Where local_rope_max_timescale is set, the sliding-window
-  layers have their own, plain local_rope_max_timescale^(i / half), as Gemma 3's; `sliding` is
-  traced inside a scan, so both are formed and it picks one."""
+  rescaled as rope_type says (ROPE_TYPES), all slowed by rope_linear_scaling_factor. Where
+  local_rope_max_timescale is set, the sliding-window layers have their own, plain
+  local_rope_max_timescale^(i / half), as Gemma 3's; `sliding` is traced inside a scan, so both
+  are formed and it picks one."""
   half = head_dim // 2
   exponent = jnp.arange(half, dtype=jnp.float32) / half
-  timescale = _rescaled(cfg, cfg.rope_max_timescale ** exponent) * cfg.rope_linear_scaling_factor
+  timescale = ROPE_TYPES[cfg.rope_type](cfg, cfg.rope_max_timescale ** exponent) * cfg.rope_linear_scaling_factor
   if not cfg.local_rope_max_timescale:
     return timescale
   return jnp.where(sliding, cfg.local_rope_max_timescale ** exponent, timescale)
 
 
-def _rescaled(cfg, timescale):
-  if cfg.rope_type == "default":
-    return timescale
+def _llama31(cfg, timescale):
+  """Llama 3.1: pairs whose wavelength exceeds rope_original_max_position / rope_low_freq_factor
+  slowed by rope_scaling_factor, those below rope_original_max_position / rope_high_freq_factor
+  kept, a linear blend in wavelength between."""
   factor, low, high, original = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                                  cfg.rope_original_max_position)
   wavelength = 2 * jnp.pi * timescale
@@ -99,13 +100,48 @@ def _rescaled(cfg, timescale):
   return timescale / ((1 - blend) / factor + blend)
 
 
-def apply_rope(x, positions, timescale):
-  """Rotates feature pairs (i, i + d/2) of x [B, T, heads, d] by positions [B, T] / timescale [d/2].
+def _yarn(cfg, timescale):
+  """YaRN (Hugging Face's _compute_yarn_parameters): pair i is kept while it turns more than
+  beta_fast times over rope_original_max_position tokens, slowed by rope_scaling_factor below
+  beta_slow turns, blended linearly in i between; the bounds are rounded outwards to whole pairs."""
+  dim, base, original = 2 * timescale.shape[0], cfg.rope_max_timescale, cfg.rope_original_max_position
+  # The feature index d whose wavelength base^(d / dim) * 2pi makes `turns` turns over the context.
+  index = lambda turns: dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+  low, high = max(math.floor(index(cfg.beta_fast)), 0), min(math.ceil(index(cfg.beta_slow)), dim - 1)
+  slowed = jnp.clip((jnp.arange(timescale.shape[0], dtype=jnp.float32) - low) / ((high - low) or 1e-3), 0.0, 1.0)
+  return 1 / ((1 - slowed) / timescale + slowed / (cfg.rope_scaling_factor * timescale))
+
+
+# rope_type= -> (config, the plain wavelengths / 2pi [half]) -> the rescaled ones. A new rescaling
+# is one entry; config_schema takes rope_type's choices from these keys.
+ROPE_TYPES = {"default": lambda cfg, timescale: timescale, "llama3.1": _llama31, "yarn": _yarn}
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's attention temperature for a context `factor` times longer: 0.1 mscale ln(factor) + 1."""
+  return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(cfg) -> float:
+  """What RoPE's cos and sin are multiplied by (Hugging Face's attention_factor): for yarn
+  mscale(mscale) / mscale(mscale_all_dim) where both are set (DeepSeek's, 1 at equal values),
+  else mscale(1); 1 for the other types."""
+  if cfg.rope_type != "yarn":
+    return 1.0
+  factor = cfg.rope_scaling_factor
+  if cfg.mscale and cfg.mscale_all_dim:
+    return yarn_mscale(factor, cfg.mscale) / yarn_mscale(factor, cfg.mscale_all_dim)
+  return yarn_mscale(factor)
+
+
+def apply_rope(x, positions, timescale, factor=1.0):
+  """Rotates feature pairs (i, i + d/2) of x [B, T, heads, d] by positions [B, T] / timescale [d/2]
+  and multiplies them by `factor` (rope_attention_factor).
 
   Positions come from the batch, not from the row index, so packed documents each start
   at 0 and a sequence shard uses its global positions.
   """
   angles = positions[:, :, None, None].astype(jnp.float32) / timescale  # [B, T, 1, half]
-  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  sin, cos = factor * jnp.sin(angles), factor * jnp.cos(angles)
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
