@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import os
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -178,96 +179,152 @@ def check_shape(config, hf: dict, hf_path: str) -> None:
                                "model_name out to take every model key from config.json)")
 
 
+class Entry(NamedTuple):
+  """One parameter of this project and its Hugging Face tensors. Hugging Face keeps linear weights
+  [out, in]; here they are [in..., out...] kernels, except the MLP's and the experts' wo, which
+  are [out, in] as there (layers/linears.DenseGeneral's in_last); per-layer weights (names with
+  {i}) are stacked on a leading layer axis, and experts' weights (names with {e} too) on an
+  expert axis after it."""
+
+  path: tuple  # in this project's parameter tree
+  name: str  # Hugging Face's, with {i} for the layer and {e} for the expert
+  stack: tuple  # the stacked dimensions
+  shape: tuple  # this project's shape of one of the stacked tensors
+  in_axes: int  # input axes of a linear weight, 0 for a tensor copied as it is
+  first: int = 0  # the model's index of the stack's first layer: {i} counts from it
+  # Trailing features of the last axis that Hugging Face keeps in interleaved RoPE pairs (2j, 2j+1)
+  # and this project in halves (j, j + n/2): DeepSeek's MLA queries and shared RoPE key.
+  interleaved: int = 0
+
+
 def layout(config) -> list:
-  """(path in this project's parameter tree, Hugging Face name, the stacked dimensions, this
-  project's shape of one of the stacked tensors, input axes of a linear weight or 0 for a
-  tensor copied as it is). Hugging Face keeps linear weights [out, in]; here they are
-  [in..., out...] kernels, except the MLP's and the experts' wo, which are [out, in] as there
-  (layers/linears.DenseGeneral's in_last); per-layer weights (names with {i}) are stacked on a
-  leading layer axis, and experts' weights (names with {e} too) on an expert axis after it."""
-  dim, heads, kv_heads, head_dim = (config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads,
-                                    config.head_dim)
+  """Every parameter's Entry."""
+  dim, head_dim = config.base_emb_dim, config.head_dim
   attention, layer = ("decoder", "layers", "self_attention"), "model.layers.{i}."
   layers = (config.base_num_decoder_layers,)
   entries = [
-      (("token_embedder", "embedding"), "model.embed_tokens.weight", (), (config.vocab_size, dim), 0),
-      (("decoder", "decoder_norm", "scale"), "model.norm.weight", (), (dim,), 0),
-      ((*attention, "query", "kernel"), layer + "self_attn.q_proj.weight", layers, (dim, heads, head_dim), 1),
-      ((*attention, "key", "kernel"), layer + "self_attn.k_proj.weight", layers, (dim, kv_heads, head_dim), 1),
-      ((*attention, "value", "kernel"), layer + "self_attn.v_proj.weight", layers, (dim, kv_heads, head_dim), 1),
-      ((*attention, "out", "kernel"), layer + "self_attn.o_proj.weight", layers, (heads, head_dim, dim), 2),
-      (("decoder", "layers", "pre_self_attention_norm", "scale"), layer + "input_layernorm.weight", layers, (dim,), 0),
-      (("decoder", "layers", "post_self_attention_norm", "scale"), layer + "post_attention_layernorm.weight", layers,
-       (dim,), 0),
+      Entry(("token_embedder", "embedding"), "model.embed_tokens.weight", (), (config.vocab_size, dim), 0),
+      Entry(("decoder", "decoder_norm", "scale"), "model.norm.weight", (), (dim,), 0),
+      *_attention_entries(config, attention, layer, layers),
+      Entry(("decoder", "layers", "pre_self_attention_norm", "scale"), layer + "input_layernorm.weight", layers,
+            (dim,), 0),
+      Entry(("decoder", "layers", "post_self_attention_norm", "scale"), layer + "post_attention_layernorm.weight",
+            layers, (dim,), 0),
   ]
   if config.moe:
     moe, (router, gate, up, down) = ("decoder", "layers", "moe_block"), FAMILIES[config.decoder_block].hf_expert_names
     experts, hidden = layers + (config.num_experts,), config.base_moe_mlp_dim
-    entries += [((*moe, "gate", "kernel"), layer + router, layers, (dim, config.num_experts), 1),
-                ((*moe, "wi_0"), layer + gate, experts, (dim, hidden), 1),
-                ((*moe, "wi_1"), layer + up, experts, (dim, hidden), 1),
-                ((*moe, "wo"), layer + down, experts, (dim, hidden), 0)]
+    entries += [Entry((*moe, "gate", "kernel"), layer + router, layers, (dim, config.num_experts), 1),
+                Entry((*moe, "wi_0"), layer + gate, experts, (dim, hidden), 1),
+                Entry((*moe, "wi_1"), layer + up, experts, (dim, hidden), 1),
+                Entry((*moe, "wo"), layer + down, experts, (dim, hidden), 0)]
   else:
     mlp = ("decoder", "layers", "mlp")
-    entries += [((*mlp, "wi_0", "kernel"), layer + "mlp.gate_proj.weight", layers, (dim, config.base_mlp_dim), 1),
-                ((*mlp, "wi_1", "kernel"), layer + "mlp.up_proj.weight", layers, (dim, config.base_mlp_dim), 1),
-                ((*mlp, "wo", "kernel"), layer + "mlp.down_proj.weight", layers, (dim, config.base_mlp_dim), 0)]
+    entries += [Entry((*mlp, "wi_0", "kernel"), layer + "mlp.gate_proj.weight", layers, (dim, config.base_mlp_dim), 1),
+                Entry((*mlp, "wi_1", "kernel"), layer + "mlp.up_proj.weight", layers, (dim, config.base_mlp_dim), 1),
+                Entry((*mlp, "wo", "kernel"), layer + "mlp.down_proj.weight", layers, (dim, config.base_mlp_dim), 0)]
   if config.sandwich_norms:
-    entries += [(("decoder", "layers", "pre_ffw_norm", "scale"), layer + "pre_feedforward_layernorm.weight", layers,
-                 (dim,), 0),
-                (("decoder", "layers", "post_ffw_norm", "scale"), layer + "post_feedforward_layernorm.weight", layers,
-                 (dim,), 0)]
+    entries += [Entry(("decoder", "layers", "pre_ffw_norm", "scale"), layer + "pre_feedforward_layernorm.weight",
+                      layers, (dim,), 0),
+                Entry(("decoder", "layers", "post_ffw_norm", "scale"), layer + "post_feedforward_layernorm.weight",
+                      layers, (dim,), 0)]
   if config.qk_norm:
-    entries += [((*attention, "query_norm", "scale"), layer + "self_attn.q_norm.weight", layers, (head_dim,), 0),
-                ((*attention, "key_norm", "scale"), layer + "self_attn.k_norm.weight", layers, (head_dim,), 0)]
+    entries += [Entry((*attention, "query_norm", "scale"), layer + "self_attn.q_norm.weight", layers, (head_dim,), 0),
+                Entry((*attention, "key_norm", "scale"), layer + "self_attn.k_norm.weight", layers, (head_dim,), 0)]
   if not config.logits_via_embedding:
-    entries.append((("logits_kernel",), "lm_head.weight", (), (dim, config.vocab_size), 1))
+    entries.append(Entry(("logits_kernel",), "lm_head.weight", (), (dim, config.vocab_size), 1))
   return entries
+
+
+def _attention_entries(config, attention: tuple, layer: str, layers: tuple) -> list:
+  """The attention's projections: q, k, v and out (attention_type=global) or MLA's (DeepSeek's
+  names), whose queries' and shared key's RoPE features Hugging Face keeps interleaved."""
+  dim, heads, kv_heads, head_dim = (config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads,
+                                    config.head_dim)
+  attn = layer + "self_attn."
+  if config.attention_type == "global":
+    return [Entry((*attention, "query", "kernel"), attn + "q_proj.weight", layers, (dim, heads, head_dim), 1),
+            Entry((*attention, "key", "kernel"), attn + "k_proj.weight", layers, (dim, kv_heads, head_dim), 1),
+            Entry((*attention, "value", "kernel"), attn + "v_proj.weight", layers, (dim, kv_heads, head_dim), 1),
+            Entry((*attention, "out", "kernel"), attn + "o_proj.weight", layers, (heads, head_dim, dim), 2)]
+  rope, latent, rank = config.qk_rope_head_dim, config.kv_lora_rank, config.q_lora_rank
+  qk = config.qk_nope_head_dim + rope
+  query = ([Entry((*attention, "wq_a", "kernel"), attn + "q_a_proj.weight", layers, (dim, rank), 1),
+            Entry((*attention, "q_norm", "scale"), attn + "q_a_layernorm.weight", layers, (rank,), 0),
+            Entry((*attention, "wq_b", "kernel"), attn + "q_b_proj.weight", layers, (rank, heads, qk), 1,
+                  interleaved=rope)] if rank else
+           [Entry((*attention, "query", "kernel"), attn + "q_proj.weight", layers, (dim, heads, qk), 1,
+                  interleaved=rope)])
+  return [*query,
+          Entry((*attention, "wkv_a", "kernel"), attn + "kv_a_proj_with_mqa.weight", layers, (dim, latent + rope), 1,
+                interleaved=rope),
+          Entry((*attention, "kv_norm", "scale"), attn + "kv_a_layernorm.weight", layers, (latent,), 0),
+          Entry((*attention, "wkv_b", "kernel"), attn + "kv_b_proj.weight", layers,
+                (latent, heads, config.qk_nope_head_dim + config.v_head_dim), 1),
+          Entry((*attention, "out", "kernel"), attn + "o_proj.weight", layers, (heads, config.v_head_dim, dim), 2)]
 
 
 def hf_names(config, entry) -> list:
   """The entry's Hugging Face names in the order of its stacked dimensions (layer-major)."""
-  _, name, stack, _, _ = entry
-  return [name.format(**dict(zip("ie", index))) for index in itertools.product(*map(range, stack))]
+  return [entry.name.format(**dict(zip("ie", (index[0] + entry.first, *index[1:]) if index else ())))
+          for index in itertools.product(*map(range, entry.stack))]
 
 
 def hf_shape(entry) -> tuple:
-  _, _, _, shape, in_axes = entry
+  shape, in_axes = entry.shape, entry.in_axes
   return (math.prod(shape[in_axes:]), math.prod(shape[:in_axes])) if in_axes else shape
 
 
 def _layer(config, entry, layer) -> tuple:
   """(stacked dimensions, Hugging Face names) of the entry, or of its slice [layer]."""
-  stack, names = entry[2], hf_names(config, entry)
+  stack, names = entry.stack, hf_names(config, entry)
   if layer is None:
     return stack, names
   per_layer = len(names) // stack[0]
   return stack[1:], names[layer * per_layer:(layer + 1) * per_layer]
 
 
+def _halves(n: int) -> np.ndarray:
+  """Interleaved pair order -> halves: features (0, 2, 4, ..., 1, 3, 5, ...) of n."""
+  return np.concatenate([np.arange(0, n, 2), np.arange(1, n, 2)])
+
+
+def _reorder(entry, w, order) -> np.ndarray:
+  """w with the entry's interleaved trailing features taken in `order`."""
+  if not entry.interleaved:
+    return w
+  n = entry.interleaved
+  return np.concatenate([w[..., :-n], w[..., -n:][..., order]], axis=-1)
+
+
+def _from_hf(entry, tensor) -> np.ndarray:
+  return _reorder(entry, tensor.T.reshape(entry.shape) if entry.in_axes else tensor, _halves(entry.interleaved))
+
+
 def to_param(config, entry, read, dtype, layer=None) -> np.ndarray:
   """One parameter of this project (layers, experts stacked), or its slice [layer], from its
   Hugging Face tensors, read one at a time with read(name); dtype None keeps theirs."""
-  _, _, _, shape, in_axes = entry
   stack, names = _layer(config, entry, layer)
   if not stack:  # one tensor: no copy of it, unless to another dtype
     tensor = read(names[0])
-    return (tensor.T.reshape(shape) if in_axes else tensor).astype(dtype or tensor.dtype, copy=False)
+    return _from_hf(entry, tensor).astype(dtype or tensor.dtype, copy=False)
   out = None
   for index, name in zip(itertools.product(*map(range, stack)), names):
     tensor = read(name)
     if out is None:
-      out = np.empty(stack + shape, dtype or tensor.dtype)
-    out[index] = tensor.T.reshape(shape) if in_axes else tensor
+      out = np.empty(stack + entry.shape, dtype or tensor.dtype)
+    out[index] = _from_hf(entry, tensor)
   return out
 
 
 def to_hf_tensors(config, entry, param, layer=None) -> dict:
   """The inverse of to_param: {Hugging Face name: tensor} of one parameter or of its slice [layer]."""
-  _, _, _, shape, in_axes = entry
+  shape, in_axes = entry.shape, entry.in_axes
   convert = (lambda w: w.reshape(math.prod(shape[:in_axes]), -1).T) if in_axes else (lambda w: w)
   values = param.reshape(-1, *shape)
-  return {name: np.ascontiguousarray(convert(value)) for name, value in zip(_layer(config, entry, layer)[1], values)}
+  inverse = np.argsort(_halves(entry.interleaved))
+  return {name: np.ascontiguousarray(convert(_reorder(entry, value, inverse)))
+          for name, value in zip(_layer(config, entry, layer)[1], values)}
 
 
 def hf_config(config, dtype: str) -> dict:

@@ -44,7 +44,7 @@ def _write(config, tensors: dict, dtype, path: str) -> None:
   checksums (as a run's, so every reader verifies it), then model.yml."""
   tree, sums = {}, {}
   for entry in mapping.layout(config):
-    keys, _, stack, shape, _ = entry
+    keys, stack, shape = entry.path, entry.stack, entry.shape
     running = sums[".params" + "".join(f"[{key!r}]" for key in keys)] = checkpointing.SliceChecksums()
 
     def read(layer, entry=entry, running=running):
