@@ -74,17 +74,15 @@ def chunked_attention(q, k, v, segment_ids, num_chunks, scale=None, soft_cap=0.0
 FLASH_BLOCK = 512  # query and key block of the splash kernel, or the whole row when shorter
 
 
-def splash_mask(token_index, window=None):
-  """Splash's mask over [T] queries whose tokens are token_index [T] (arange for a whole row
-  in order, or a context-parallel order) against keys in sequence order: causal, and within
-  `window` (the query's own token included). A computable mask: the kernel evaluates it per
-  block from the queries' token indices (its q_sequence, split with the queries over
-  q_seq_shards) and the keys' positions, and the block lists skip the blocks it empties,
-  so no [T, T] array exists, in host or device memory."""
+@functools.cache
+def _token_mask_type():
+  """splash_mask's class, made once (its kernels import lazily): masks of equal tokens and
+  window are equal, so splash's cache of processed masks (keyed by the mask) finds them."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks  # noqa: PLC0415
 
   class TokenMask(masks._ComputableMask):
-    def __init__(self):
+    def __init__(self, token_index, window):
+      self.window = window
       super().__init__((len(token_index),) * 2, lambda q, kv: (q >= kv) & (q - kv < window) if window else q >= kv)
       self.q_sequence = np.asarray(token_index, np.int32)
 
@@ -95,9 +93,20 @@ def splash_mask(token_index, window=None):
       return hash(self._key())
 
     def _key(self):
-      return self.shape, window, self.q_sequence.tobytes()
+      return self.shape, self.window, self.q_sequence.tobytes()
 
-  return TokenMask()
+  return TokenMask
+
+
+def splash_mask(token_index, window=None):
+  """Splash's mask over [T] queries whose tokens are token_index [T] (arange for a whole row
+  in order, or a context-parallel order) against keys in sequence order: causal, and within
+  `window` (the query's own token included). A computable mask: the kernel evaluates it per
+  block from the queries' token indices (its q_sequence, split with the queries over
+  q_seq_shards) and the keys' positions, and the block lists skip the blocks it empties,
+  so no [T, T] array exists on the device (splash builds the block lists on the host one
+  block at a time, in time quadratic in T: about a minute at 64k tokens on two cores)."""
+  return _token_mask_type()(token_index, window)
 
 
 def splash_kernel(token_index, soft_cap, window, num_shards=1, chunk=None, interpret=False):
