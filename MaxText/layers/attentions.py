@@ -114,7 +114,7 @@ def splash_kernel(token_index, soft_cap, window, num_shards=1, chunk=None, inter
   num_shards q_seq_shards, each against all T keys. Query blocks divide `chunk`, the longest
   run of consecutive tokens of a shard (its queries by default), so each is a block of the
   whole row's causal mask and skipped as it would be there; key blocks are FLASH_BLOCK or the
-  row."""
+  row (pyconfig: it divides the row)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # noqa: PLC0415 (TPU kernels)
   length = len(token_index)
   q_block, kv_block = math.gcd(FLASH_BLOCK, chunk or length // num_shards), min(FLASH_BLOCK, length)
