@@ -21,8 +21,11 @@ def packed_segments(length):
 
 
 @pytest.mark.parametrize("context, length, balanced, gemma2", [
-    (2, 512, True, False), (4, 1024, True, False), (4, 1024, False, False), (2, 512, True, True)])
+    (4, 1024, True, False), (4, 1024, False, False), (2, 512, True, True)])
 def test_flash_per_context_shard_equals_one_device(context, length, balanced, gemma2):
+  """The attention alone, its values and the gradients of q, k and v, on context 4 x fsdp 2
+  (balanced and contiguous) and context 2 x fsdp 2 x tensor 2 with Gemma 2's options (a query
+  scale, a soft cap and a 300-token window, its lower-left blocks skipped too)."""
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.normal(size=(2, length, heads, 32)), jnp.float32) for heads in (4, 2, 2))
   segments = packed_segments(length)
@@ -66,3 +69,26 @@ def test_each_shard_computes_only_the_blocks_its_causal_mask_reaches(balanced):
   np.testing.assert_array_equal(ran, (last_tokens // 512 + 1).sum(axis=1))
   if balanced:
     assert ran.tolist() == [9] * context
+
+
+def test_model_with_flash_per_context_shard_equals_one_device(monkeypatch):
+  """The whole model (tiny, GQA 4/2, two layers in a scan) at 512 tokens on context 2 x fsdp 2 x
+  tensor 2, load-balanced, packed documents across the shards: its summed loss and every gradient
+  equal one device's with dot_product attention. The config is the all-gather's with
+  attention=flash as pyconfig resolves it for a TPU; the kernel runs in Pallas's interpreter."""
+  from conftest import loss_gradients
+  from test_context_parallel import packed_batch
+
+  from MaxText import pyconfig
+  from MaxText.layers.attentions import splash_kernel
+  splash = context_parallel.ROW_KERNELS["flash"]["tpu"]
+  monkeypatch.setitem(context_parallel.ROW_KERNELS["flash"], "tpu", splash._replace(
+      make=lambda *args: splash_kernel(*args[:-1], interpret=True)))
+  one_device = tiny_config("max_target_length=512", "per_device_batch_size=2")
+  want = loss_gradients(one_device, packed_batch(one_device))
+  with on_devices(8):
+    config = tiny_config("max_target_length=512", "per_device_batch_size=0.25", "ici_context_parallelism=2",
+                         "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2")
+    config = pyconfig.Config({**config.to_dict(), "attention": "flash", "platform": "tpu"})
+    got = loss_gradients(config, packed_batch(config))
+  assert_trees_close(got, want, rtol=1e-5)
