@@ -74,8 +74,9 @@ def test_each_shard_computes_only_the_blocks_its_causal_mask_reaches(balanced):
 def test_model_with_flash_per_context_shard_equals_one_device(monkeypatch):
   """The whole model (tiny, GQA 4/2, two layers in a scan) at 512 tokens on context 2 x fsdp 2 x
   tensor 2, load-balanced, packed documents across the shards: its summed loss and every gradient
-  equal one device's with dot_product attention. The config is the all-gather's with
-  attention=flash as pyconfig resolves it for a TPU; the kernel runs in Pallas's interpreter."""
+  equal one device's with dot_product attention. pyconfig refuses the flash kernels on CPU, so
+  the CPU config gets attention=flash and the TPU platform by hand, and the kernel runs in
+  Pallas's interpreter."""
   from conftest import loss_gradients
   from test_context_parallel import packed_batch
 
