@@ -245,7 +245,8 @@ class Execution:
       "dot_product", "dot_product, chunked or flash (layers/attentions.ATTENTIONS)",
       doc="dot_product: all T x T scores at once; chunked: attention_chunk_size queries at a time, recomputed in the "
           "backward (exact, memory linear in T); flash: a fused kernel, Pallas splash attention on TPU, Pallas "
-          "(Triton) flash attention on GPU, none on CPU (max_target_length a multiple of 128, and of 512 above 512).")
+          "(Triton) flash attention on GPU, none on CPU (max_target_length a multiple of 128, and of 512 above 512); "
+          "with a context axis, splash attention per context shard on TPU with context_parallel_strategy=all_gather.")
   attention_chunk_size: int = key(512, "queries per chunk for attention=chunked (with a context axis, keys per block "
                                        "too); must divide max_target_length")
   mlp_chunks: int = key(
@@ -568,7 +569,7 @@ class Mesh:
       "all_gather", "all_gather: each context shard gathers the keys and values; ring: key/value blocks passed around",
       doc="With context parallelism (> 1) attention runs per context shard on its own queries' rows. ring passes "
           "key/value blocks around the shards (jax.lax.ppermute), merged by their logsumexp, no shard holding them "
-          "all.")
+          "all. all_gather also runs attention=flash (one splash call per shard, on TPU); ring does not.")
   context_parallel_load_balance: bool = key(
       True, "true: shard i holds sequence chunks i and 2C-1-i of 2C, so that every shard has the same causal work "
             "(max_target_length divisible by 2 x context); false: contiguous chunks")

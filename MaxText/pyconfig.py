@@ -24,7 +24,7 @@ from MaxText.errors import ConfigError, first_line
 from MaxText.families import FAMILIES
 from MaxText.layers import moe
 from MaxText.layers.attentions import FLASH_KERNELS
-from MaxText.layers.context_parallel import SHARD_KERNELS
+from MaxText.layers.context_parallel import ROW_KERNELS, kernels_for
 
 # The keys that fix the parameters' shapes and meaning. Saved with a checkpoint (the converters'
 # model.yml, a run's config.yml), they come with load_parameters_path: see saved_model_keys.
@@ -286,8 +286,16 @@ def _check_context(v: dict) -> None:
   if v["context_parallel_load_balance"]:
     _require(length % (2 * shards) == 0, "max_target_length", f"must be divisible by 2 x context parallelism "
              f"= {2 * shards} with context_parallel_load_balance=true", v)
-  _require(v["attention"] in SHARD_KERNELS, "attention", f"with context parallelism ({shards} shards) must be one of "
-           f"{', '.join(SHARD_KERNELS)}, whose kernel runs per context shard", v)
+  strategy = v["context_parallel_strategy"]
+  kernels = kernels_for(strategy, v["platform"])
+  _require(v["attention"] in kernels, "attention", f"with context parallelism ({shards} shards, "
+           f"context_parallel_strategy={strategy}, on {v['platform']}) must be one of {', '.join(kernels)}, "
+           "whose kernel runs per context shard", v)
+  if v["attention"] in ROW_KERNELS:  # the kernel's query blocks, multiples of 128 (lanes), tile a shard's runs
+    run = length // shards // (2 if v["context_parallel_load_balance"] else 1)
+    _require(run % 128 == 0, "max_target_length", f"must be a multiple of 128 x {length // run} with "
+             f"attention={v['attention']} under context parallelism: each shard's runs of consecutive tokens "
+             f"({run}) hold whole 128-token query blocks", v)
   if v["attention"] == "chunked":
     chunk = v["attention_chunk_size"]
     _require(chunk >= length // shards or (length // shards) % chunk == 0, "attention_chunk_size",

@@ -91,10 +91,14 @@ def test_flash_attention_compiles_for_tpu_without_the_score_matrix(mesh):
   assert temp["flash"] < temp["dot_product"] - 4 * 2048**2 * 4 // math.prod(config.mesh_shape[2:])
 
 
-def test_the_flash_kernels_flops_are_counted_by_hand():
-  """Splash attention's pallas_calls are custom calls, not dots: counted from the kernels' shapes."""
+@pytest.mark.parametrize("mesh", [(), ("ici_fsdp_parallelism=1", "ici_context_parallelism=4")],
+                         ids=["fsdp", "context"])
+def test_the_flash_kernels_flops_are_counted_by_hand(mesh):
+  """Splash attention's pallas_calls are custom calls, not dots: counted from the kernels' shapes.
+  Per context shard (load-balanced) a kernel of 256 queries, chunks i and 7 - i of 128 tokens,
+  in 128 x 512 blocks: 1 + 2 blocks are not skipped, 4 shards together the whole row's 3 x 512^2."""
   config = tiny_config("attention=flash", "compile_topology=v5p-8", "max_target_length=1024",
-                       "per_device_batch_size=1", "remat_policy=full")
+                       "per_device_batch_size=1", "remat_policy=full", *mesh)
   jaxpr = train_step.trace_train_step(train_step.build(config, sharding.create_mesh(config)), config).jaxpr
   # Per layer, row and head: the forward kernel twice (the step's, and remat's recomputation in
   # the backward, 2 matmuls each), the dq kernel (3) and the dk/dv kernel (4); of the 2 x 2

@@ -3,11 +3,13 @@
 
 import functools
 import json
+import math
 from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import costs, head, sharding
@@ -77,22 +79,72 @@ def chunked_attention(q, k, v, segment_ids, num_chunks, scale=None, soft_cap=0.0
 FLASH_BLOCK = 512  # query and key block of the splash kernel, or the whole row when shorter
 
 
+@functools.cache
+def _token_mask_type():
+  """splash_mask's class, made once (its kernels import lazily): masks of equal tokens and
+  window are equal, so splash's cache of processed masks (keyed by the mask) finds them."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks  # noqa: PLC0415
+
+  class TokenMask(masks._ComputableMask):
+    def __init__(self, token_index, window):
+      self.window = window
+      super().__init__((len(token_index),) * 2, lambda q, kv: (q >= kv) & (q - kv < window) if window else q >= kv)
+      self.q_sequence = np.asarray(token_index, np.int32)
+
+    def __eq__(self, other):
+      return isinstance(other, TokenMask) and self._key() == other._key()
+
+    def __hash__(self):
+      return hash(self._key())
+
+    def _key(self):
+      return self.shape, self.window, self.q_sequence.tobytes()
+
+  return TokenMask
+
+
+def splash_mask(token_index, window=None):
+  """Splash's mask over [T] queries whose tokens are token_index [T] (arange for a whole row
+  in order, or a context-parallel order) against keys in sequence order: causal, and within
+  `window` (the query's own token included). A computable mask: the kernel evaluates it per
+  block from the queries' token indices (its q_sequence, split with the queries over
+  q_seq_shards) and the keys' positions, and the block lists skip the blocks it empties,
+  so no [T, T] array exists on the device (splash builds the block lists on the host one
+  block at a time, in time quadratic in T: about a minute at 64k tokens on two cores)."""
+  return _token_mask_type()(token_index, window)
+
+
+def splash_kernel(token_index, soft_cap, window, num_shards=1, chunk=None, interpret=False):
+  """Splash attention's kernel for the queries at token_index [T] (see splash_mask) in
+  num_shards q_seq_shards, each against all T keys. Query blocks divide `chunk`, the longest
+  run of consecutive tokens of a shard (its queries by default), so each is a block of the
+  whole row's causal mask and skipped as it would be there; key blocks are FLASH_BLOCK or the
+  row (pyconfig: it divides the row)."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # noqa: PLC0415 (TPU kernels)
+  length = len(token_index)
+  q_block, kv_block = math.gcd(FLASH_BLOCK, chunk or length // num_shards), min(FLASH_BLOCK, length)
+  return splash.make_splash_mha(
+      mask=splash.MultiHeadMask([splash_mask(token_index, window)]), head_shards=1, q_seq_shards=num_shards,
+      interpret=interpret, attn_logits_soft_cap=soft_cap or None,
+      block_sizes=splash.BlockSizes(block_q=q_block, block_kv=kv_block, block_kv_compute=kv_block,
+                                    block_q_dkv=q_block, block_kv_dkv=kv_block, block_kv_dkv_compute=kv_block,
+                                    block_q_dq=q_block, block_kv_dq=kv_block))
+
+
+def splash_rows(kernel, q, k, v, q_segments, k_segments, scale):
+  """A splash kernel over rows [B, Tq, N, H] of queries and [B, T, K, H] of keys and values,
+  and their segment ids [B, Tq] and [B, T]."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # noqa: PLC0415 (TPU kernels)
+  q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * scale, k, v))  # the kernel's [N, T, H] per row
+  out = jax.vmap(kernel)(q, k, v, segment_ids=splash.SegmentIds(q_segments, k_segments))
+  return jnp.swapaxes(out, 1, 2)
+
+
 def _splash_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret):
   """TPU: Pallas splash attention on one device's whole rows, [B, T, N, H] in and out; the
-  window is a local mask, whose blocks beyond it are skipped like those above the diagonal."""
-  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # noqa: PLC0415 (TPU kernels)
-  length, block = q.shape[1], min(FLASH_BLOCK, q.shape[1])
-  causal = (splash.LocalMask((length, length), (window - 1, 0), 0) if window
-            else splash.CausalMask((length, length)))
-  kernel = splash.make_splash_mha(
-      mask=splash.MultiHeadMask([causal] * q.shape[2]), head_shards=1, q_seq_shards=1, interpret=interpret,
-      attn_logits_soft_cap=soft_cap or None,
-      block_sizes=splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                                    block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
-                                    block_kv_dq=block))
-  q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * scale, k, v))  # the kernel's [N, T, H] per row
-  out = jax.vmap(kernel)(q, k, v, segment_ids=splash.SegmentIds(segment_ids, segment_ids))
-  return jnp.swapaxes(out, 1, 2)
+  window's blocks beyond it are skipped like those above the diagonal."""
+  kernel = splash_kernel(np.arange(q.shape[1]), soft_cap, window, interpret=interpret)
+  return splash_rows(kernel, q, k, v, segment_ids, segment_ids, scale)
 
 
 def _triton_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret):
@@ -115,6 +167,11 @@ def _triton_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret):
 
 # attention=flash: per platform, a kernel over one device's whole rows [B, T, N, H]
 FLASH_KERNELS = {"tpu": _splash_attention, "gpu": _triton_attention}
+# ... and under context parallelism, per context shard (its q_seq_shards part of the mask).
+context_parallel.ROW_KERNELS["flash"] = {"tpu": context_parallel.RowKernel(
+    splash_kernel, lambda kernel: kernel.manual_sharding_spec(jax.sharding.NamedSharding(
+        jax.sharding.get_abstract_mesh(), jax.sharding.PartitionSpec(None, context_parallel.AXIS))),
+    splash_rows)}
 
 
 def flash_attention(q, k, v, segment_ids, platform, scale=None, soft_cap=0.0, window=None, sliding=True,
@@ -182,17 +239,20 @@ def causal_pairs(length: int, block_q: int, block_k: int) -> int:
 
 def flash_kernel_flops(kind: tuple, eqn) -> float:
   """FLOPs of a pallas_call of the flash kernel `kind` (a FLASH_KERNEL_MATMULS value), every
-  kernel causal (a sliding window's skipped blocks are counted)."""
+  kernel causal (a sliding window's skipped blocks are counted). A context shard's splash call
+  has a part of the queries and all the keys: its query blocks tile the runs of consecutive
+  tokens (splash_kernel), so the shards together compute the whole row's causal blocks, and
+  each is counted an equal share of them."""
   matmuls, axis, block_keys = kind
-  q = next(v.aval for v in eqn.invars if jnp.issubdtype(v.aval.dtype, jnp.floating))
-  length, head_dim = q.shape[axis], q.shape[-1]
-  rows = q.size // (length * head_dim)  # batch x heads
+  q, k = [v.aval for v in eqn.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)][:2]
+  length, head_dim = k.shape[axis], q.shape[-1]
+  rows = q.size // (q.shape[axis] * head_dim)  # batch x heads
   if block_keys:
     meta = json.loads(eqn.params["metadata"]["xprof_metadata"])
     pairs = causal_pairs(length, meta[block_keys[0]], meta[block_keys[1]])
   else:
     pairs = causal_pairs(length, 1, 1)
-  return 2.0 * matmuls * rows * head_dim * pairs
+  return 2.0 * matmuls * rows * head_dim * pairs * q.shape[axis] / length
 
 
 costs.KERNEL_FLOPS.update({name: functools.partial(flash_kernel_flops, kind)

@@ -6,7 +6,9 @@ shard_map: every shard holds its queries, keys and values; a strategy (STRATEGIE
 the other shards' keys and values, all at once (all_gather) or one block at a time around a
 ring (ring), and a block kernel (SHARD_KERNELS, by `attention`) attends its queries to them
 with the causal, document and window masks taken from the tokens' indices in the whole
-sequence.
+sequence. A strategy that brings each shard every key (all_gather) may instead run a
+whole-row kernel (ROW_KERNELS: attention=flash's splash attention on TPU), which takes the
+shard's queries against the whole sequence's keys and has its own backward.
 
 With load balancing the sequence is cut into 2C chunks and shard i holds chunks i and
 2C-1-i: under a causal mask early chunks see few keys and late ones many, so this pairing
@@ -52,6 +54,15 @@ def _token_index(length: int, num_shards: int, balanced: bool):
   """[length / num_shards] indices in the whole sequence of this shard's tokens."""
   order = balanced_order(length, num_shards) if balanced else np.arange(length)
   return jnp.asarray(order.reshape(num_shards, -1), jnp.int32)[jax.lax.axis_index(AXIS)]
+
+
+def _in_token_order(x, num_shards: int, balanced: bool):
+  """[B, T, ...] gathered from the shards (their stored order) -> in sequence order:
+  balanced_order's inverse, chunk moves only (shard i's second chunk is chunk 2C-1-i)."""
+  if not balanced:
+    return x
+  pairs = x.reshape(x.shape[0], num_shards, 2, -1, *x.shape[2:])
+  return jnp.concatenate([pairs[:, :, 0], pairs[:, ::-1, 1]], axis=1).reshape(x.shape)
 
 
 def _scores(q, k, q_index, k_index, q_segments, k_segments, window, scale, cap):
@@ -220,6 +231,15 @@ def all_gather_attention(block, q, k, v, q_index, segments, window, num_shards):
   return _with_flash_backward(forward, backward)(q, k, v, q_index, segments, window)
 
 
+def all_gather_rows(attend, q, k, v, segments, num_shards, balanced):
+  """all_gather for a whole-row kernel: attend(q, k, v, q segment ids, k segment ids) of the
+  shard's queries against every shard's keys, values and segment ids, gathered in sequence
+  order. all_gather's transpose is the reduce-scatter, so the kernel's own backward is the
+  strategy's."""
+  gather = lambda x: _in_token_order(jax.lax.all_gather(x, AXIS, axis=1, tiled=True), num_shards, balanced)
+  return attend(q, gather(k), gather(v), segments, gather(segments))
+
+
 def ring_attention(block, q, k, v, q_index, segments, window, num_shards):
   """Key/value blocks travel around the ring of context shards (C steps, C - 1 ppermutes);
   each shard merges its queries' attention to every block by logsumexp. The backward runs the
@@ -302,8 +322,8 @@ def _chunked(cfg, local_length, **options) -> ShardKernel:
 # attention= -> (config, this shard's tokens, scale=, cap=) -> its ShardKernel, on every
 # platform. Both strategies need each block's logsumexp and a backward from the final one,
 # which neither Pallas kernel of attentions.FLASH_KERNELS gives (splash's save_residuals has
-# no VJP, and the Triton kernel takes no mask offsets); attention=flash is refused here until
-# an entry has them (pyconfig takes the allowed values from these keys).
+# no VJP, and the Triton kernel takes no mask offsets): attention=flash is a whole-row kernel
+# (ROW_KERNELS) instead, for the strategies that take one.
 SHARD_KERNELS = {
     "dot_product": lambda cfg, local_length, **options: ShardKernel(
         functools.partial(dot_block, **options), functools.partial(dot_block_grads, **options)),
@@ -311,28 +331,91 @@ SHARD_KERNELS = {
 }
 
 
-# context_parallel_strategy= -> (block, q, k, v, q_index, segment ids, window, shards) -> this shard's
-# context, run per shard inside shard_map. A new strategy is one entry; pyconfig checks against it.
-STRATEGIES = {"all_gather": all_gather_attention, "ring": ring_attention}
+class RowKernel(NamedTuple):
+  """A kernel of a shard's queries against the whole row's keys, with its own backward.
+  make(token_index [T] of the stored queries, soft cap, window, num_shards, chunk, interpret) -> kernel, a
+  pytree built outside shard_map, since its mask (a static one, whose empty blocks the kernel
+  skips) is known only for all shards together; specs(kernel) -> its shard_map in_specs,
+  which give each shard its queries' part; attend(kernel, q, k, v, q segment ids, k segment
+  ids, scale) -> context, per shard, keys in sequence order."""
+  make: Callable
+  specs: Callable
+  attend: Callable
 
 
-def attention(q, k, v, segment_ids, cfg, scale, cap, window):
-  """Self-attention [B, T, N, H] with the sequence sharded over `context`: each shard attends
-  its own queries; batch and heads stay sharded as the logical rules say. `cap` maps scores
-  (the soft cap); `window` is None or the layer's (maybe traced) window."""
+# attention= -> {platform: its RowKernel}; the module holding a kernel registers it
+# (layers/attentions: flash on TPU). pyconfig takes the allowed values from these keys.
+ROW_KERNELS: dict[str, dict[str, RowKernel]] = {}
+
+
+class Strategy(NamedTuple):
+  """blocks(ShardKernel, q, k, v, q_index, segment ids, window, shards) -> this shard's context;
+  rows(attend, q, k, v, segment ids, shards, balanced) -> the same through a whole-row kernel
+  (all_gather_rows), or None where the strategy cannot run one."""
+  blocks: Callable
+  rows: Callable | None = None
+
+
+# context_parallel_strategy= -> its Strategy, run per shard inside shard_map. A new strategy is
+# one entry; pyconfig checks against it.
+STRATEGIES = {"all_gather": Strategy(all_gather_attention, all_gather_rows), "ring": Strategy(ring_attention)}
+
+
+def kernels_for(strategy: str, platform: str) -> list[str]:
+  """The attention= values context_parallel_strategy=strategy runs on platform."""
+  rows = [name for name, kernels in ROW_KERNELS.items() if platform in kernels] if STRATEGIES[strategy].rows else []
+  return [*SHARD_KERNELS, *rows]
+
+
+def _rows_per_shard(cfg, length, scale, window, interpret):
+  """attention()'s per-shard function through the strategy's whole-row kernel, and the
+  kernels it takes: one per static window (the family's, and none for its global layers), a
+  traced window (the layer's, in a scan) choosing between them, since a kernel's mask is
+  static."""
+  num_shards, balanced = shards(), cfg.context_parallel_load_balance
+  order = balanced_order(length, num_shards) if balanced else np.arange(length)
+  row = ROW_KERNELS[cfg.attention][cfg.platform]
+  windows = (None,) if window is None else (cfg.sliding_window_size, None)
+  chunk = length // num_shards // (2 if balanced else 1)  # a shard's runs of consecutive tokens
+  kernels = [row.make(order, cfg.attn_logits_soft_cap, w, num_shards, chunk, interpret) for w in windows]
+  strategy = STRATEGIES[cfg.context_parallel_strategy].rows
+
+  def per_shard(kernels, q, k, v, segment_ids, *window):
+    attends = [functools.partial(row.attend, kernel, scale=scale) for kernel in kernels]
+    attend = attends[0] if not window else lambda *args: jax.lax.cond(window[0] < length, *attends, *args)
+    return strategy(attend, q, k, v, segment_ids, num_shards, balanced)
+
+  return per_shard, kernels, [row.specs(kernel) for kernel in kernels]
+
+
+def _blocks_per_shard(cfg, length, scale, cap):
+  """attention()'s per-shard function through the strategy's block kernel (no operands)."""
   num_shards = shards()
-  local_length = q.shape[1] // num_shards
-  strategy = STRATEGIES[cfg.context_parallel_strategy]
+  strategy = STRATEGIES[cfg.context_parallel_strategy].blocks
 
-  def per_shard(q, k, v, segment_ids, *window):  # a traced window (the layer's, in a scan) enters as an argument
-    kernel = SHARD_KERNELS[cfg.attention](cfg, local_length, scale=scale, cap=cap)
-    q_index = _token_index(q.shape[1] * num_shards, num_shards, cfg.context_parallel_load_balance)
+  def per_shard(_, q, k, v, segment_ids, *window):
+    kernel = SHARD_KERNELS[cfg.attention](cfg, length // num_shards, scale=scale, cap=cap)
+    q_index = _token_index(length, num_shards, cfg.context_parallel_load_balance)
     return strategy(kernel, q, k, v, q_index, segment_ids, window[0] if window else None, num_shards)
 
+  return per_shard, (), ()
+
+
+def attention(q, k, v, segment_ids, cfg, scale, cap, window, interpret=False):
+  """Self-attention [B, T, N, H] with the sequence sharded over `context`: each shard attends
+  its own queries; batch and heads stay sharded as the logical rules say. `cap` maps scores
+  (the soft cap); `window` is None or the layer's (maybe traced) window. `interpret` runs a
+  whole-row kernel in Pallas's interpreter (tests)."""
+  if cfg.attention in ROW_KERNELS:
+    per_shard, kernels, kernel_specs = _rows_per_shard(cfg, q.shape[1], scale, window, interpret)
+  else:
+    per_shard, kernels, kernel_specs = _blocks_per_shard(cfg, q.shape[1], scale, cap)
   batch, _, heads, _ = nn.logical_to_mesh_axes(("activation_batch", None, "activation_heads", None))
   kv_heads = nn.logical_to_mesh_axes((None, None, "activation_kv_heads", None))[2]
   rows = PartitionSpec(batch, AXIS, heads, None)
   kv = PartitionSpec(batch, AXIS, kv_heads, None)
+  # a traced window (the layer's, in a scan) enters as an argument
   window = () if window is None else (jnp.asarray(window),)
-  return jax.shard_map(per_shard, in_specs=(rows, kv, kv, PartitionSpec(batch, AXIS), *[PartitionSpec()] * len(window)),
-                       out_specs=rows, check_vma=False)(q, k, v, segment_ids, *window)
+  return jax.shard_map(per_shard, in_specs=(kernel_specs, rows, kv, kv, PartitionSpec(batch, AXIS),
+                                            *[PartitionSpec()] * len(window)),
+                       out_specs=rows, check_vma=False)(kernels, q, k, v, segment_ids, *window)
