@@ -25,9 +25,12 @@ def packed_segments(length):
 def test_flash_per_context_shard_equals_one_device(context, length, balanced, gemma2):
   """The attention alone, its values and the gradients of q, k and v, on context 4 x fsdp 2
   (balanced and contiguous) and context 2 x fsdp 2 x tensor 2 with Gemma 2's options (a query
-  scale, a soft cap and a 300-token window, its lower-left blocks skipped too)."""
+  scale, a soft cap and a 300-token window, its lower-left blocks skipped too) and values
+  narrower than the queries and keys (MLA's)."""
   rng = np.random.default_rng(0)
-  q, k, v = (jnp.asarray(rng.normal(size=(2, length, heads, 32)), jnp.float32) for heads in (4, 2, 2))
+  widths = (32, 32, 16 if gemma2 else 32)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, length, heads, width)), jnp.float32)
+             for heads, width in zip((4, 2, 2), widths))
   segments = packed_segments(length)
   options = dict(scale=0.1, soft_cap=2.0, window=300) if gemma2 else dict(scale=0.2, soft_cap=0.0, window=None)
   family = ("sliding_window_size=300", "attn_logits_soft_cap=2.0") if gemma2 else ()

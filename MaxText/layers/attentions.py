@@ -131,13 +131,22 @@ def splash_kernel(token_index, soft_cap, window, num_shards=1, chunk=None, inter
                                     block_q_dq=q_block, block_kv_dq=kv_block))
 
 
+def _one_width(q, k, v):
+  """q, k, v of one head width, as the fused kernels take them: values of another (MLA's) are
+  padded with zero features, which add nothing to the scores (queries and keys) and are cut
+  from the context (values)."""
+  width = max(q.shape[3], v.shape[3])
+  return (jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[3])]) for x in (q, k, v))
+
+
 def splash_rows(kernel, q, k, v, q_segments, k_segments, scale):
-  """A splash kernel over rows [B, Tq, N, H] of queries and [B, T, K, H] of keys and values,
-  and their segment ids [B, Tq] and [B, T]."""
+  """A splash kernel over rows [B, Tq, N, H] of queries and [B, T, K, H] of keys and values
+  [B, T, K, Hv], and their segment ids [B, Tq] and [B, T]."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # noqa: PLC0415 (TPU kernels)
-  q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * scale, k, v))  # the kernel's [N, T, H] per row
+  v_width = v.shape[3]
+  q, k, v = (jnp.swapaxes(x, 1, 2) for x in _one_width(q * scale, k, v))  # the kernel's [N, T, H] per row
   out = jax.vmap(kernel)(q, k, v, segment_ids=splash.SegmentIds(q_segments, k_segments))
-  return jnp.swapaxes(out, 1, 2)
+  return jnp.swapaxes(out, 1, 2)[..., :v_width]
 
 
 def _splash_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret):
@@ -155,14 +164,15 @@ def _triton_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret):
   from jax.experimental.pallas.ops.gpu import attention as triton  # noqa: PLC0415 (GPU kernels)
   if soft_cap or window:
     raise ValueError("the Triton flash attention kernel has no soft cap and no sliding window")
-  groups = q.shape[2] // k.shape[2]
-  k, v = (jnp.repeat(x, groups, axis=2) for x in (k, v))
+  groups, v_width = q.shape[2] // k.shape[2], v.shape[3]
+  q, k, v = _one_width(q, *(jnp.repeat(x, groups, axis=2) for x in (k, v)))
   # JAX's default backward blocks (32 x 32) ran llama3.2-1b's attention at 126 TFLOP/s on an
   # H200 at 65,536 tokens, these at 224 (docs/design/throughput.md). The fused backward needs
   # block_q_dq == block_kv_dkv.
   blocks = triton.BlockSizes(block_q=128, block_k=128, block_q_dkv=128, block_kv_dkv=64, block_q_dq=64,
                              block_kv_dq=128)
-  return triton.mha(q, k, v, segment_ids, sm_scale=scale, causal=True, block_sizes=blocks, interpret=interpret)
+  return triton.mha(q, k, v, segment_ids, sm_scale=scale, causal=True, block_sizes=blocks,
+                    interpret=interpret)[..., :v_width]
 
 
 # attention=flash: per platform, a kernel over one device's whole rows [B, T, N, H]
@@ -187,10 +197,6 @@ def flash_attention(q, k, v, segment_ids, platform, scale=None, soft_cap=0.0, wi
   `interpret` runs the kernel in Pallas's interpreter (any backend, slowly: for tests)."""
   kernel = functools.partial(FLASH_KERNELS[platform], scale=q.shape[3]**-0.5 if scale is None else scale,
                              soft_cap=soft_cap, interpret=interpret)
-  # The kernels take one head width: values of another (MLA's) are padded with zero features,
-  # which add nothing to the scores (queries and keys) or are cut from the context (values).
-  width, v_width = max(q.shape[3], v.shape[3]), v.shape[3]
-  q, k, v = (jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[3])]) for x in (q, k, v))
 
   def attend_rows(q, k, v, segment_ids):
     if not window:
@@ -200,14 +206,14 @@ def flash_attention(q, k, v, segment_ids, platform, scale=None, soft_cap=0.0, wi
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return attend_rows(q, k, v, segment_ids)[..., :v_width]
+    return attend_rows(q, k, v, segment_ids)
   batch, _, heads, _ = nn.logical_to_mesh_axes(BATCH_LENGTH_HEADS)
   kv_heads = nn.logical_to_mesh_axes(BATCH_FULL_LENGTH_KV_HEADS)[2]
   rows = jax.sharding.PartitionSpec(batch, None, heads, None)
   return jax.shard_map(attend_rows, in_specs=(rows, jax.sharding.PartitionSpec(batch, None, kv_heads, None),
                                          jax.sharding.PartitionSpec(batch, None, kv_heads, None),
                                          jax.sharding.PartitionSpec(batch, None)),
-                       out_specs=rows, check_vma=False)(q, k, v, segment_ids)[..., :v_width]
+                       out_specs=rows, check_vma=False)(q, k, v, segment_ids)
 
 
 # What the cost model counts for the flash kernels' pallas_calls, which are custom calls, not
