@@ -173,7 +173,7 @@ def test_the_optimizer_neither_applies_a_gradient_to_the_bias_nor_decays_it():
 # 2 dense layers and a MoE layer, scanned in blocks of 2: the dense stack is one block, the MoE stack
 # one layer left over.
 THREE = (*DEEPSEEK, "base_num_decoder_layers=3", "first_num_dense_layers=2", "remat_layer_interval=2",
-         "remat_policy=minimal")
+         "remat_policy=none")
 
 
 def test_dense_first_layers_equal_a_python_loop_of_the_stored_layers():
@@ -195,6 +195,17 @@ def test_dense_first_layers_equal_a_python_loop_of_the_stored_layers():
 
   got = outputs_loss_grads(lambda p, x: decoder.apply({"params": p}, x, positions, segments), params, x)
   assert_trees_close(got, outputs_loss_grads(loop, params, x), RTOL, "scan, interval 2")
+
+
+@pytest.mark.parametrize("settings", [(), ("remat_layer_interval=2",), ("remat_layer_interval=2", "scan_layers=false")],
+                         ids=" ".join)
+def test_expert_loads_come_back_in_layer_order(settings):
+  """decoders.expert_loads undoes regroup: loads stored [depth, E] in layer order, grouped as the
+  layer stack sows them, come back as they were."""
+  cfg = tiny_config(*DEEPSEEK, "base_num_decoder_layers=4", "first_num_dense_layers=1", *settings, num_devices=1)
+  loads = np.arange(3 * cfg.num_experts, dtype=np.float32).reshape(3, -1)
+  sown = decoders.regroup(cfg, 3, {"moe_block": {moe.EXPERT_LOAD: (loads,)}})
+  np.testing.assert_array_equal(decoders.expert_loads(cfg, {"decoder": {"moe_layers": sown}})["moe_layers"], loads)
 
 
 def test_flops_count_the_shared_experts_and_the_dense_layers():
