@@ -269,9 +269,10 @@ class Execution:
 
 @section("Mixture of experts")
 class MoE:
-  """decoder_block qwen3_moe or mixtral (docs/guides/moe.md): every layer's MLP is num_experts
-  SwiGLU experts of width base_moe_mlp_dim; a float32 softmax router sends each token to its top
-  num_experts_per_tok and sums their outputs with its weights."""
+  """decoder_block qwen3_moe or mixtral (docs/guides/moe.md): every layer's MLP (or all but the
+  first first_num_dense_layers) is num_experts SwiGLU experts of width base_moe_mlp_dim; a float32
+  router (softmax or sigmoid scores) sends each token to its top num_experts_per_tok and sums their
+  outputs with its weights, plus shared_experts' dense MLP where set."""
   num_experts: int = key(8, "experts per MoE layer", affects="model")
   num_experts_per_tok: int = key(2, "experts each token is routed to (top-k), 1 <= k <= num_experts", affects="model")
   base_moe_mlp_dim: int = key(384, "hidden width of each expert's SwiGLU", affects="model")
@@ -282,6 +283,31 @@ class MoE:
       doc="Dropless: every routed token is computed (grouped matmuls). With a factor, each expert keeps at most "
           "int(max(ceil(T * k / E) * capacity_factor, capacity_factor)) tokens per sequence (MaxText's rule), the "
           "rest dropped in order of position.")
+  routed_score_func: Literal["softmax", "sigmoid"] = key(
+      "softmax", "the router's scores: softmax over the experts, or each expert's sigmoid (DeepSeek-V3)",
+      affects="model")
+  routed_bias: bool = key(
+      False, "a per-expert bias added to the scores only to choose the top-k, trained by load, not by gradient "
+             "(DeepSeek-V3's auxiliary-loss-free balancing)", affects="model",
+      doc="Stored as the gate's `bias` [experts] (Hugging Face: e_score_correction_bias); the optimizer never "
+          "updates or decays it. After each step, bias += routed_bias_update_rate * sign(mean load - expert's load), "
+          "from that step's routing over the whole batch.")
+  routed_bias_update_rate: float = key(0.0, "routed_bias: how far each step moves the bias towards balance "
+                                            "(DeepSeek-V3: 0.001); 0: frozen")
+  n_routing_groups: int = key(-1, "> 0: the experts form this many groups and each token chooses among the "
+                                  "topk_routing_group best (DeepSeek-V3: 8); -1 or 0: off", affects="model",
+                              doc="A group's score is the sum of its two best (biased) scores.")
+  topk_routing_group: int = key(-1, "groups each token's experts come from (DeepSeek-V3: 4); -1 or 0: off",
+                                affects="model")
+  routed_scaling_factor: float = key(1.0, "the combine weights times this, after norm_topk_prob (DeepSeek-V3: 2.5)",
+                                     affects="model")
+  shared_experts: int = key(0, "> 0: a dense SwiGLU of width shared_experts * base_moe_mlp_dim on every token, added "
+                               "to the routed experts' output (DeepSeek)", affects="model")
+  first_num_dense_layers: int = key(
+      0, "the first this many layers have a dense MLP of width base_mlp_dim, the rest experts (DeepSeek-V3: 3)",
+      affects="model",
+      doc="> 0: their parameters are stacked as decoder/dense_layers and decoder/moe_layers instead of "
+          "decoder/layers; remat_layer_interval groups each stack on its own.")
   load_balance_loss_weight: float = key(0.01, "weight of num_experts * sum_e f_e * P_e (f_e: share of tokens routed to "
                                               "e, P_e: mean router probability), averaged over layers")
   router_z_loss_weight: float = key(0.0, "weight of the router z-loss, mean logsumexp(router logits)^2, averaged over "
@@ -293,7 +319,21 @@ class MoE:
             f"must be in [1, num_experts={self.num_experts}]")
     require(self.capacity_factor is None or self.capacity_factor > 0, self, "capacity_factor",
             "must be > 0 (tokens past capacity dropped), or null (dropless)")
-    at_least(self, 0, "load_balance_loss_weight", "router_z_loss_weight")
+    at_least(self, 0, "load_balance_loss_weight", "router_z_loss_weight", "routed_bias_update_rate",
+             "shared_experts", "first_num_dense_layers")
+    require(self.routed_bias or not self.routed_bias_update_rate, self, "routed_bias_update_rate",
+            "needs routed_bias=true")
+    require(self.routed_scaling_factor > 0, self, "routed_scaling_factor", "must be > 0")
+    groups, top_groups = max(self.n_routing_groups, 0), max(self.topk_routing_group, 0)
+    require(bool(groups) == bool(top_groups), self, "topk_routing_group",
+            f"and n_routing_groups={self.n_routing_groups} must be both > 0 or both off")
+    if groups:
+      require(self.num_experts % groups == 0 and self.num_experts // groups >= 2, self, "n_routing_groups",
+              f"must divide num_experts={self.num_experts} into groups of at least 2 (a group scores by its best two)")
+      require(top_groups <= groups, self, "topk_routing_group", f"must be <= n_routing_groups={groups}")
+      require(self.num_experts_per_tok <= top_groups * self.num_experts // groups, self, "num_experts_per_tok",
+              f"must be <= the {top_groups * self.num_experts // groups} experts of topk_routing_group={top_groups} "
+              "groups")
 
 
 _Action = Literal[tuple(remat.ACTIONS)]

@@ -40,17 +40,18 @@ def training_flops_per_step(config) -> float:
   Matmuls: 2 FLOPs per multiply-add, forward plus a backward twice the forward. Causal
   attention scores and context count only the half of the T x T products that the mask keeps;
   the attention's own counts are its attention_type's (ATTENTION_MACS).
-  A mixture of experts counts its active parameters only: the router and the
-  num_experts_per_tok experts each token goes to.
+  A mixture of experts counts its active parameters only: the router, the
+  num_experts_per_tok experts each token goes to and the shared experts; its first
+  first_num_dense_layers layers count a dense MLP.
   """
   d, m, v = config.base_emb_dim, config.base_mlp_dim, config.vocab_size
   layers, length, batch = config.base_num_decoder_layers, config.max_target_length, config.global_batch_size_to_train_on
-  if config.moe:
-    mlp_params = d * config.num_experts + config.num_experts_per_tok * 3 * d * config.base_moe_mlp_dim
-  else:
-    mlp_params = 3 * d * m
+  moe_layers = layers - config.first_num_dense_layers if config.moe else 0
+  active_experts = config.num_experts_per_tok + config.shared_experts
+  moe_mlp = d * config.num_experts + active_experts * 3 * d * config.base_moe_mlp_dim
+  mlp_params = moe_layers * moe_mlp + (layers - moe_layers) * 3 * d * m
   attention_params, per_pair = ATTENTION_MACS[config.attention_type](config)
-  matmul = 2 * batch * length * (layers * (attention_params + mlp_params) + d * v)
+  matmul = 2 * batch * length * (layers * attention_params + mlp_params + d * v)
   attention = 2 * batch * length * length * per_pair * layers / 2
   return 3 * (matmul + attention)
 

@@ -230,6 +230,10 @@ def _validate(v: dict) -> None:
     slots = moe.capacity(v["max_target_length"], v["num_experts_per_tok"], v["num_experts"], v["capacity_factor"])
     _require(slots >= 1, "capacity_factor", f"gives each expert {slots} slots per sequence of "
              f"max_target_length={v['max_target_length']} tokens: at least 1 is needed", v)
+  _require(not v["first_num_dense_layers"] or (FAMILIES[v["decoder_block"]].moe and v["first_num_dense_layers"]
+                                               < v["base_num_decoder_layers"]), "first_num_dense_layers",
+           f"must be below base_num_decoder_layers={v['base_num_decoder_layers']}, in a mixture of experts "
+           f"(decoder_block={v['decoder_block']})", v)
   _require(v["expert_exchange"] != "all_to_all" or v["capacity_factor"] is None, "expert_exchange",
            f"all_to_all needs dropless routing (capacity_factor null, not {v['capacity_factor']})", v)
   # MLA's latent keys and values are shared by all heads: no slice of heads stands alone.

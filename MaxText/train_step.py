@@ -15,7 +15,7 @@ from flax.training.train_state import TrainState
 
 from MaxText import losses, optimizers, sharding
 from MaxText.errors import UserError, first_line
-from MaxText.layers import context_parallel, moe
+from MaxText.layers import context_parallel, decoders, moe
 from MaxText.layers.models import Transformer
 
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
@@ -30,7 +30,8 @@ def _microbatches(batch, count):
 def batch_sums(model, config, params, batch):
   """Sums over the batch's scored tokens: (loss incl. z-loss and the MoE router's losses,
   {weights, z_loss, correct}, and for MoE models moe_aux_loss (the router's share of the loss)
-  and the router's statistics, each times the scored tokens), from the whole logits or, with
+  and the router's statistics, each times the scored tokens; with routed_bias, expert_load, each
+  MoE layer's copies per expert (decoders.expert_loads)), from the whole logits or, with
   num_vocab_tiling > 1, tile by tile. Under load-balanced context parallelism the batch is
   reordered first, targets with their tokens: sums are unchanged."""
   batch = context_parallel.load_balance(config, batch)
@@ -56,6 +57,8 @@ def batch_sums(model, config, params, batch):
     loss = loss + aux
     sums["moe_aux_loss"] = jax.lax.stop_gradient(aux)
     sums.update({name: total * jax.lax.stop_gradient(value) for name, value in router.items()})
+  if config.routed_bias:
+    sums[moe.EXPERT_LOAD] = jax.lax.stop_gradient(decoders.expert_loads(config, state["intermediates"]))
   return loss, sums
 
 
@@ -86,9 +89,18 @@ def gradients(model, config, params, batch):
   return (loss, sums), jax.tree.map(lambda g: g / jnp.maximum(sums["weights"], 1.0), grads)
 
 
+def _apply(config, state, grads, loads):
+  """The optimizer's update, then (routed_bias) the routers' biases moved by the step's load."""
+  state = state.apply_gradients(grads=grads)
+  if loads is None:
+    return state
+  return state.replace(params=moe.update_routed_bias(state.params, loads, config.routed_bias_update_rate))
+
+
 def train_step(model, config, state, batch):
   """One optimizer step on the global batch (gradient_accumulation_steps microbatches)."""
   (loss, sums), grads = gradients(model, config, state.params, batch)
+  loads = sums.pop(moe.EXPERT_LOAD, None)
   step_metrics = {f"learning/{k}": v for k, v in _per_token(loss, sums).items()}
   step_metrics["learning/grad_norm"] = optax.tree.norm(grads)
   step_metrics["learning/current_learning_rate"] = optimizers.learning_rate_schedule(config)(state.step)
@@ -97,13 +109,15 @@ def train_step(model, config, state, batch):
   finite = jnp.isfinite(loss) & jnp.isfinite(step_metrics["learning/grad_norm"])
   step_metrics["learning/nonfinite"] = 1.0 - finite.astype(jnp.float32)
   # A cond, not a select: a select would hold the new and the old state at once.
-  state = jax.lax.cond(finite, lambda s: s.apply_gradients(grads=grads), lambda s: s.replace(step=s.step + 1), state)
+  state = jax.lax.cond(finite, lambda s: _apply(config, s, grads, loads), lambda s: s.replace(step=s.step + 1),
+                       state)
   return state, step_metrics
 
 
 def eval_step(model, config, params, batch):
   """Loss sums of one batch without gradients; the caller sums batches then divides."""
   loss, sums = batch_sums(model, config, params, batch)
+  sums.pop(moe.EXPERT_LOAD, None)
   return {"loss": loss, **sums}
 
 

@@ -189,6 +189,19 @@ def loss_gradients(config, batch=None):
   return {"loss": np.asarray(value), **{jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}}
 
 
+def loss_and_gradients_of(config, params, batch):
+  """(the summed training loss, its gradients) at `params` on `batch`, computed on config's mesh
+  and gathered: no initialisation compiled."""
+  import jax
+
+  from MaxText import sharding, train_step
+  trainer = train_step.build(config, sharding.create_mesh(config))
+  fn = jax.jit(jax.value_and_grad(lambda p, b: train_step.batch_sums(trainer.model, config, p, b)[0]))
+  with sharding.activate(trainer.mesh, config):
+    loss, grads = fn(jax.device_put(params, trainer.state_sharding.params), train_step.device_batch(trainer, batch))
+  return float(loss), jax.device_get(grads)
+
+
 def assert_mesh_gradients_equal_one_device(meshes, *overrides, model=()):
   """SHARDED's loss and gradients with `overrides` on 8 devices under each of `meshes` ({name:
   overrides}) equal one device's without them, rtol 1e-5; `model`'s overrides apply to both."""

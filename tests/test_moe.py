@@ -14,6 +14,7 @@ import pytest
 from conftest import (
   assert_trees_close,
   fixed_batch,
+  loss_and_gradients_of,
   loss_gradients,
   on_devices,
   run_command,
@@ -21,7 +22,7 @@ from conftest import (
   trainer_and_state,
 )
 
-from MaxText import costs, errors, sharding, train, train_step
+from MaxText import costs, errors, sharding, train
 from MaxText.layers import moe
 from MaxText.layers.models import Transformer
 
@@ -109,7 +110,7 @@ def test_router_losses_and_imbalance_match_numpy():
   cfg = tiny_config(*MOE, num_devices=1)
   block, params, x = layer_and_inputs(cfg, seed=3)
   _, state = block.apply({"params": params}, x, mutable="intermediates")
-  sown = {name: float(value[0]) for name, value in state["intermediates"].items()}
+  sown = {name: np.asarray(value[0]) for name, value in state["intermediates"].items()}
   logits = np.einsum("btd,de->bte", np.asarray(x, np.float64), params["gate"]["kernel"]).reshape(-1, cfg.num_experts)
   lse = np.log(np.exp(logits).sum(-1))
   probs = np.exp(logits - lse[:, None])
@@ -117,7 +118,7 @@ def test_router_losses_and_imbalance_match_numpy():
   load = np.bincount(chosen.ravel(), minlength=cfg.num_experts)
   tokens = logits.shape[0]
   want = {"moe_lb_loss": cfg.num_experts * np.sum(load / tokens * probs.mean(0)),
-          "moe_z_loss": np.mean(lse**2), "moe_imbalance": load.max() / load.mean()}
+          "moe_z_loss": np.mean(lse**2), "moe_imbalance": load.max() / load.mean(), moe.EXPERT_LOAD: load}
   assert sown.keys() == want.keys()
   for name in want:
     np.testing.assert_allclose(sown[name], want[name], rtol=RTOL, err_msg=name)
@@ -133,23 +134,15 @@ MEMORY_SETTINGS = {
 }
 
 
-def loss_and_gradients(config, params, batch):
-  trainer = train_step.build(config, sharding.create_mesh(config))
-  fn = jax.jit(jax.value_and_grad(lambda p, b: train_step.batch_sums(trainer.model, config, p, b)[0]))
-  with sharding.activate(trainer.mesh, config):
-    loss, grads = fn(jax.device_put(params, trainer.state_sharding.params), train_step.device_batch(trainer, batch))
-  return float(loss), jax.device_get(grads)
-
-
 @pytest.mark.slow
 def test_memory_settings_give_the_same_loss_and_gradients():
   reference = tiny_config(*WEIGHTED, "remat_policy=none", "scan_layers=false")
   _, state = trainer_and_state(reference)
   params, batch = jax.device_get(state.params), fixed_batch(reference)
-  want_loss, want_grads = loss_and_gradients(reference, params, batch)
+  want_loss, want_grads = loss_and_gradients_of(reference, params, batch)
   assert np.any(np.asarray(want_grads["decoder"]["layers"]["moe_block"]["gate"]["kernel"]))
   for name, overrides in MEMORY_SETTINGS.items():
-    loss, grads = loss_and_gradients(tiny_config(*WEIGHTED, *overrides), params, batch)
+    loss, grads = loss_and_gradients_of(tiny_config(*WEIGHTED, *overrides), params, batch)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=name)
     assert_trees_close(grads, want_grads, 1e-5, name)
 
@@ -282,7 +275,7 @@ def expert_mesh_results():
 
 
 @functools.cache
-def one_device_loss_and_gradients(*overrides):
+def one_device_loss_and_gradients_of(*overrides):
   return loss_gradients(tiny_config(*EXPERTS_8, "per_device_batch_size=8", *overrides))
 
 
@@ -292,7 +285,7 @@ def test_expert_parallel_meshes_equal_one_device(expert_mesh_results, mesh):
   overrides = {**EXPERT_MESHES, **TOKAMAX_MESHES}[mesh]
   model = [o for o in overrides if o.startswith(("capacity_factor", "num_experts"))]
   got, ragged_all_to_alls = expert_mesh_results[mesh]
-  want = one_device_loss_and_gradients(*model)
+  want = one_device_loss_and_gradients_of(*model)
   assert (ragged_all_to_alls > 0) == ("all-to-all" in mesh), mesh
   np.testing.assert_allclose(got["loss"], want["loss"], rtol=RTOL, err_msg=mesh)
   assert_trees_close(got, want, RTOL, mesh)

@@ -163,7 +163,10 @@ def _moe_keys(hf: dict, family) -> dict:
   experts = hf["num_local_experts"] if "num_local_experts" in hf else hf["num_experts"]
   norm_topk_prob = family.hf_norm_topk_prob
   dense_layers = hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1
-  return {"num_experts": experts, "num_experts_per_tok": hf["num_experts_per_tok"],
+  # Qwen3-MoE's and Mixtral's routing: softmax, no bias, groups, scaling or shared experts.
+  routing = {"routed_score_func": "softmax", "routed_bias": False, "n_routing_groups": -1, "topk_routing_group": -1,
+             "routed_scaling_factor": 1.0, "shared_experts": 0, "first_num_dense_layers": 0}
+  return {**routing, "num_experts": experts, "num_experts_per_tok": hf["num_experts_per_tok"],
           "base_moe_mlp_dim": hf[family.hf_expert_width_key],
           "norm_topk_prob": bool(hf.get("norm_topk_prob", False)) if norm_topk_prob is None else norm_topk_prob,
           **({"decoder_block": f"{family.hf_architecture} with dense layers (mlp_only_layers "

@@ -1,14 +1,17 @@
 """The decoder layer and the layer stack (scanned or looped, with every-N-th-layer remat)."""
 
+import functools
+from typing import NamedTuple
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import remat
+from MaxText.layers import moe
 from MaxText.layers.attentions import Attention
 from MaxText.layers.linears import BATCH_LENGTH_EMBED, MlpBlock
-from MaxText.layers.moe import MoeBlock
 from MaxText.layers.normalizations import rms_norm
 
 
@@ -17,9 +20,11 @@ class DecoderLayer(nn.Module):
   the attention's and the MLP's outputs are normed too before they join the residual.
   The norms keep MaxText's (and Hugging Face's) names: post_self_attention_norm is the MLP's
   input norm in Llama and the attention's output norm in Gemma 2. layer_index (a Python int,
-  or traced in a scan) picks the layer's attention window."""
+  or traced in a scan) picks the layer's attention window. `moe`: its MLP is a mixture of
+  experts (a model's stacks say which of its layers are; see `stacks`)."""
 
   config: object
+  moe: bool
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, layer_index):
@@ -30,15 +35,15 @@ class DecoderLayer(nn.Module):
     if cfg.sandwich_norms:
       attn = rms_norm(cfg, "post_self_attention_norm")(attn)
     h = nn.with_logical_constraint(x + attn, BATCH_LENGTH_EMBED)
-    mlp = mlp_sublayer(cfg, h)
+    mlp = mlp_sublayer(cfg, h, self.moe)
     return nn.with_logical_constraint(h + mlp, BATCH_LENGTH_EMBED)
 
 
-def mlp_sublayer(cfg, h):
+def mlp_sublayer(cfg, h, moe_layer: bool):
   """The MLP's input norm, the MLP (or the mixture of experts), and with sandwich_norms its
   output norm."""
   mlp_norm = "pre_ffw_norm" if cfg.sandwich_norms else "post_self_attention_norm"
-  block = MoeBlock(cfg, name="moe_block") if cfg.moe else MlpBlock(cfg, name="mlp")
+  block = moe.MoeBlock(cfg, name="moe_block") if moe_layer else MlpBlock(cfg, name="mlp")
   mlp = block(rms_norm(cfg, mlp_norm)(h))
   return rms_norm(cfg, "post_ffw_norm")(mlp) if cfg.sandwich_norms else mlp
 
@@ -63,16 +68,17 @@ class DecoderBlock(nn.Module):
   """`num_layers` consecutive layers, layer_0 .. layer_{n-1}: the first applies the remat
   policy, the rest keep everything. With remat_layer_interval=N the stack is made of blocks
   of N layers, so the policy applies to layers 0, N, 2N, ... exactly as with a Python loop.
-  first_index is the stack index of layer_0."""
+  first_index is the model's index of layer_0."""
 
   config: object
+  moe: bool
   num_layers: int
   in_scan: bool
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, first_index):
     for i in range(self.num_layers):
-      x = layer_class(self.config, i == 0, self.in_scan)(self.config, name=f"layer_{i}")(
+      x = layer_class(self.config, i == 0, self.in_scan)(self.config, self.moe, name=f"layer_{i}")(
           x, positions, segment_ids, first_index + i)
     return x, None  # (carry, per-step output) as nn.scan expects
 
@@ -86,53 +92,104 @@ def scanned(module, cfg, length: int, *args, name: str):
                  metadata_params={nn.PARTITION_NAME: "layers"})(cfg, *args, name=name)
 
 
+class Stack(NamedTuple):
+  """Consecutive layers stored as one stack: decoder/<name>, each parameter [depth, ...]."""
+
+  name: str
+  first: int  # the model's index of its first layer
+  depth: int
+  moe: bool
+
+
+def stacks(cfg) -> tuple[Stack, ...]:
+  """The model's layers as stored: one stack `layers` (MaxText's scanned layout), or with
+  first_num_dense_layers N > 0 two (MaxText's names), `dense_layers` (layers 0..N-1, a dense MLP)
+  and `moe_layers` (the rest)."""
+  depth, dense = cfg.base_num_decoder_layers, cfg.first_num_dense_layers
+  if not dense:
+    return (Stack("layers", 0, depth, cfg.moe),)
+  return Stack("dense_layers", 0, dense, False), Stack("moe_layers", dense, depth - dense, True)
+
+
 class LayerStack(nn.Module):
-  """The layers as the memory settings run them, over parameters grouped to match: with
+  """A stack's layers as the memory settings run them, over parameters grouped to match: with
   scan_layers, nn.scan over blocks of remat_layer_interval layers (one compiled body; the
-  depth % interval layers left over form one more, unscanned block); without, a Python loop."""
+  depth % interval layers left over form one more, unscanned block); without, a Python loop.
+  The interval counts from the stack's first layer."""
 
   config: object
+  stack: Stack
 
   @nn.compact
   def __call__(self, x, positions, segment_ids):
-    cfg = self.config
-    depth, interval = cfg.base_num_decoder_layers, cfg.remat_layer_interval
+    cfg, stack = self.config, self.stack
+    interval = cfg.remat_layer_interval
     if not cfg.scan_layers:
-      for i in range(depth):
-        x = layer_class(cfg, i % interval == 0, False)(cfg, name=f"layer_{i}")(x, positions, segment_ids, i)
+      for i in range(stack.depth):
+        x = layer_class(cfg, i % interval == 0, False)(cfg, stack.moe, name=f"layer_{i}")(
+            x, positions, segment_ids, stack.first + i)
       return x
-    groups, rest = divmod(depth, interval)
-    x, _ = scanned(DecoderBlock, cfg, groups, interval, True, name="blocks")(
-        x, positions, segment_ids, jnp.arange(groups) * interval)
+    groups, rest = divmod(stack.depth, interval)
+    if groups:
+      x, _ = scanned(DecoderBlock, cfg, groups, stack.moe, interval, True, name="blocks")(
+          x, positions, segment_ids, stack.first + jnp.arange(groups) * interval)
     if rest:
-      x, _ = DecoderBlock(cfg, rest, False, name="rest")(x, positions, segment_ids, groups * interval)
+      x, _ = DecoderBlock(cfg, stack.moe, rest, False, name="rest")(x, positions, segment_ids,
+                                                                    stack.first + groups * interval)
     return x
 
 
-def regroup(cfg, layers):
-  """The stored layout, every parameter stacked [depth, ...] in layer order, as LayerStack
+def _layer_order(cfg, depth: int) -> list:
+  """Where LayerStack keeps each layer of a stack of `depth`, in layer order: (path, index in the
+  scan's steps or None)."""
+  if not cfg.scan_layers:
+    return [((f"layer_{i}",), None) for i in range(depth)]
+  interval = cfg.remat_layer_interval
+  groups, rest = divmod(depth, interval)
+  return ([(("blocks", f"layer_{i}"), j) for j in range(groups) for i in range(interval)]
+          + [(("rest", f"layer_{i}"), None) for i in range(rest)])
+
+
+def regroup(cfg, depth: int, layers):
+  """A stack's stored layout, every parameter stacked [depth, ...] in layer order, as LayerStack
   reads it: block j of the scan holds layers j*N .. j*N+N-1. At interval 1 with scan_layers
   this is the stored tree itself (no copy)."""
-  depth, interval = cfg.base_num_decoder_layers, cfg.remat_layer_interval
   layer = lambda i: jax.tree.map(lambda p: p[i], layers)
   if not cfg.scan_layers:
     return {f"layer_{i}": layer(i) for i in range(depth)}
+  interval = cfg.remat_layer_interval
   groups, rest = divmod(depth, interval)
   grouped = {"blocks": {f"layer_{i}": jax.tree.map(lambda p, i=i: p[i:groups * interval:interval], layers)
-                        for i in range(interval)}}
+                        for i in range(interval)}} if groups else {}
   if rest:
     grouped["rest"] = {f"layer_{i}": layer(groups * interval + i) for i in range(rest)}
   return grouped
 
 
+def expert_loads(cfg, intermediates) -> dict:
+  """{stack name: [depth, E]} the load per expert that each MoE layer sowed (moe.EXPERT_LOAD),
+  back in the stored layer order (regroup's inverse), from model.apply's intermediates."""
+  loads = {}
+  for stack in stacks(cfg):
+    if not stack.moe:
+      continue
+    grouped = intermediates["decoder"][stack.name]
+    per_layer = []
+    for path, step in _layer_order(cfg, stack.depth):
+      load = functools.reduce(lambda tree, key: tree[key], path, grouped)["moe_block"][moe.EXPERT_LOAD][0]
+      per_layer.append(load if step is None else load[step])
+    loads[stack.name] = jnp.stack(per_layer)
+  return loads
+
+
 class Decoder(nn.Module):
-  """The layer stack and the final norm.
+  """The layer stacks and the final norm.
 
   The parameters are stored one way whatever the memory settings: each layer parameter
-  stacked on a leading `layers` axis in layer order (MaxText's scanned layout), created by
-  one scan over every layer, so their values depend only on the shape keys and the seed.
-  Applying regroups them for the stack remat_layer_interval and scan_layers ask for, so a
-  checkpoint saved under any of these settings resumes under any other.
+  stacked on a leading `layers` axis in layer order (MaxText's scanned layout), one stack per
+  entry of `stacks`, created by one scan over its layers, so their values depend only on the
+  shape keys and the seed. Applying regroups them for the stack remat_layer_interval and
+  scan_layers ask for, so a checkpoint saved under any of these settings resumes under any other.
   """
 
   config: object
@@ -140,10 +197,12 @@ class Decoder(nn.Module):
   @nn.compact
   def __call__(self, x, positions, segment_ids):
     cfg = self.config
-    if self.is_initializing():
-      depth = cfg.base_num_decoder_layers
-      x, _ = scanned(ScannedDecoderLayer, cfg, depth, name="layers")(x, positions, segment_ids, jnp.arange(depth))
-    else:
-      stack = nn.map_variables(LayerStack, "params", trans_in_fn=lambda v: {"params": regroup(cfg, v["params"])})
-      x = stack(cfg, name="layers")(x, positions, segment_ids)
+    for stack in stacks(cfg):
+      if self.is_initializing():
+        x, _ = scanned(ScannedDecoderLayer, cfg, stack.depth, stack.moe, name=stack.name)(
+            x, positions, segment_ids, stack.first + jnp.arange(stack.depth))
+      else:
+        regrouped = nn.map_variables(LayerStack, "params", trans_in_fn=lambda v, depth=stack.depth: {
+            "params": regroup(cfg, depth, v["params"])})
+        x = regrouped(cfg, stack, name=stack.name)(x, positions, segment_ids)
     return rms_norm(cfg, "decoder_norm")(x)

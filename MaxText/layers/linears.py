@@ -145,14 +145,16 @@ class DenseGeneral(nn.Module):
 class MlpBlock(nn.Module):
   """wo(act(wi_0 x) * wi_1 x), act from mlp_activation; wo is stored [D, mlp], as wi_0 and wi_1.
   With mlp_chunks > 1, in that many slices of its hidden units (sum_of_slices); slice k is the
-  k-th run of every tensor shard's own units (kernel_run), so no unit moves between devices."""
+  k-th run of every tensor shard's own units (kernel_run), so no unit moves between devices.
+  `units` is its hidden width, base_mlp_dim where None (a MoE's shared experts set their own)."""
 
   config: object
+  units: int | None = None
 
   @nn.compact
   def __call__(self, x):
     cfg = self.config
-    dim, units = cfg.base_emb_dim, cfg.base_mlp_dim
+    dim, units = cfg.base_emb_dim, self.units or cfg.base_mlp_dim
     kernels = (kernel(cfg, "wi_0", (dim, units), ("embed", "mlp")), kernel(cfg, "wi_1", (dim, units), ("embed", "mlp")),
                kernel(cfg, "wo", (dim, units), ("embed", "mlp"), in_last=True))
     chunks, act = cfg.mlp_chunks, ACTIVATIONS[cfg.mlp_activation]

@@ -1,5 +1,7 @@
-"""Mixture of experts: a float32 softmax router picks num_experts_per_tok of num_experts SwiGLU
-experts for each token, and the token's output is the router-weighted sum of theirs.
+"""Mixture of experts: a float32 router picks num_experts_per_tok of num_experts SwiGLU experts
+for each token, and the token's output is the router-weighted sum of theirs (see `route`:
+softmax or sigmoid scores, DeepSeek-V3's correction bias and group-limited choice), plus a dense
+MLP of shared experts run on every token where shared_experts > 0.
 
 Dropless (capacity_factor null, the default): the token copies are sorted by expert and each
 projection is one grouped matmul, `jax.lax.ragged_dot` with the experts' group sizes, so compute
@@ -15,7 +17,8 @@ dense MLP) and split along `exp` (expert parallelism: see _local_moe) and `mlp` 
 parallelism), whose partial outputs are summed. The router's statistics (load-balancing loss,
 z-loss, load imbalance) are taken over all tokens of the batch and sown into the `intermediates`
 collection, one value per MoE layer; `aux_means` averages them over layers for the loss and the
-metrics.
+metrics. Each layer's load per expert is sown too (EXPERT_LOAD): the train step moves the
+correction bias by it (`update_routed_bias`).
 """
 
 import functools
@@ -28,12 +31,15 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from MaxText import sharding
-from MaxText.layers.linears import ACTIVATIONS, DenseGeneral, weights_as
+from MaxText.layers.linears import ACTIVATIONS, DenseGeneral, MlpBlock, weights_as
 
 TOKENS = ("activation_batch", "activation_length", "activation_embed")
 # Sown per MoE layer, averaged over layers: the Switch/MaxText load-balancing loss, the router
 # z-loss, and max/mean of the copies routed to each expert (1 when perfectly balanced).
 AUX_NAMES = ("moe_lb_loss", "moe_z_loss", "moe_imbalance")
+# Sown per MoE layer: the copies routed to each expert [E] over the whole batch.
+EXPERT_LOAD = "expert_load"
+SCORE_FUNCS = {"softmax": jax.nn.softmax, "sigmoid": jax.nn.sigmoid}
 
 
 def dropless(capacity_factor: float | None) -> bool:
@@ -45,13 +51,33 @@ def capacity(length: int, k: int, num_experts: int, capacity_factor: float) -> i
   return int(max(math.ceil(length * k / num_experts) * capacity_factor, capacity_factor))
 
 
-def route(logits, k: int, norm_topk_prob: bool):
-  """float32 logits [..., E] -> (probabilities [..., E], top-k weights [..., k], experts [..., k])."""
-  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  weights, experts = jax.lax.top_k(probs, k)
-  if norm_topk_prob:
+def _in_best_groups(choice, groups: int, keep: int):
+  """choice [..., E] with the experts outside each token's `keep` best of `groups` equal groups
+  at -inf; a group scores the sum of its two best (DeepSeek-V3)."""
+  grouped = choice.reshape(*choice.shape[:-1], groups, -1)
+  _, best = jax.lax.top_k(jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1), keep)
+  kept = jnp.any(best[..., None] == jnp.arange(groups), axis=-2)
+  return jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)
+
+
+def route(logits, bias, cfg):
+  """float32 logits [..., E] and the correction bias [E] (None without routed_bias) ->
+  (scores [..., E], combine weights [..., k], experts [..., k]).
+
+  The experts are the top-k of scores + bias, among the topk_routing_group best groups where
+  n_routing_groups is set; their combine weights are their unbiased scores, renormalised with
+  norm_topk_prob, then times routed_scaling_factor (transformers' DeepseekV3MoE). A group left
+  out is excluded outright (transformers zeroes its scores instead, which lets it in wherever a
+  kept expert's biased score is negative)."""
+  scores = SCORE_FUNCS[cfg.routed_score_func](logits.astype(jnp.float32))
+  choice = scores if bias is None else scores + bias
+  if cfg.n_routing_groups > 0:
+    choice = _in_best_groups(choice, cfg.n_routing_groups, cfg.topk_routing_group)
+  _, experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+  weights = jnp.take_along_axis(scores, experts, axis=-1)
+  if cfg.norm_topk_prob:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-  return probs, weights, experts
+  return scores, weights * cfg.routed_scaling_factor, experts
 
 
 def _swiglu(x, wi_0, wi_1, wo, matmul, activation):
@@ -229,11 +255,14 @@ def _dropping_copies(x, experts, wi_0, wi_1, wo, cfg, rows: int):
   return jnp.take(out, slot, axis=0)
 
 
-def _router_stats(logits, cfg, token_axes: tuple) -> dict:
-  """The load-balancing loss, z-loss and imbalance over every device's tokens (psum over
-  token_axes) from this device's router logits [b, t, E]."""
+def _router_stats(logits, bias, cfg, token_axes: tuple) -> dict:
+  """The load-balancing loss, z-loss, imbalance and load per expert over every device's tokens
+  (psum over token_axes) from this device's router logits [b, t, E]. The load is that of the
+  experts chosen, bias included; the loss takes each token's scores normalised to sum to 1
+  (softmax's already do; sigmoid's do not)."""
   num_experts = cfg.num_experts
-  probs, _, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+  scores, _, experts = route(logits, bias, cfg)
+  probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
   total = lambda v: jax.lax.psum(v, token_axes) if token_axes else v
   tokens = total(jnp.float32(probs.size // num_experts))
   load = total(jnp.bincount(experts.reshape(-1), length=num_experts).astype(jnp.float32))
@@ -241,12 +270,13 @@ def _router_stats(logits, cfg, token_axes: tuple) -> dict:
   lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
   return {"moe_lb_loss": num_experts * jnp.sum(load / tokens * mean_probs),
           "moe_z_loss": total(jnp.sum(jnp.square(lse))) / tokens,
-          "moe_imbalance": jnp.max(load) / jnp.mean(load)}
+          "moe_imbalance": jnp.max(load) / jnp.mean(load), EXPERT_LOAD: load}
 
 
-def _local_moe(x, logits, wi_0, wi_1, wo, cfg, token_axes: tuple, expert_axes: tuple, mlp_axes: tuple,
+def _local_moe(x, logits, bias, wi_0, wi_1, wo, cfg, token_axes: tuple, expert_axes: tuple, mlp_axes: tuple,
                all_to_all: bool):
-  """One device's tokens x [b, t, D] and router logits [b, t, E], and its experts' weights ->
+  """One device's tokens x [b, t, D] and router logits [b, t, E], the correction bias (or None),
+  and its experts' weights ->
   (outputs [b, t, D], the router's statistics over all devices' tokens).
 
   Expert parallelism (see MoeBlock._exchange): with all_to_all, each copy of a token travels to
@@ -254,14 +284,14 @@ def _local_moe(x, logits, wi_0, wi_1, wo, cfg, token_axes: tuple, expert_axes: t
   also shard the tokens exchange them by all-gather, each device runs its own experts on the
   gathered tokens, and a reduce-scatter sums the experts' outputs and returns each device its
   own tokens."""
-  stats = _router_stats(logits, cfg, token_axes)
+  stats = _router_stats(logits, bias, cfg, token_axes)
   exchanged = () if all_to_all else tuple(a for a in expert_axes if a in token_axes)
   if exchanged:
     x = jax.lax.all_gather(x, exchanged, axis=0, tiled=True)
     logits = jax.lax.all_gather(logits, exchanged, axis=0, tiled=True)
   rows, length, width = x.shape
   k = cfg.num_experts_per_tok
-  _, weights, experts = route(logits, k, cfg.norm_topk_prob)
+  _, weights, experts = route(logits, bias, cfg)
   flat_x = x.reshape(-1, width)
   if all_to_all:
     copies = _all_to_all_copies(flat_x, experts, wi_0, wi_1, wo, cfg, expert_axes)
@@ -290,10 +320,50 @@ def expert_init(in_axis: int):
                                           batch_axis=(0,))
 
 
-class MoeBlock(nn.Module):
-  """x [B, T, D] -> sum over the token's top-k experts of weight * SwiGLU_expert(x).
+class Gate(DenseGeneral):
+  """The router: x -> (logits, its correction bias [E] or None). The bias, `bias` beside the
+  kernel (Hugging Face's e_score_correction_bias), is float32 whatever weight_dtype: the update
+  steps of routed_bias_update_rate (1e-3) would vanish in bfloat16 next to a bias near 1. No
+  gradient reaches it (it only orders the scores for top-k); optimizers.create_optimizer leaves
+  it alone and the train step moves it by the load (update_routed_bias)."""
 
-  Parameters (MaxText's names): gate/kernel [D, E] (the router), wi_0 and wi_1 [E, D, moe_mlp]
+  routed_bias: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    logits = super().__call__(x)
+    if not self.routed_bias:
+      return logits, None
+    init = nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,))
+    return logits, self.param("bias", init, tuple(self.features), jnp.float32)
+
+
+def is_routed_bias(path) -> bool:
+  """Whether a parameter's tree path (boxed or not) is a Gate's bias."""
+  names = [entry.key for entry in path if isinstance(entry, jax.tree_util.DictKey)]
+  return names[-2:] == ["gate", "bias"]
+
+
+def update_routed_bias(params, loads: dict, rate: float):
+  """params with each MoE layer's Gate bias moved by rate * sign(mean load - load): loads maps a
+  stack of layers under params["decoder"] to its layers' expert loads [layers, E]
+  (decoders.expert_loads), so the overloaded experts are chosen less (DeepSeek-V3's
+  auxiliary-loss-free balancing)."""
+  decoder = dict(params["decoder"])
+  for stack, load in loads.items():
+    step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    decoder[stack] = jax.tree_util.tree_map_with_path(
+        lambda path, p, step=step: p + step.astype(p.dtype) if is_routed_bias(path) else p, decoder[stack])
+  return {**params, "decoder": decoder}
+
+
+class MoeBlock(nn.Module):
+  """x [B, T, D] -> sum over the token's top-k experts of weight * SwiGLU_expert(x), plus the
+  shared experts' MLP of x.
+
+  Parameters (MaxText's names): gate/kernel [D, E] (the router), with routed_bias gate/bias [E],
+  shared_experts/{wi_0, wi_1, wo}/kernel [D, shared_experts * moe_mlp] (linears.MlpBlock) where
+  shared_experts > 0, wi_0 and wi_1 [E, D, moe_mlp]
   (input D), wo [E, D, moe_mlp] (input moe_mlp; MaxText's is [E, moe_mlp, D]). All three keep D
   off the minor dimension: where FSDP shards D (below) and D/fsdp < 128 (2048 over 32), TPU
   layouts pad it to 128 lanes, and wo's gradient and optimizer buffers would take twice their
@@ -310,7 +380,8 @@ class MoeBlock(nn.Module):
     x = nn.with_logical_constraint(x, TOKENS)
     # The router in float32 whatever the activation dtype: the top-k choice is a comparison of
     # nearby probabilities, which bfloat16 would blur.
-    logits = DenseGeneral((experts,), ("embed", None), jnp.float32, weight_dtype, name="gate")(x)
+    logits, bias = Gate((experts,), ("embed", None), jnp.float32, weight_dtype, routed_bias=cfg.routed_bias,
+                        name="gate")(x)
 
     # Where the experts divide over the expert and FSDP axes, FSDP shards the experts and D stays
     # whole: FSDP's gather then joins whole experts along a major axis, in the stored layout, and
@@ -328,16 +399,18 @@ class MoeBlock(nn.Module):
       return cast(self.param(name, init, (experts, width, hidden), weight_dtype), dtype)
 
     wi_0, wi_1, wo = kernel("wi_0", 1), kernel("wi_1", 1), kernel("wo", 2)
-    out, stats = self._routed(x.astype(dtype), logits, wi_0, wi_1, wo)
+    out, stats = self._routed(x.astype(dtype), logits, bias, wi_0, wi_1, wo)
     for name, value in stats.items():
       self.sow("intermediates", name, value)
+    if cfg.shared_experts:
+      out = out + MlpBlock(cfg, units=cfg.shared_experts * hidden, name="shared_experts")(x)
     return nn.with_logical_constraint(out, TOKENS)
 
-  def _routed(self, x, logits, wi_0, wi_1, wo):
+  def _routed(self, x, logits, bias, wi_0, wi_1, wo):
     cfg = self.config
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-      return _local_moe(x, logits, wi_0, wi_1, wo, cfg, (), (), (), all_to_all=False)
+      return _local_moe(x, logits, bias, wi_0, wi_1, wo, cfg, (), (), (), all_to_all=False)
     batch, length, expert_axes, mlp = map(sharding.axes_of, (*TOKENS[:2], "exp", "mlp"))
     token_axes = batch + length
     mlp_axes = tuple(a for a in mlp if a not in token_axes + expert_axes)
@@ -346,8 +419,9 @@ class MoeBlock(nn.Module):
     all_to_all = self._exchange(mesh, token_axes, expert_axes) == "all_to_all"
     body = functools.partial(_local_moe, cfg=cfg, token_axes=token_axes, expert_axes=expert_axes, mlp_axes=mlp_axes,
                              all_to_all=all_to_all)
-    return jax.shard_map(body, in_specs=(tokens, tokens, kernels, kernels, kernels),
-                         out_specs=(tokens, {n: PartitionSpec() for n in AUX_NAMES}))(x, logits, wi_0, wi_1, wo)
+    return jax.shard_map(body, in_specs=(tokens, tokens, PartitionSpec(), kernels, kernels, kernels),
+                         out_specs=(tokens, {n: PartitionSpec() for n in (*AUX_NAMES, EXPERT_LOAD)}))(
+                             x, logits, bias, wi_0, wi_1, wo)
 
   def _exchange(self, mesh, token_axes: tuple, expert_axes: tuple) -> str:
     """How expert parallelism moves the tokens: all_to_all where the expert axes all shard the
