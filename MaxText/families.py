@@ -55,6 +55,15 @@ class Family:
   # name only what differs from those defaults), as (key, value) pairs.
   hf_multimodal_architecture: str = ""
   hf_text_config_defaults: tuple = ()
+  # DeepSeek's class: its attention (an attentions.ATTENTION_TYPES name), its routing where
+  # config.json does not say it, as (config key, value) pairs, and, under model.layers.{i}, the
+  # router's correction bias and the shared experts' MLP. Its checkpoints hold the multi-token
+  # prediction block as the layers after the last, which transformers does not run.
+  hf_attention_type: str = "global"
+  hf_routing: tuple = ()
+  hf_router_bias: str = ""
+  hf_shared_experts: str = ""
+  hf_layers_after_last: bool = False
 
   SWITCHES = ("qk_norm", "sandwich_norms", "norm_plus_one", "scale_embedding", "mlp_activation", "moe",
               "sliding_window_pattern")
@@ -88,6 +97,17 @@ FAMILIES = {
                                  ("head_dim", 256), ("rms_norm_eps", 1e-6), ("rope_theta", 1000000.0),
                                  ("rope_local_base_freq", 10000.0), ("query_pre_attn_scalar", 256),
                                  ("sliding_window", 4096), ("sliding_window_pattern", 6))),
+    # DeepSeek-V3 (and V2's shapes): Llama's layer with latent attention (attention_type=mla) and,
+    # after first_num_dense_layers dense layers, experts chosen by sigmoid scores and a correction
+    # bias within the best groups, plus shared experts.
+    "deepseek": dataclasses.replace(
+        _LLAMA, moe=True, hf_architecture="DeepseekV3ForCausalLM", hf_model_type="deepseek_v3",
+        hf_expert_names=("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                         "mlp.experts.{e}.down_proj.weight"),
+        hf_num_experts_key="n_routed_experts", hf_attention_type="mla",
+        hf_routing=(("routed_score_func", "sigmoid"), ("routed_bias", True)),
+        hf_router_bias="mlp.gate.e_score_correction_bias", hf_shared_experts="mlp.shared_experts.",
+        hf_layers_after_last=True),
     "qwen3_moe": dataclasses.replace(
         _QWEN3, moe=True, hf_architecture="Qwen3MoeForCausalLM", hf_model_type="qwen3_moe",
         hf_expert_names=("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",

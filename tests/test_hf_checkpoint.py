@@ -42,6 +42,14 @@ FAMILIES = {"llama": ("decoder_block=llama2", "logits_via_embedding=false"),
                           "norm_topk_prob=true"),
             "qwen3_moe_tied": ("decoder_block=qwen3_moe", "logits_via_embedding=true", *MOE, "base_moe_mlp_dim=24",
                                "norm_topk_prob=false"),
+            "deepseek3": ("decoder_block=deepseek", "logits_via_embedding=false", "base_num_decoder_layers=4",
+                          "base_num_kv_heads=4", "attention_type=mla", "q_lora_rank=12", "kv_lora_rank=16",
+                          "qk_nope_head_dim=8", "qk_rope_head_dim=8", "v_head_dim=6", "rope_type=yarn",
+                          "rope_scaling_factor=4", "rope_original_max_position=16", "beta_fast=32", "beta_slow=1",
+                          "mscale=1", "mscale_all_dim=1", "num_experts=8", "num_experts_per_tok=2",
+                          "base_moe_mlp_dim=24", "first_num_dense_layers=1", "shared_experts=1", "n_routing_groups=4",
+                          "topk_routing_group=2", "routed_scaling_factor=2.5", "norm_topk_prob=true",
+                          "routed_score_func=sigmoid", "routed_bias=true"),
             "mixtral": ("decoder_block=mixtral", "logits_via_embedding=false", *MOE, "base_moe_mlp_dim=64"),
             "mixtral_tied": ("decoder_block=mixtral", "logits_via_embedding=true", *MOE, "base_moe_mlp_dim=64")}
 # TINY's run keys without its model keys: runs from a converted checkpoint take those saved with it.
@@ -84,10 +92,13 @@ def test_converted_weights_give_the_hugging_face_logits(family, settings):
     ("gemma2", "final_logits_soft_cap=0"), ("gemma3", "decoder_block=gemma2"), ("gemma3", "sliding_window_size=0"),
     ("gemma3", "local_rope_max_timescale=0"), ("gemma3", "rope_linear_scaling_factor=1"),
     ("qwen3_moe", "norm_topk_prob=false"),
-    ("qwen3_moe_tied", "norm_topk_prob=true"), ("mixtral", "num_experts_per_tok=1")])
+    ("qwen3_moe_tied", "norm_topk_prob=true"), ("mixtral", "num_experts_per_tok=1"),
+    ("deepseek3", "routed_bias=false"), ("deepseek3", "shared_experts=0"), ("deepseek3", "routed_scaling_factor=1"),
+    ("deepseek3", "rope_type=default")])
 def test_without_the_family_feature_the_logits_are_not_matched(family, without):
   """Qwen3's q/k norms, Llama 3.1's RoPE rescaling, each of Gemma 2's and Gemma 3's features (its
-  q/k norms and five-to-one pattern are what it adds to gemma2) and the experts' routing matter: the
+  q/k norms and five-to-one pattern are what it adds to gemma2), the experts' routing and
+  DeepSeek-V3's correction bias, shared expert, routed scaling and YaRN matter: the
   same weights without one miss transformers' logits by over 100 times what the parity test
   allows."""
   logits, golden = logits_and_golden(family, tiny_config(*SHAPE, *FAMILIES[family], without))
@@ -222,6 +233,27 @@ def test_both_converters_hold_one_layer_of_a_stacked_parameter_at_a_time(tmp_pat
   assert sorted(tensors) == sorted(original) and all(np.array_equal(tensors[n], original[n]) for n in original)
 
 
+def test_deepseek_converts_both_ways_bit_for_bit(tmp_path):
+  """DeepSeek-V3's two layer stacks (its dense first layer, then the experts', each counting
+  Hugging Face's layers from where it starts), its RoPE features kept interleaved there and its
+  correction bias: imported and exported again, the same tensors bit for bit and a config.json
+  of the same model; the multi-token prediction block after the last layer is not imported."""
+  hf = tmp_path / "hf"
+  shutil.copytree(ASSETS / "deepseek3", hf)
+  tensors = load_file(hf / "model.safetensors")
+  save_file({**tensors, "model.layers.4.enorm.weight": np.ones(32, np.float32)}, hf / "model.safetensors")
+  converted = to_maxtext.convert(to_maxtext.resolve_config(
+      [BASE_YML, f"hf_model_path={hf}", f"base_output_directory={tmp_path}", "run_name=a"]))
+  config = pyconfig.initialize([BASE_YML, mapping.NO_DATA, f"load_parameters_path={converted}",
+                                f"hf_output_path={tmp_path / 'exported'}"])
+  assert set(restore(converted)["decoder"]) == {"dense_layers", "moe_layers", "decoder_norm"}
+  to_huggingface.convert(config)
+  exported = load_file(tmp_path / "exported" / "model.safetensors")
+  assert sorted(exported) == sorted(tensors) and all(np.array_equal(exported[n], tensors[n]) for n in tensors)
+  mapping.check_shape(tiny_config(*SHAPE, *FAMILIES["deepseek3"]),
+                      mapping.read_config(str(tmp_path / "exported")), "exported")
+
+
 def restore(checkpoint):
   return ocp.PyTreeCheckpointer().restore(f"{checkpoint}/state")["params"]
 
@@ -247,7 +279,7 @@ def test_bf16_weights_stay_bf16_unless_convert_dtype_asks(tmp_path, convert_dtyp
 
 
 @pytest.mark.parametrize("model_name", ["llama3.2-1b", "qwen3-0.6b", "gemma2-2b", "gemma3-1b", "gemma3-4b",
-                                        "gemma3-27b"])
+                                        "gemma3-27b", "deepseek3-671b"])
 def test_a_published_config_json_gives_the_model_file_keys(tmp_path, model_name):
   """config.json as the Hub publishes it (transcribed in tests/assets/hf/published_configs.json;
   Gemma 2's names neither a tied head nor layer_types, which transformers takes as tied and
@@ -479,8 +511,12 @@ def test_a_new_family_is_one_registry_entry(monkeypatch, tmp_path):
     ("gemma2", ("local_rope_max_timescale=100",), r"^local_rope_max_timescale=100: Gemma2ForCausalLM gives its "
                                                   "sliding and global layers one RoPE"),
     ("llama3.1", ("rope_linear_scaling_factor=2",), r"^rope_linear_scaling_factor=2.0: config.json holds one RoPE "
-                                                    "scaling, and rope_type='llama3.1' is another")],
-    ids=["mixtral unnormalised", "gemma2 local base", "llama3.1 and linear"])
+                                                    "scaling, and rope_type='llama3.1' is another"),
+    ("qwen3_moe", ("routed_score_func=sigmoid",), r"^routed_score_func='sigmoid': Qwen3MoeForCausalLM routes with "
+                                                  "routed_score_func='softmax'"),
+    ("qwen3", ("attention_type=mla", "base_num_kv_heads=4"), r"^attention_type='mla': Qwen3ForCausalLM has 'global' "
+                                                             "attention")],
+    ids=["mixtral unnormalised", "gemma2 local base", "llama3.1 and linear", "qwen3_moe sigmoid", "qwen3 mla"])
 def test_an_export_the_hugging_face_class_cannot_express_is_refused(family, settings, message):
   with pytest.raises(errors.ConfigError, match=message):
     mapping.check_exportable(tiny_config(*SHAPE, *FAMILIES[family], *settings))

@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import os
+import re
 from typing import NamedTuple
 
 import ml_dtypes
@@ -20,6 +21,7 @@ from safetensors import safe_open
 
 from MaxText import config_schema, errors
 from MaxText.families import FAMILIES
+from MaxText.layers import decoders
 
 # Put before the user's keys: the converters read no data, so the text dataset's checks (a
 # tokenizer that fits vocab_size) must not stop them.
@@ -49,32 +51,45 @@ def layer_types(config) -> list:
   return pattern(config.base_num_decoder_layers, config.sliding_window_pattern)
 
 
-# Llama 3.1's RoPE rescaling: config.json holds them only for rope_type llama3.1.
-_LLAMA31_ROPE_KEYS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                      "rope_original_max_position")
-
-# YaRN's and MLA's keys: no family converted here has them.
+# The RoPE rescalings' keys, which config.json holds only for the rope_type that uses them: both
+# Llama 3.1's and YaRN's, Llama 3.1's, YaRN's.
+_RESCALED_ROPE_KEYS = ("rope_scaling_factor", "rope_original_max_position")
+_LLAMA31_ROPE_KEYS = ("rope_low_freq_factor", "rope_high_freq_factor")
 _YARN_ROPE_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-_MLA_KEYS = ("attention_type", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# Latent attention's widths (attention_type=mla).
+_MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def _expected(config) -> dict:
   """config.json's values for this config: every key that affects the model but those it
   does not use, as model_keys reads them."""
-  # A mixture of experts has no dense MLP: base_mlp_dim is unused (Mixtral's intermediate_size
-  # is its experts' width).
-  unused = {"base_mlp_dim"} if config.moe else set(config_schema.fields("model", [config_schema.MoE]))
+  # A mixture of experts without dense layers has no dense MLP: base_mlp_dim is unused
+  # (Mixtral's intermediate_size is its experts' width).
+  if config.moe:
+    unused = set() if config.first_num_dense_layers else {"base_mlp_dim"}
+  else:
+    unused = set(config_schema.fields("model", [config_schema.MoE]))
   if config.rope_type != "llama3.1":
     unused.update(_LLAMA31_ROPE_KEYS)
+  if config.rope_type not in ("llama3.1", "yarn"):
+    unused.update(_RESCALED_ROPE_KEYS)
   if config.rope_type != "yarn":
     unused.update(_YARN_ROPE_KEYS)
-  if config.attention_type == "global":
-    unused.update(_MLA_KEYS)
+  # Latent attention's scores are scaled by its query and key width; head_dim it does not use.
+  mla = config.attention_type == "mla"
+  unused.update(("head_dim",) if mla else _MLA_KEYS)
   return {**{key: getattr(config, key) for key in config_schema.fields("model") if key not in unused},
           "rope_max_timescale": float(config.rope_max_timescale),
           "local_rope_max_timescale": float(config.local_rope_max_timescale),
           "rope_linear_scaling_factor": float(config.rope_linear_scaling_factor),
-          "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim}
+          "query_pre_attn_scalar": query_scalar(config)}
+
+
+def query_scalar(config) -> int:
+  """What the scores are scaled by the inverse square root of: query_pre_attn_scalar, or the
+  query width, which latent attention's is its own (not head_dim)."""
+  mla = config.qk_nope_head_dim + config.qk_rope_head_dim if config.attention_type == "mla" else None
+  return config.query_pre_attn_scalar or mla or config.head_dim
 
 
 def _multimodal_family(hf: dict):
@@ -142,16 +157,30 @@ def _model_keys(hf: dict, block: str) -> dict:
           "rope_max_timescale": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
           "normalization_layer_epsilon": hf["rms_norm_eps"],
           "local_rope_max_timescale": local_base or 0,
-          "rope_type": {"default": "default", "llama3": "llama3.1"}.get(
+          "rope_type": {"default": "default", "llama3": "llama3.1", "yarn": "yarn"}.get(
               rope_type, "default" if linear else f"{rope_type} (not supported)"),
           "rope_linear_scaling_factor": rope["factor"] if linear else 1.0,
           "rope_scaling_factor": rope.get("factor"), "rope_low_freq_factor": rope.get("low_freq_factor"),
           "rope_high_freq_factor": rope.get("high_freq_factor"),
           "rope_original_max_position": rope.get("original_max_position_embeddings"),
+          **{key: rope.get(key) for key in _YARN_ROPE_KEYS},
           "attn_logits_soft_cap": float(hf.get("attn_logit_softcapping") or 0),
           "final_logits_soft_cap": float(hf.get("final_logit_softcapping") or 0),
           "query_pre_attn_scalar": hf.get("query_pre_attn_scalar") or head_dim, "sliding_window_size": window,
-          **_moe_keys(hf, family)}
+          **_mla_keys(hf, family), **_moe_keys(hf, family)}
+
+
+def _mla_keys(hf: dict, family) -> dict:
+  """Latent attention's keys ({} for the other families): its scores are scaled by its query
+  and key width (query_pre_attn_scalar), not by head_dim, which transformers sets to the RoPE
+  width."""
+  if family.hf_attention_type != "mla":
+    return {"attention_type": family.hf_attention_type}
+  nope, rope = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
+  return {"attention_type": "mla", "head_dim": hf.get("head_dim") or rope,
+          "q_lora_rank": hf.get("q_lora_rank") or 0, "kv_lora_rank": hf["kv_lora_rank"],
+          "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": hf["v_head_dim"],
+          "query_pre_attn_scalar": hf.get("query_pre_attn_scalar") or nope + rope}
 
 
 def _moe_keys(hf: dict, family) -> dict:
@@ -160,12 +189,18 @@ def _moe_keys(hf: dict, family) -> dict:
   if not family.moe:
     return {}
   # The Hub's Qwen3-MoE files say num_experts; transformers 5 writes num_local_experts for both.
-  experts = hf["num_local_experts"] if "num_local_experts" in hf else hf["num_experts"]
+  experts = hf["num_local_experts"] if "num_local_experts" in hf else hf[family.hf_num_experts_key]
   norm_topk_prob = family.hf_norm_topk_prob
   dense_layers = hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1
-  # Qwen3-MoE's and Mixtral's routing: softmax, no bias, groups, scaling or shared experts.
-  routing = {"routed_score_func": "softmax", "routed_bias": False, "n_routing_groups": -1, "topk_routing_group": -1,
-             "routed_scaling_factor": 1.0, "shared_experts": 0, "first_num_dense_layers": 0}
+  # Softmax, no bias, groups, scaling or shared experts (Qwen3-MoE's and Mixtral's routing) unless
+  # the family's class or DeepSeek's keys say otherwise; one group is none.
+  groups = hf.get("n_group") or 1
+  routing = {"routed_score_func": "softmax", "routed_bias": False, **dict(family.hf_routing),
+             "n_routing_groups": groups if groups > 1 else -1,
+             "topk_routing_group": hf["topk_group"] if groups > 1 else -1,
+             "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+             "shared_experts": hf.get("n_shared_experts") or 0,
+             "first_num_dense_layers": hf.get("first_k_dense_replace", 0)}
   return {**routing, "num_experts": experts, "num_experts_per_tok": hf["num_experts_per_tok"],
           "base_moe_mlp_dim": hf[family.hf_expert_width_key],
           "norm_topk_prob": bool(hf.get("norm_topk_prob", False)) if norm_topk_prob is None else norm_topk_prob,
@@ -201,70 +236,84 @@ class Entry(NamedTuple):
 
 
 def layout(config) -> list:
-  """Every parameter's Entry."""
-  dim, head_dim = config.base_emb_dim, config.head_dim
-  attention, layer = ("decoder", "layers", "self_attention"), "model.layers.{i}."
-  layers = (config.base_num_decoder_layers,)
-  entries = [
-      Entry(("token_embedder", "embedding"), "model.embed_tokens.weight", (), (config.vocab_size, dim), 0),
-      Entry(("decoder", "decoder_norm", "scale"), "model.norm.weight", (), (dim,), 0),
-      *_attention_entries(config, attention, layer, layers),
-      Entry(("decoder", "layers", "pre_self_attention_norm", "scale"), layer + "input_layernorm.weight", layers,
-            (dim,), 0),
-      Entry(("decoder", "layers", "post_self_attention_norm", "scale"), layer + "post_attention_layernorm.weight",
-            layers, (dim,), 0),
-  ]
-  if config.moe:
-    moe, (router, gate, up, down) = ("decoder", "layers", "moe_block"), FAMILIES[config.decoder_block].hf_expert_names
-    experts, hidden = layers + (config.num_experts,), config.base_moe_mlp_dim
-    entries += [Entry((*moe, "gate", "kernel"), layer + router, layers, (dim, config.num_experts), 1),
-                Entry((*moe, "wi_0"), layer + gate, experts, (dim, hidden), 1),
-                Entry((*moe, "wi_1"), layer + up, experts, (dim, hidden), 1),
-                Entry((*moe, "wo"), layer + down, experts, (dim, hidden), 0)]
-  else:
-    mlp = ("decoder", "layers", "mlp")
-    entries += [Entry((*mlp, "wi_0", "kernel"), layer + "mlp.gate_proj.weight", layers, (dim, config.base_mlp_dim), 1),
-                Entry((*mlp, "wi_1", "kernel"), layer + "mlp.up_proj.weight", layers, (dim, config.base_mlp_dim), 1),
-                Entry((*mlp, "wo", "kernel"), layer + "mlp.down_proj.weight", layers, (dim, config.base_mlp_dim), 0)]
-  if config.sandwich_norms:
-    entries += [Entry(("decoder", "layers", "pre_ffw_norm", "scale"), layer + "pre_feedforward_layernorm.weight",
-                      layers, (dim,), 0),
-                Entry(("decoder", "layers", "post_ffw_norm", "scale"), layer + "post_feedforward_layernorm.weight",
-                      layers, (dim,), 0)]
-  if config.qk_norm:
-    entries += [Entry((*attention, "query_norm", "scale"), layer + "self_attn.q_norm.weight", layers, (head_dim,), 0),
-                Entry((*attention, "key_norm", "scale"), layer + "self_attn.k_norm.weight", layers, (head_dim,), 0)]
+  """Every parameter's Entry: the embedding, each layer stack's (decoders.stacks), the head."""
+  dim = config.base_emb_dim
+  entries = [Entry(("token_embedder", "embedding"), "model.embed_tokens.weight", (), (config.vocab_size, dim), 0),
+             Entry(("decoder", "decoder_norm", "scale"), "model.norm.weight", (), (dim,), 0)]
+  for stack in decoders.stacks(config):
+    entries += _stack_entries(config, stack)
   if not config.logits_via_embedding:
     entries.append(Entry(("logits_kernel",), "lm_head.weight", (), (dim, config.vocab_size), 1))
   return entries
 
 
-def _attention_entries(config, attention: tuple, layer: str, layers: tuple) -> list:
+def _stack_entries(config, stack) -> list:
+  """A layer stack's parameters, each [stack.depth, ...]: Hugging Face's layers stack.first on."""
+  dim, head_dim, family = config.base_emb_dim, config.head_dim, FAMILIES[config.decoder_block]
+  layers = (stack.depth,)
+
+  def entry(path, name, shape, in_axes, stacked=layers, **options):
+    return Entry(("decoder", stack.name, *path), "model.layers.{i}." + name, stacked, shape, in_axes,
+                 first=stack.first, **options)
+
+  entries = [*_attention_entries(config, entry),
+             entry(("pre_self_attention_norm", "scale"), "input_layernorm.weight", (dim,), 0),
+             entry(("post_self_attention_norm", "scale"), "post_attention_layernorm.weight", (dim,), 0)]
+  if stack.moe:
+    (router, gate, up, down), hidden = family.hf_expert_names, config.base_moe_mlp_dim
+    experts = layers + (config.num_experts,)
+    entries += [entry(("moe_block", "gate", "kernel"), router, (dim, config.num_experts), 1),
+                entry(("moe_block", "wi_0"), gate, (dim, hidden), 1, experts),
+                entry(("moe_block", "wi_1"), up, (dim, hidden), 1, experts),
+                entry(("moe_block", "wo"), down, (dim, hidden), 0, experts)]
+    if config.routed_bias:
+      entries.append(entry(("moe_block", "gate", "bias"), family.hf_router_bias, (config.num_experts,), 0))
+    if config.shared_experts:
+      entries += _mlp_entries(entry, ("moe_block", "shared_experts"), family.hf_shared_experts, dim,
+                              config.shared_experts * hidden)
+  else:
+    entries += _mlp_entries(entry, ("mlp",), "mlp.", dim, config.base_mlp_dim)
+  if config.sandwich_norms:
+    entries += [entry(("pre_ffw_norm", "scale"), "pre_feedforward_layernorm.weight", (dim,), 0),
+                entry(("post_ffw_norm", "scale"), "post_feedforward_layernorm.weight", (dim,), 0)]
+  if config.qk_norm:
+    entries += [entry(("self_attention", "query_norm", "scale"), "self_attn.q_norm.weight", (head_dim,), 0),
+                entry(("self_attention", "key_norm", "scale"), "self_attn.k_norm.weight", (head_dim,), 0)]
+  return entries
+
+
+def _mlp_entries(entry, path: tuple, prefix: str, dim: int, width: int) -> list:
+  """A SwiGLU MLP's (linears.MlpBlock) three kernels, Hugging Face's gate, up and down projections."""
+  return [entry((*path, "wi_0", "kernel"), prefix + "gate_proj.weight", (dim, width), 1),
+          entry((*path, "wi_1", "kernel"), prefix + "up_proj.weight", (dim, width), 1),
+          entry((*path, "wo", "kernel"), prefix + "down_proj.weight", (dim, width), 0)]
+
+
+def _attention_entries(config, entry) -> list:
   """The attention's projections: q, k, v and out (attention_type=global) or MLA's (DeepSeek's
   names), whose queries' and shared key's RoPE features Hugging Face keeps interleaved."""
   dim, heads, kv_heads, head_dim = (config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads,
                                     config.head_dim)
-  attn = layer + "self_attn."
+  attention = lambda *path: ("self_attention", *path)
   if config.attention_type == "global":
-    return [Entry((*attention, "query", "kernel"), attn + "q_proj.weight", layers, (dim, heads, head_dim), 1),
-            Entry((*attention, "key", "kernel"), attn + "k_proj.weight", layers, (dim, kv_heads, head_dim), 1),
-            Entry((*attention, "value", "kernel"), attn + "v_proj.weight", layers, (dim, kv_heads, head_dim), 1),
-            Entry((*attention, "out", "kernel"), attn + "o_proj.weight", layers, (heads, head_dim, dim), 2)]
+    return [entry(attention("query", "kernel"), "self_attn.q_proj.weight", (dim, heads, head_dim), 1),
+            entry(attention("key", "kernel"), "self_attn.k_proj.weight", (dim, kv_heads, head_dim), 1),
+            entry(attention("value", "kernel"), "self_attn.v_proj.weight", (dim, kv_heads, head_dim), 1),
+            entry(attention("out", "kernel"), "self_attn.o_proj.weight", (heads, head_dim, dim), 2)]
   rope, latent, rank = config.qk_rope_head_dim, config.kv_lora_rank, config.q_lora_rank
   qk = config.qk_nope_head_dim + rope
-  query = ([Entry((*attention, "wq_a", "kernel"), attn + "q_a_proj.weight", layers, (dim, rank), 1),
-            Entry((*attention, "q_norm", "scale"), attn + "q_a_layernorm.weight", layers, (rank,), 0),
-            Entry((*attention, "wq_b", "kernel"), attn + "q_b_proj.weight", layers, (rank, heads, qk), 1,
-                  interleaved=rope)] if rank else
-           [Entry((*attention, "query", "kernel"), attn + "q_proj.weight", layers, (dim, heads, qk), 1,
-                  interleaved=rope)])
+  query = ([entry(attention("wq_a", "kernel"), "self_attn.q_a_proj.weight", (dim, rank), 1),
+            entry(attention("q_norm", "scale"), "self_attn.q_a_layernorm.weight", (rank,), 0),
+            entry(attention("wq_b", "kernel"), "self_attn.q_b_proj.weight", (rank, heads, qk), 1, interleaved=rope)]
+           if rank else
+           [entry(attention("query", "kernel"), "self_attn.q_proj.weight", (dim, heads, qk), 1, interleaved=rope)])
   return [*query,
-          Entry((*attention, "wkv_a", "kernel"), attn + "kv_a_proj_with_mqa.weight", layers, (dim, latent + rope), 1,
+          entry(attention("wkv_a", "kernel"), "self_attn.kv_a_proj_with_mqa.weight", (dim, latent + rope), 1,
                 interleaved=rope),
-          Entry((*attention, "kv_norm", "scale"), attn + "kv_a_layernorm.weight", layers, (latent,), 0),
-          Entry((*attention, "wkv_b", "kernel"), attn + "kv_b_proj.weight", layers,
+          entry(attention("kv_norm", "scale"), "self_attn.kv_a_layernorm.weight", (latent,), 0),
+          entry(attention("wkv_b", "kernel"), "self_attn.kv_b_proj.weight",
                 (latent, heads, config.qk_nope_head_dim + config.v_head_dim), 1),
-          Entry((*attention, "out", "kernel"), attn + "o_proj.weight", layers, (heads, config.v_head_dim, dim), 2)]
+          entry(attention("out", "kernel"), "self_attn.o_proj.weight", (heads, config.v_head_dim, dim), 2)]
 
 
 def hf_names(config, entry) -> list:
@@ -337,6 +386,10 @@ def hf_config(config, dtype: str) -> dict:
     rope.update(rope_type="llama3", factor=config.rope_scaling_factor, low_freq_factor=config.rope_low_freq_factor,
                 high_freq_factor=config.rope_high_freq_factor,
                 original_max_position_embeddings=config.rope_original_max_position)
+  if config.rope_type == "yarn":
+    rope.update(rope_type="yarn", factor=config.rope_scaling_factor,
+                original_max_position_embeddings=config.rope_original_max_position,
+                **{key: getattr(config, key) or None for key in _YARN_ROPE_KEYS})
   if config.rope_linear_scaling_factor != 1:
     rope.update(rope_type="linear", factor=config.rope_linear_scaling_factor)
   family = FAMILIES[config.decoder_block]
@@ -356,29 +409,52 @@ def hf_config(config, dtype: str) -> dict:
           **({"rope_local_base_freq": local_base} if family.hf_rope_by_layer_type else {}),
           # dtype for transformers 5, torch_dtype for 4
           "attention_bias": False, "torch_dtype": dtype, "dtype": dtype,
-          "query_pre_attn_scalar": config.query_pre_attn_scalar or config.head_dim,
+          "query_pre_attn_scalar": query_scalar(config),
           "attn_logit_softcapping": config.attn_logits_soft_cap or None,
           "final_logit_softcapping": config.final_logits_soft_cap or None,
           "sliding_window": config.sliding_window_size or None, "layer_types": layer_types(config),
           "sliding_window_pattern": config.sliding_window_pattern,
+          **(_mla_config(config) if config.attention_type == "mla" else {}),
           **(_moe_config(config) if config.moe else {})}
 
 
+def _mla_config(config) -> dict:
+  """config.json's latent-attention keys; transformers' head_dim is the RoPE width."""
+  return {"q_lora_rank": config.q_lora_rank or None, "kv_lora_rank": config.kv_lora_rank,
+          "qk_nope_head_dim": config.qk_nope_head_dim, "qk_rope_head_dim": config.qk_rope_head_dim,
+          "v_head_dim": config.v_head_dim, "head_dim": config.qk_rope_head_dim, "rope_interleave": True}
+
+
 def _moe_config(config) -> dict:
-  """config.json's mixture-of-experts keys; every layer routed."""
-  return {FAMILIES[config.decoder_block].hf_num_experts_key: config.num_experts,
-          "num_experts_per_tok": config.num_experts_per_tok,
+  """config.json's mixture-of-experts keys, Qwen3-MoE's and Mixtral's (every layer routed) and
+  DeepSeek's (its routing)."""
+  family = FAMILIES[config.decoder_block]
+  deepseek = {"n_shared_experts": config.shared_experts, "first_k_dense_replace": config.first_num_dense_layers,
+              "n_group": max(config.n_routing_groups, 1), "topk_group": max(config.topk_routing_group, 1),
+              "routed_scaling_factor": config.routed_scaling_factor}
+  return {family.hf_num_experts_key: config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
           "moe_intermediate_size": config.base_moe_mlp_dim, "norm_topk_prob": config.norm_topk_prob,
-          "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": config.load_balance_loss_weight}
+          "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": config.load_balance_loss_weight,
+          **(deepseek if family.hf_shared_experts else {})}
 
 
 def check_exportable(config) -> None:
   """A config Hugging Face's class for its family cannot express is refused before anything is written."""
   family = FAMILIES[config.decoder_block]
-  # No family here has MLA or YaRN in its Hugging Face class (_MLA_KEYS, _YARN_ROPE_KEYS).
-  for key, value in (("attention_type", "mla"), ("rope_type", "yarn")):
-    if getattr(config, key) == value:
-      raise errors.ConfigError(f"{key}={value!r}: no family's Hugging Face export writes it")
+  if config.attention_type != family.hf_attention_type:
+    raise errors.ConfigError(f"attention_type={config.attention_type!r}: {family.hf_architecture} has "
+                             f"{family.hf_attention_type!r} attention")
+  if config.moe:
+    # The class's routing: its score function and bias, and groups, scaling, shared experts and
+    # dense first layers only where it has shared experts (DeepSeek's).
+    routing = {"routed_score_func": "softmax", "routed_bias": False, **dict(family.hf_routing)}
+    if not family.hf_shared_experts:
+      routing.update(n_routing_groups=config.n_routing_groups if config.n_routing_groups <= 0 else -1,
+                     topk_routing_group=config.topk_routing_group if config.topk_routing_group <= 0 else -1,
+                     routed_scaling_factor=1.0, shared_experts=0, first_num_dense_layers=0)
+    for key, want in routing.items():
+      if getattr(config, key) != want:
+        raise errors.ConfigError(f"{key}={getattr(config, key)!r}: {family.hf_architecture} routes with {key}={want!r}")
   if config.rope_linear_scaling_factor != 1 and config.rope_type != "default":
     raise errors.ConfigError(f"rope_linear_scaling_factor={config.rope_linear_scaling_factor}: config.json holds "
                              f"one RoPE scaling, and rope_type={config.rope_type!r} is another")
@@ -459,6 +535,14 @@ def read_tensor(tensors: dict, name: str) -> np.ndarray:
     return handle.get_tensor(tensors[name][3])
 
 
+def _after_last_layer(config, name: str) -> bool:
+  """A tensor of a layer after the last where the family's checkpoints keep their multi-token
+  prediction block there (DeepSeek's), which this project does not train: not imported."""
+  layer = re.match(r"model\.layers\.(\d+)\.", name)
+  return FAMILIES[config.decoder_block].hf_layers_after_last and bool(layer) and int(layer[1]) >= (
+      config.base_num_decoder_layers)
+
+
 def check_tensors(config, tensors: dict, hf_path: str) -> None:
   """Every tensor the config's model needs is there with its shape, and nothing else is."""
   wanted = {}
@@ -474,7 +558,8 @@ def check_tensors(config, tensors: dict, hf_path: str) -> None:
       raise errors.ConfigError(f"hf_model_path={hf_path!r}: tensor {name} is {tensors[name][2]}, expected one of "
                                f"{', '.join(DTYPES)}")
   tied_head = {"lm_head.weight"} if config.logits_via_embedding else set()
-  extra = [n for n in tensors if n not in wanted and n not in tied_head and not n.endswith(IGNORED_SUFFIXES)]
+  extra = [n for n in tensors if n not in wanted and n not in tied_head and not n.endswith(IGNORED_SUFFIXES)
+           and not _after_last_layer(config, n)]
   if extra:
     architecture = FAMILIES[config.decoder_block].hf_architecture
     raise errors.ConfigError(f"hf_model_path={hf_path!r}: tensor {extra[0]} is not part of a {architecture} of this "

@@ -65,6 +65,19 @@ MODELS = {
     "qwen3_moe_tied": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
         tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
         norm_topk_prob=False)),
+    # DeepSeek-V3 with every feature made to bite: latent attention with low-rank queries, values
+    # narrower than queries and keys, 8 RoPE features (whose interleaved order is not its own
+    # inverse), YaRN over a short original context; a dense first layer, then
+    # 8 experts in 4 groups of which each token's 2 come from the best 2, a shared expert, the
+    # weights renormalised and scaled, and a correction bias that changes the choice.
+    "deepseek3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(
+        num_hidden_layers=4, num_key_value_heads=4, head_dim=8, first_k_dense_replace=1, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=24, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6,
+        # Its default end-of-sequence token is 1, which generate's min_new_tokens would suppress.
+        eos_token_id=95, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
         tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)),
     "mixtral_tied": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
@@ -87,6 +100,10 @@ def main():
           param.uniform_(0.5, 1.5)
         elif param_name.endswith("mlp.gate.weight"):  # a decisive router: no near-ties among the top k
           param.normal_(0, 1.0)
+      for buffer_name, buffer in model.named_buffers():
+        # Positive, as transformers zeroes the masked groups' scores rather than excluding them.
+        if buffer_name.endswith("e_score_correction_bias"):
+          buffer.uniform_(0.0, 0.5)
     model.save_pretrained(os.path.join(here, name), safe_serialization=True)
     with torch.no_grad():
       logits = model(torch.as_tensor(tokens)).logits.numpy()
