@@ -9,7 +9,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 import pytest
 from conftest import (
@@ -87,7 +86,7 @@ def test_routed_and_shared_experts_equal_every_expert_routed_in_numpy():
   assert_trees_close(got, want, RTOL, "routed")
   # The router's statistics are those of the biased choice; the balancing loss takes the scores
   # normalised per token.
-  _, state = block.apply({"params": params}, x, mutable="intermediates")
+  _, state = jax.jit(functools.partial(block.apply, mutable="intermediates"))({"params": params}, x)
   sown = {name: np.asarray(value[0]) for name, value in state["intermediates"].items()}
   load = np.bincount(experts.ravel(), minlength=cfg.num_experts)
   scores = 1 / (1 + np.exp(-logits.reshape(-1, cfg.num_experts)))
@@ -167,7 +166,6 @@ def test_the_optimizer_neither_applies_a_gradient_to_the_bias_nor_decays_it():
   updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
   gate = updates["decoder"]["layers"]["moe_block"]["gate"]
   assert np.all(np.asarray(gate["bias"]) == 0) and np.all(np.asarray(gate["kernel"]) != 0)
-  assert optax.tree.norm(gate["kernel"]) > 0
 
 
 # 2 dense layers and a MoE layer, scanned in blocks of 2: the dense stack is one block, the MoE stack
