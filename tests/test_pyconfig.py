@@ -44,6 +44,7 @@ def test_every_model_config_resolves_and_its_model_traces(name):
   file describes (traced abstractly: nothing is allocated)."""
   import jax
 
+  from MaxText.layers import decoders
   from MaxText.layers.models import Transformer
   cfg = pyconfig.initialize([BASE_YML, f"model_name={name}", "dataset_type=synthetic"], num_devices=1)
   def init():
@@ -51,17 +52,23 @@ def test_every_model_config_resolves_and_its_model_traces(name):
     return Transformer(cfg).init(jax.random.key(0), tokens, tokens, tokens)["params"]
 
   params = jax.eval_shape(init)
-  layers = params["decoder"]["layers"]
-  if cfg.moe:
-    assert layers["moe_block"]["wi_0"].value.shape == (cfg.base_num_decoder_layers, cfg.num_experts, cfg.base_emb_dim,
-                                                       cfg.base_moe_mlp_dim)
-    assert layers["moe_block"]["gate"]["kernel"].value.shape[1:] == (cfg.base_emb_dim, cfg.num_experts)
-  else:
-    assert layers["mlp"]["wi_0"]["kernel"].value.shape == (cfg.base_num_decoder_layers, cfg.base_emb_dim,
-                                                           cfg.base_mlp_dim)
-  assert layers["self_attention"]["key"]["kernel"].value.shape[2:] == (cfg.base_num_kv_heads, cfg.head_dim)
-  assert ("query_norm" in layers["self_attention"]) == (cfg.decoder_block in ("qwen3", "qwen3_moe", "gemma3"))
-  assert ("post_ffw_norm" in layers) == (cfg.decoder_block in ("gemma2", "gemma3"))
+  for stack in decoders.stacks(cfg):
+    layers = params["decoder"][stack.name]
+    if stack.moe:
+      assert layers["moe_block"]["wi_0"].value.shape == (stack.depth, cfg.num_experts, cfg.base_emb_dim,
+                                                         cfg.base_moe_mlp_dim)
+      assert layers["moe_block"]["gate"]["kernel"].value.shape[1:] == (cfg.base_emb_dim, cfg.num_experts)
+    else:
+      assert layers["mlp"]["wi_0"]["kernel"].value.shape == (stack.depth, cfg.base_emb_dim, cfg.base_mlp_dim)
+    attention = layers["self_attention"]
+    if cfg.attention_type == "mla":
+      assert attention["wkv_b"]["kernel"].value.shape[1:] == (cfg.kv_lora_rank, cfg.base_num_query_heads,
+                                                              cfg.qk_nope_head_dim + cfg.v_head_dim)
+    else:
+      assert attention["key"]["kernel"].value.shape[2:] == (cfg.base_num_kv_heads, cfg.head_dim)
+    assert ("query_norm" in attention) == (cfg.decoder_block in ("qwen3", "qwen3_moe", "gemma3"))
+    assert ("post_ffw_norm" in layers) == (cfg.decoder_block in ("gemma2", "gemma3"))
+  assert sum(stack.depth for stack in decoders.stacks(cfg)) == cfg.base_num_decoder_layers
   assert ("logits_kernel" in params) == (not cfg.logits_via_embedding)
 
 
