@@ -148,6 +148,7 @@ def main():
   if args.case:
     measure_case(args.case, args.batches, args.warmup)
     return
+  load = [os.getloadavg()[1]]  # others' work on the machine slows every row alike
   with tempfile.TemporaryDirectory() as tmp:
     workdir = args.workdir or tmp
     os.makedirs(workdir, exist_ok=True)
@@ -162,6 +163,7 @@ def main():
     step_cfg = common.config("dataset_type=synthetic", "enable_checkpointing=false", f"base_output_directory={tmp}")
     step = common.measure({"default": step_cfg}, args.warmup, 10)["default"]["step_seconds"]
     trained = train_on_mixture(shards, tmp)
+  load.append(os.getloadavg()[1])
   seconds = {w: r["seconds"] for w, r in runs.items()}
   rows, length = step_cfg.global_batch_size_to_train_on, step_cfg.max_target_length
   table = [[w, f"{rows / s:,.0f}", f"{rows * length / s:,.0f}", f"{s * 1e3:.2f} ms", f"{step / s:,.1f}x"]
@@ -175,6 +177,8 @@ def main():
   shares = [[name, f"{w}/{total} = {w / total:.4f}", f"{trained['metrics'][name]:.4f}",
              f"{trained['counted'][name]:.4f}"] for name, w in TRAIN_WEIGHTS.items()]
   markdown = (f"{args.note}\n\n" * bool(args.note) +
+              f"Load average (5 min) of the {os.cpu_count()}-core machine: {load[0]:.1f} at the start, {load[1]:.1f} "
+              "at the end.\n\n"
               f"default model: {rows} rows x {length} tokens per step, train step {step * 1e3:.1f} ms (median)\n\n"
               f"Corpora generated and prepared by this script (tokenizer_type=byte, prepare_workers=1, the "
               f"preparation's own rate and time): {sizes}.\n\n"
@@ -205,7 +209,7 @@ def main():
                   {"batch_seconds": seconds, "mixture_batch_seconds": {len(MIXTURE_WEIGHTS): mixed["seconds"]},
                    "step_seconds": step, "rows_per_batch": rows, "tokens_per_row": length,
                    "peak_rss_mib": {n: r["peak_rss_mib"] for n, r in by_sources.items()},
-                   "workers": runs, "preparation": preparation, "mixture_training": trained},
+                   "workers": runs, "preparation": preparation, "mixture_training": trained, "load_average": load},
                   figure)
 
 
