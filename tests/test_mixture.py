@@ -324,26 +324,37 @@ def test_new_weights_at_a_resume_are_logged_with_the_old_ones(corpora, tmp_path,
   assert f"trained on grain_train_files={old!r} and resumes with {new!r}, a new phase" in caplog.text
 
 
+def logged_run(make_config, tmp_path, name, steps, *overrides):
+  """(config, {step: its logged metrics but timings}) of a run of `steps` steps, saving every 2."""
+  config = make_config(f"base_output_directory={tmp_path}", f"run_name={name}", f"steps={steps}",
+                       "enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false",
+                       "learning_rate_schedule_steps=4", f"metrics_file={tmp_path / name}.jsonl", *overrides)
+  train.train(config)
+  records = map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())
+  return config, {r["step"]: {k: v for k, v in r.items() if not k.startswith("perf/")} for r in records}
+
+
 @pytest.mark.slow
 def test_a_mixture_run_cut_and_resumed_logs_what_the_uninterrupted_one_does(corpora, tmp_path):
   """Losses, per-source eval and data metrics of a run stopped at step 2 and resumed to 4 are
   those of the 4-step run, and data/* are the fractions and epochs of the rows drawn so far."""
   evals = ";".join(f"{corpora[name]}/eval-*,{w}" for name, w in zip(CORPORA, WEIGHTS))
-
-  def run(name, steps):
-    config = grain_config(corpora, f"base_output_directory={tmp_path}", f"run_name={name}", f"steps={steps}",
-                          "enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false",
-                          "learning_rate_schedule_steps=4", f"metrics_file={tmp_path / name}.jsonl",
-                          "eval_interval=2", "eval_steps=1", f"grain_eval_files={evals}")
-    train.train(config)
-    return config, {r["step"]: r for r in map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())}
-
+  run = lambda name, steps: logged_run(lambda *o: grain_config(corpora, *o), tmp_path, name, steps, "eval_interval=2",
+                                       "eval_steps=1", f"grain_eval_files={evals}")
   config, whole = run("whole", 4)
   run("cut", 2)
-  _, resumed = run("cut", 4)
-  timing = lambda record: {k: v for k, v in record.items() if not k.startswith("perf/")}
-  assert {s: timing(r) for s, r in resumed.items()} == {s: timing(r) for s, r in whole.items()}
+  assert run("cut", 4)[1] == whole
   _, drawn, sizes = reference_rows(config, corpora, 4 * config.global_batch_size_to_train_on)
   for name, d, size in zip(CORPORA, drawn, sizes):
     assert whole[4][f"data/fraction/{name}"] == d / sum(drawn) and whole[4][f"data/epochs/{name}"] == d / size
     assert np.isfinite(whole[4][f"eval/{name}/loss"])
+
+
+def test_a_parquet_mixture_run_cut_and_resumed_logs_what_the_uninterrupted_one_does(parquets, tmp_path):
+  """Its checkpoint's `data` item holds every source's stream position: the resumed run's losses
+  and data/fraction are the uninterrupted run's."""
+  run = lambda name, steps: logged_run(lambda *o: parquet_config(mixture_of(parquets, "*.parquet"), *o), tmp_path,
+                                       name, steps)
+  _, whole = run("whole", 4)
+  run("cut", 2)
+  assert run("cut", 4)[1] == whole
