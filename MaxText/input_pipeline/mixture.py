@@ -38,7 +38,7 @@ def source_seed(seed: int, index: int) -> int:
 
 
 class Source(NamedTuple):
-  pattern: str  # a glob of one prepared corpus's shards
+  pattern: str  # a glob of one prepared corpus's shards, or of parquet files
   weight: Fraction  # exact, as written: 0.3 is 3/10
 
 
@@ -156,11 +156,10 @@ class Mixture:
     if all(isinstance(rows, grain.MapDataset) for rows in sources):
       self.sizes, self.processes = [len(rows) for rows in sources], 1
       sources = [rows.shuffle(seed=source_seed(seed, i)).repeat() for i, rows in enumerate(sources)]
-      mixed = lambda: grain.MapDataset.select_from_datasets(sources, self.interleave)
+      self.rows = sources[0] if len(sources) == 1 else grain.MapDataset.select_from_datasets(sources, self.interleave)
     else:
       self.sizes, self.processes = None, jax.process_count()
-      mixed = lambda: Streams(sources, self.interleave)
-    self.rows = sources[0] if len(sources) == 1 else mixed()
+      self.rows = sources[0] if len(sources) == 1 else Streams(sources, self.interleave)
 
   def progress(self, rows: int) -> dict:
     """data/fraction/<source> and, where the sources' sizes are known, data/epochs/<source> once
