@@ -492,9 +492,9 @@ class Grain:
   grain_train_files: str = key(
       "", "glob of train files, e.g. DIR/train-*.arrayrecord (manifest.json beside them), or a weighted mixture "
           "GLOB,WEIGHT;GLOB,WEIGHT",
-      doc="A mixture (prepared corpora with one tokenizer) draws each corpus's share of every prefix of the rows, "
-          "each corpus reshuffled per epoch; metrics data/fraction/SOURCE and data/epochs/SOURCE, SOURCE "
-          "being its directory's name. See docs/guides/data.md.")
+      doc="A mixture (prepared corpora with one tokenizer, or parquet globs) draws each source's share of every "
+          "prefix of the rows, each source reshuffled per epoch; metrics data/fraction/SOURCE and (prepared "
+          "corpora) data/epochs/SOURCE, SOURCE being its directory's name. See docs/guides/data.md.")
   grain_eval_files: str = key("", "glob of eval files, e.g. DIR/eval-*.arrayrecord, or GLOB,WEIGHT;GLOB,WEIGHT "
                                   "(eval/SOURCE/loss each, eval/loss their weighted mean); needed when "
                                   "eval_interval > 0")

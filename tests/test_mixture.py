@@ -1,4 +1,4 @@
-"""Weighted mixtures of prepared corpora: which rows, resumed at any step, their metrics, bad input."""
+"""Weighted mixtures of prepared corpora and of parquet globs: which rows, resumed, their metrics, bad input."""
 
 import json
 import logging
@@ -44,12 +44,12 @@ def corpora(tmp_path_factory):
   return {name: prepare(tmp, name, letters, count) for name, (letters, count) in CORPORA.items()}
 
 
-def mixture_of(corpora, split, weights=WEIGHTS):
-  return ";".join(f"{corpora[name]}/{split}-*,{weight}" for name, weight in zip(CORPORA, weights))
+def mixture_of(corpora, files, weights=WEIGHTS):
+  return ";".join(f"{corpora[name]}/{files},{weight}" for name, weight in zip(CORPORA, weights))
 
 
 def grain_config(corpora, *overrides):
-  return tiny_config("dataset_type=grain", f"grain_train_files={mixture_of(corpora, 'train')}", "vocab_size=320",
+  return tiny_config("dataset_type=grain", f"grain_train_files={mixture_of(corpora, 'train-*')}", "vocab_size=320",
                      "grain_worker_count=0", *overrides)
 
 
@@ -222,27 +222,101 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("bad", BAD)
-def test_a_bad_mixture_is_one_line_naming_its_source_and_writes_nothing(corpora, bad_corpora, tmp_path, bad):
-  paths = {**corpora, **bad_corpora}
-  value, message = (f(paths) for f in BAD[bad])
+def assert_refused_with_one_line_writing_nothing(value, message, tmp_path, *overrides):
   with pytest.raises(ConfigError, match=".*".join(map(re.escape, message.split("…")))) as raised:
     run_command("train", *TINY, "dataset_type=grain", f"grain_train_files={value}", "vocab_size=320",
-                f"base_output_directory={tmp_path}", "run_name=bad")
+                f"base_output_directory={tmp_path}", "run_name=bad", *overrides)
   assert "\n" not in str(raised.value)
   assert not list(tmp_path.iterdir())
 
 
-def test_parquet_takes_one_glob_not_a_mixture(corpora):
-  config = tiny_config("dataset_type=grain", "grain_file_type=parquet", "tokenizer_type=byte", "vocab_size=320",
-                       f"grain_train_files={mixture_of(corpora, 'train')}")
-  with pytest.raises(ConfigError, match="grain_file_type='parquet' reads one glob"):
-    input_pipeline.load(config)
+@pytest.mark.parametrize("bad", BAD)
+def test_a_bad_mixture_is_one_line_naming_its_source_and_writes_nothing(corpora, bad_corpora, tmp_path, bad):
+  paths = {**corpora, **bad_corpora}
+  assert_refused_with_one_line_writing_nothing(*(f(paths) for f in BAD[bad]), tmp_path)
+
+
+def write_parquet(directory, letters, count, seed, files=2):
+  """`count` documents of `letters` (as write_documents), split over `files` parquet files."""
+  import pyarrow
+  import pyarrow.parquet
+  directory.mkdir(parents=True)
+  rng = np.random.default_rng(seed)
+  texts = ["".join(rng.choice(list(letters), rng.integers(1, 60))) for _ in range(count)]
+  for f in range(files):
+    pyarrow.parquet.write_table(pyarrow.table({"text": texts[f::files]}), directory / f"{f}.parquet")
+  return directory
+
+
+def texts_of(directory):
+  import pyarrow.parquet
+  return [t for path in sorted(directory.glob("*.parquet"))
+          for t in pyarrow.parquet.read_table(path)["text"].to_pylist()]
+
+
+@pytest.fixture(scope="module")
+def parquets(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("parquet")
+  return {name: write_parquet(tmp / name, letters, count, seed=count) for name, (letters, count) in CORPORA.items()}
+
+
+def parquet_config(train_files, *overrides):
+  return tiny_config("dataset_type=grain", "grain_file_type=parquet", "tokenizer_type=byte", "vocab_size=320",
+                     "grain_worker_count=0", f"grain_train_files={train_files}", *overrides)
+
+
+def test_parquet_sources_stream_in_the_weights_shares_each_as_it_streams_alone(parquets):
+  config = parquet_config(mixture_of(parquets, "*.parquet"))
+  data = input_pipeline.load(config)
+  rows = 400
+  got = [row for _, row in zip(range(rows), data.train)]
+  order = [list(CORPORA)[s] for s in reference_sources(WEIGHTS, rows)]
+  assert [corpus_of(row) for row in got] == order
+  for name, weight in zip(CORPORA, WEIGHTS):
+    assert abs(order.count(name) / rows - float(weight)) < 0.02
+  for i, name in enumerate(CORPORA):  # each source's rows are its stream's, seeded as a prepared corpus is
+    alone = input_pipeline.load(parquet_config(f"{parquets[name]}/*.parquet",
+                                               f"data_shuffle_seed={config.data_shuffle_seed + i * 2**20}"))
+    mine = [row for row, source in zip(got, order) if source == name]
+    for a, b in zip(mine, alone.train):
+      jax.tree.map(np.testing.assert_array_equal, a, b)
+    # each source ran out and was repeated at least twice (its documents and EODs over the rows' tokens)
+    assert len(mine) * config.max_target_length > 2 * sum(len(d) + 1 for d in texts_of(parquets[name]))
+  assert data.progress(rows) == {f"data/fraction/{name}": order.count(name) / rows for name in CORPORA}
+
+
+def test_a_parquet_mixture_cut_and_restored_from_its_saved_state_draws_the_uninterrupted_rows(parquets):
+  config = parquet_config(mixture_of(parquets, "*.parquet"))
+  iterator = input_pipeline.create_train_iterator(config, input_pipeline.load(config))
+  whole = [next(iterator) for _ in range(6)]
+  cut = input_pipeline.create_train_iterator(config, input_pipeline.load(config))
+  for _ in range(4):
+    next(cut)
+  saved = json.dumps(cut.get_state())  # as the checkpoint's `data` item holds it
+  resumed = input_pipeline.create_train_iterator(config, input_pipeline.load(config))
+  resumed.set_state(json.loads(saved))
+  for want in whole[4:]:
+    jax.tree.map(np.testing.assert_array_equal, next(resumed), want)
+
+
+# What each bad parquet value of grain_train_files is, and the line it gives.
+BAD_PARQUET = {
+    "a glob matching nothing": (lambda p: f"{p['alpha']}/*.parquet,1;{p['beta']}/nothing-*.parquet,1",
+                                lambda p: f"grain_train_files='{p['beta']}/nothing-*.parquet': no parquet file"),
+    "weight not a number": (lambda p: f"{p['alpha']}/*.parquet,1;{p['beta']}/*.parquet,x",
+                            lambda p: f"source '{p['beta']}/*.parquet' has weight 'x', not a positive number"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_PARQUET)
+def test_a_bad_parquet_mixture_is_one_line_naming_its_source_and_writes_nothing(parquets, tmp_path, bad):
+  assert_refused_with_one_line_writing_nothing(*(f(parquets) for f in BAD_PARQUET[bad]), tmp_path,
+                                               "grain_file_type=parquet", "tokenizer_type=byte")
 
 
 def test_new_weights_at_a_resume_are_logged_with_the_old_ones(corpora, tmp_path, caplog):
   (tmp_path / "default").mkdir()  # made by run_lock in a run
-  old, new = mixture_of(corpora, "train"), mixture_of(corpora, "train", ("0.2", "0.3", "0.5"))
+  old, new = mixture_of(corpora, "train-*"), mixture_of(corpora, "train-*", ("0.2", "0.3", "0.5"))
   run_control.record_run_files(grain_config(corpora, f"base_output_directory={tmp_path}"), None)
   with caplog.at_level(logging.WARNING):
     run_control.record_run_files(grain_config(corpora, f"base_output_directory={tmp_path}",
@@ -250,26 +324,37 @@ def test_new_weights_at_a_resume_are_logged_with_the_old_ones(corpora, tmp_path,
   assert f"trained on grain_train_files={old!r} and resumes with {new!r}, a new phase" in caplog.text
 
 
+def logged_run(make_config, tmp_path, name, steps, *overrides):
+  """(config, {step: its logged metrics but timings}) of a run of `steps` steps, saving every 2."""
+  config = make_config(f"base_output_directory={tmp_path}", f"run_name={name}", f"steps={steps}",
+                       "enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false",
+                       "learning_rate_schedule_steps=4", f"metrics_file={tmp_path / name}.jsonl", *overrides)
+  train.train(config)
+  records = map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())
+  return config, {r["step"]: {k: v for k, v in r.items() if not k.startswith("perf/")} for r in records}
+
+
 @pytest.mark.slow
 def test_a_mixture_run_cut_and_resumed_logs_what_the_uninterrupted_one_does(corpora, tmp_path):
   """Losses, per-source eval and data metrics of a run stopped at step 2 and resumed to 4 are
   those of the 4-step run, and data/* are the fractions and epochs of the rows drawn so far."""
   evals = ";".join(f"{corpora[name]}/eval-*,{w}" for name, w in zip(CORPORA, WEIGHTS))
-
-  def run(name, steps):
-    config = grain_config(corpora, f"base_output_directory={tmp_path}", f"run_name={name}", f"steps={steps}",
-                          "enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=false",
-                          "learning_rate_schedule_steps=4", f"metrics_file={tmp_path / name}.jsonl",
-                          "eval_interval=2", "eval_steps=1", f"grain_eval_files={evals}")
-    train.train(config)
-    return config, {r["step"]: r for r in map(json.loads, (tmp_path / f"{name}.jsonl").read_text().splitlines())}
-
+  run = lambda name, steps: logged_run(lambda *o: grain_config(corpora, *o), tmp_path, name, steps, "eval_interval=2",
+                                       "eval_steps=1", f"grain_eval_files={evals}")
   config, whole = run("whole", 4)
   run("cut", 2)
-  _, resumed = run("cut", 4)
-  timing = lambda record: {k: v for k, v in record.items() if not k.startswith("perf/")}
-  assert {s: timing(r) for s, r in resumed.items()} == {s: timing(r) for s, r in whole.items()}
+  assert run("cut", 4)[1] == whole
   _, drawn, sizes = reference_rows(config, corpora, 4 * config.global_batch_size_to_train_on)
   for name, d, size in zip(CORPORA, drawn, sizes):
     assert whole[4][f"data/fraction/{name}"] == d / sum(drawn) and whole[4][f"data/epochs/{name}"] == d / size
     assert np.isfinite(whole[4][f"eval/{name}/loss"])
+
+
+def test_a_parquet_mixture_run_cut_and_resumed_logs_what_the_uninterrupted_one_does(parquets, tmp_path):
+  """Its checkpoint's `data` item holds every source's stream position: the resumed run's losses
+  and data/fraction are the uninterrupted run's."""
+  run = lambda name, steps: logged_run(lambda *o: parquet_config(mixture_of(parquets, "*.parquet"), *o), tmp_path,
+                                       name, steps)
+  _, whole = run("whole", 4)
+  run("cut", 2)
+  assert run("cut", 4)[1] == whole

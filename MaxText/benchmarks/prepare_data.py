@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -25,16 +26,23 @@ from MaxText.input_pipeline import corpus, tokenizer
 _FILE_BYTES = 64 << 20
 
 
-def write_corpus(directory: str, size: int, plays: str) -> None:
-  os.makedirs(directory)
+def play_slices(plays: str):
+  """Documents cut at random from the plays, 200 to 8,000 characters each."""
   rng = np.random.default_rng(0)
+  while True:
+    start, length = int(rng.integers(0, len(plays) - 8000)), int(rng.integers(200, 8000))
+    yield plays[start:start + length]
+
+
+def write_corpus(directory: str, size: int, documents: Iterator[str]) -> None:
+  """`size` bytes of .jsonl records of `documents`, in files of 64 MiB."""
+  os.makedirs(directory)
   written, index = 0, 0
   while written < size:
     with open(os.path.join(directory, f"part-{index:05d}.jsonl"), "w") as f:
       in_file = 0
       while in_file < min(_FILE_BYTES, size - written):
-        start, length = int(rng.integers(0, len(plays) - 8000)), int(rng.integers(200, 8000))
-        line = json.dumps({"text": plays[start:start + length]}) + "\n"
+        line = json.dumps({"text": next(documents)}) + "\n"
         f.write(line)
         in_file += len(line)
     written += in_file
@@ -57,7 +65,7 @@ def main():
     source, out = os.path.join(args.workdir, "corpus"), os.path.join(args.workdir, "shards")
     shutil.rmtree(source, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)
-    write_corpus(source, int(size_gb * 1e9), plays)
+    write_corpus(source, int(size_gb * 1e9), play_slices(plays))
     subprocess.run([sys.executable, "-m", "MaxText.prepare_data", common.BASE_YML, f"dataset_path={source}",
                     f"tokenizer_path={tokenizer_path}", f"output_path={out}"], check=True)
     with open(os.path.join(out, "manifest.json")) as f:

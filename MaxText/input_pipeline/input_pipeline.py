@@ -9,7 +9,8 @@ Every row is a dict of [max_target_length] int32 arrays, MaxText's names:
   (the loss mask: 0 where the target must not be scored).
 Datasets are grain MapDatasets with random access (all but streamed parquet), so a restored
 run starts at its step with exactly the batches it would have seen, on any number of hosts;
-prepared shards may be a weighted mixture of corpora (mixture.py), which keeps that.
+prepared shards may be a weighted mixture of corpora (mixture.py), which keeps that. Parquet
+globs may be mixed too; they resume from the iterator state the checkpoint saves.
 
 Text is tokenized into a stream `doc EOD doc EOD ...` (dataset_type=text: in memory, cached as
 .npy; grain: by prepare_data, read from ArrayRecord shards by token_shards.TokenStream), and
@@ -179,12 +180,34 @@ def _shards(config, key: str, pattern: str):
   return stream, tokenizer
 
 
-def _parquet_rows(config, key: str, tokenizer: Tokenizer, shuffle: bool) -> grain.IterDataset:
-  """This process's rows of the parquet files named by config key `key` (every P-th file),
-  tokenized on the fly and cut into windows of L + 1 tokens by grain's concat-then-split:
+class _JsonRestorable(grain.IterDataset):
+  """grain's concat-then-split with its state read back from a checkpoint's JSON. It marks "no
+  part of a document left over" by slices (-1, -1), which JSON turns into lists it takes for a
+  leftover part: the restored stream would skip a document. Its slices go back as tuples."""
+
+  def __iter__(self):
+    return _JsonRestorableIterator(iter(self._parent))
+
+
+class _JsonRestorableIterator(grain.DatasetIterator):
+
+  def __next__(self):
+    return next(self._parent)
+
+  def get_state(self) -> dict:
+    return self._parent.get_state()
+
+  def set_state(self, state: dict) -> None:
+    slices = {key: tuple(s) for key, s in state["remainder_slices"].items()}
+    self._parent.set_state({**state, "remainder_slices": slices})
+
+
+def _parquet_rows(config, key: str, pattern: str, tokenizer: Tokenizer, seed: int | None) -> grain.IterDataset:
+  """This process's rows of the parquet files matching `pattern`, a source of config key `key`
+  (every P-th file), tokenized on the fly and cut into windows of L + 1 tokens by grain's
+  concat-then-split: files shuffled with `seed` (None: in order), reshuffled every epoch;
   resumable from grain's iterator state, but, unlike the shards' rows, only on as many hosts."""
   import pyarrow.parquet  # noqa: PLC0415 (only parquet needs it)
-  pattern = getattr(config, key)
   files = sorted(glob.glob(pattern))[jax.process_index()::jax.process_count()]
   if not files:
     raise ConfigError(f"{key}={pattern!r}: no parquet file for process {jax.process_index()} of "
@@ -204,19 +227,20 @@ def _parquet_rows(config, key: str, tokenizer: Tokenizer, shuffle: bool) -> grai
     return {"tokens": np.asarray([*ids, eod], np.int32)}
 
   paths = grain.MapDataset.source(files)
-  paths = paths.shuffle(seed=config.data_shuffle_seed) if shuffle else paths
+  paths = paths if seed is None else paths.shuffle(seed=seed)
   documents = grain.experimental.InterleaveIterDataset(paths.repeat().map(grain.experimental.ParquetIterDataset),
                                                        cycle_length=min(len(files), 16))
-  windows = grain.experimental.ConcatThenSplitIterDataset(
+  windows = _JsonRestorable(grain.experimental.ConcatThenSplitIterDataset(
       documents.map(tokens).filter(lambda d: len(d["tokens"]) > 1),
-      length_struct={"tokens": config.max_target_length + 1})
+      length_struct={"tokens": config.max_target_length + 1}))
   return windows.map(lambda window: pack(window["tokens"], eod))
 
 
 class _Sources(NamedTuple):
   names: list[str]
   weights: list[Fraction]  # as written
-  rows: list[grain.MapDataset]  # each source's rows, unshuffled
+  # each source's rows: unshuffled, of prepared shards; endless, of parquet (shuffled when trained on)
+  rows: list[grain.MapDataset] | list[grain.IterDataset]
   tokenizer: Tokenizer
 
 
@@ -235,40 +259,45 @@ def _shard_sources(config, key: str) -> _Sources:
   return _Sources(names, [s.weight for s in sources], rows, first)
 
 
+def _parquet_sources(config, key: str, tokenizer: Tokenizer, shuffle: bool) -> _Sources:
+  """The parquet globs config key `key` names (mixture.parse), all read with the configured
+  tokenizer; source i is shuffled with mixture.source_seed, as a prepared corpus would be."""
+  sources = mixture.parse(key, getattr(config, key))
+  rows = [_parquet_rows(config, key, source.pattern, tokenizer,
+                        mixture.source_seed(config.data_shuffle_seed, i) if shuffle else None)
+          for i, source in enumerate(sources)]
+  names = mixture.names([os.path.dirname(sorted(glob.glob(source.pattern))[0]) for source in sources])
+  return _Sources(names, [s.weight for s in sources], rows, tokenizer)
+
+
 def grain_data(config) -> Data:
   """Shards written by prepare_data, read a window at a time (token_shards.TokenStream), or
-  parquet files streamed (grain_file_type=parquet)."""
+  parquet files streamed (grain_file_type=parquet); either a weighted mixture (mixture.py)."""
   if config.eval_interval and not config.grain_eval_files:
     raise ConfigError(f"grain_eval_files='': needed for eval_interval={config.eval_interval} (e.g. "
                       f"DIR/eval-*.arrayrecord beside the train shards), or set eval_interval=0")
-  held_out, extra = None, {}
   if config.grain_file_type == "parquet":
-    for key in ("grain_train_files", "grain_eval_files"):
-      value = getattr(config, key)
-      if value and mixture.parse(key, value) != [mixture.Source(value.strip(), 1)]:
-        raise ConfigError(f"{key}={value!r}: grain_file_type='parquet' reads one glob; mixtures are "
-                          "of prepare_data's shards (prepare each corpus, then weigh them)")
     tokenizer = tokenizers.load_pretrained(config, "grain_file_type='parquet'")
     tokenizers.check_vocab_size(tokenizer, config.vocab_size, "the tokenizer of grain_file_type='parquet'")
-    train = _parquet_rows(config, "grain_train_files", tokenizer, shuffle=True)
-    if config.grain_eval_files:
-      held_out = _parquet_rows(config, "grain_eval_files", tokenizer, shuffle=False)
+    sources = lambda key, shuffle: _parquet_sources(config, key, tokenizer, shuffle)
   else:
-    sources = _shard_sources(config, "grain_train_files")
-    tokenizer = sources.tokenizer
-    mixed = mixture.Mixture(sources.names, sources.rows, sources.weights, config.data_shuffle_seed)
-    train, extra["progress"] = mixed.rows, mixed.progress
-    if config.grain_eval_files:
-      held = _shard_sources(config, "grain_eval_files")
-      if held.tokenizer.to_str() != tokenizer.to_str():
-        raise ConfigError(f"grain_eval_files={config.grain_eval_files!r}: tokenized with another tokenizer than "
-                          f"grain_train_files={config.grain_train_files!r}")
-      if len(held.rows) == 1:
-        held_out = held.rows[0].repeat()
-      else:
-        held_out = {name: rows.repeat() for name, rows in zip(held.names, held.rows)}
-        extra["eval_weights"] = {name: float(w) for name, w in zip(held.names, held.weights)}
-  return Data(tokenizer, train, held_out, config.grain_worker_count, config.grain_per_worker_buffer_size,
+    sources = lambda key, shuffle: _shard_sources(config, key)
+  trained = sources("grain_train_files", True)
+  tokenizer = trained.tokenizer
+  mixed = mixture.Mixture(trained.names, trained.rows, trained.weights, config.data_shuffle_seed)
+  held_out, extra = None, {"progress": mixed.progress}
+  if config.grain_eval_files:
+    held = sources("grain_eval_files", False)
+    if held.tokenizer.to_str() != tokenizer.to_str():
+      raise ConfigError(f"grain_eval_files={config.grain_eval_files!r}: tokenized with another tokenizer than "
+                        f"grain_train_files={config.grain_train_files!r}")
+    endless = [rows.repeat() if isinstance(rows, grain.MapDataset) else rows for rows in held.rows]
+    if len(endless) == 1:
+      held_out = endless[0]
+    else:
+      held_out = dict(zip(held.names, endless))
+      extra["eval_weights"] = {name: float(w) for name, w in zip(held.names, held.weights)}
+  return Data(tokenizer, mixed.rows, held_out, config.grain_worker_count, config.grain_per_worker_buffer_size,
               **extra)
 
 

@@ -8,6 +8,11 @@ reshuffles each epoch (the seed plus the epoch). Both are closed forms of r, so 
 stays a MapDataset with random access: a run resumed at any step, on any number of processes,
 reads the rows the uninterrupted run read, and the rows each source gave up to a step (its
 share, its epochs) follow from the step alone.
+
+Streamed sources (parquet, IterDatasets) are interleaved in the same order by `Streams`, which
+takes the next row of the source `Interleave` names: row r still comes from the same source, so
+the shares are those of prepared corpora, but a source's k-th row is wherever its stream is, and
+the position is the iterator's state (every source's, saved in the checkpoint).
 """
 
 import math
@@ -18,6 +23,7 @@ from fractions import Fraction
 from typing import NamedTuple
 
 import grain
+import jax
 
 from MaxText.errors import ConfigError
 
@@ -26,8 +32,13 @@ from MaxText.errors import ConfigError
 SEED_STRIDE = 2**20
 
 
+def source_seed(seed: int, index: int) -> int:
+  """The shuffle seed of a mixture's source `index`, given data_shuffle_seed."""
+  return (seed + index * SEED_STRIDE) % 2**32
+
+
 class Source(NamedTuple):
-  pattern: str  # a glob of one prepared corpus's shards
+  pattern: str  # a glob of one prepared corpus's shards, or of parquet files
   weight: Fraction  # exact, as written: 0.3 is 3/10
 
 
@@ -99,21 +110,62 @@ class Interleave(grain.transforms.DatasetSelectionMap):
     return source, before[source]
 
 
+class Streams(grain.IterDataset):
+  """Rows of streamed sources in `interleave`'s order: row r is the next row of the source
+  interleave[r] names. Its state is the row count and every source's state."""
+
+  def __init__(self, sources: list[grain.IterDataset], interleave: Interleave):
+    super().__init__(sources)
+    self.interleave = interleave
+
+  def __iter__(self):
+    return _StreamsIterator(self)
+
+
+class _StreamsIterator(grain.DatasetIterator):
+
+  def __init__(self, streams: Streams):
+    super().__init__([iter(source) for source in streams.parents])
+    self._interleave, self._row = streams.interleave, 0
+
+  def __next__(self):
+    source, _ = self._interleave[self._row]
+    row = next(self._parents[source])
+    self._row += 1
+    return row
+
+  def get_state(self) -> dict:
+    return {"row": self._row, "sources": [source.get_state() for source in self._parents]}
+
+  def set_state(self, state: dict) -> None:
+    for source, source_state in zip(self._parents, state["sources"], strict=True):
+      source.set_state(source_state)
+    self._row = state["row"]
+
+
 class Mixture:
   """A mixture's endless training rows and what the metrics say of them."""
 
-  def __init__(self, names: list[str], sources: list[grain.MapDataset], weights: list[Fraction], seed: int):
-    """Source i is shuffled with data_shuffle_seed + i * SEED_STRIDE (plus its epoch) and repeated;
-    one source is exactly its shuffled rows, as a glob without weight always was."""
-    self.names, self.sizes, self.interleave = names, [len(rows) for rows in sources], Interleave(weights)
-    shuffled = [rows.shuffle(seed=(seed + i * SEED_STRIDE) % 2**32).repeat() for i, rows in enumerate(sources)]
-    self.rows = (shuffled[0] if len(shuffled) == 1 else
-                 grain.MapDataset.select_from_datasets(shuffled, self.interleave))
+  def __init__(self, names: list[str], sources: list[grain.MapDataset] | list[grain.IterDataset],
+               weights: list[Fraction], seed: int):
+    """Source i of rows found by index (MapDatasets) is shuffled with source_seed(seed, i) (plus
+    its epoch) and repeated; one source is exactly its shuffled rows, as a glob without weight
+    always was. Streamed sources (IterDatasets) come shuffled with those seeds and endless, each
+    process drawing its own rows: their sizes are unknown, and the counts are per process."""
+    self.names, self.interleave = names, Interleave(weights)
+    if all(isinstance(rows, grain.MapDataset) for rows in sources):
+      self.sizes, self.processes = [len(rows) for rows in sources], 1
+      sources = [rows.shuffle(seed=source_seed(seed, i)).repeat() for i, rows in enumerate(sources)]
+      self.rows = sources[0] if len(sources) == 1 else grain.MapDataset.select_from_datasets(sources, self.interleave)
+    else:
+      self.sizes, self.processes = None, jax.process_count()
+      self.rows = sources[0] if len(sources) == 1 else Streams(sources, self.interleave)
 
   def progress(self, rows: int) -> dict:
-    """data/fraction/<source> and data/epochs/<source> once the first `rows` global rows are drawn."""
-    metrics = {}
-    for name, size, count in zip(self.names, self.sizes, self.interleave.counts(rows)):
-      metrics[f"data/fraction/{name}"] = count / max(rows, 1)
-      metrics[f"data/epochs/{name}"] = count / size
+    """data/fraction/<source> and, where the sources' sizes are known, data/epochs/<source> once
+    the first `rows` global rows are drawn."""
+    counts = [count * self.processes for count in self.interleave.counts(rows // self.processes)]
+    metrics = {f"data/fraction/{name}": count / max(rows, 1) for name, count in zip(self.names, counts)}
+    if self.sizes:
+      metrics.update({f"data/epochs/{name}": count / size for name, size, count in zip(self.names, self.sizes, counts)})
     return metrics
