@@ -1,0 +1,70 @@
+"""The newest families on TPU slices: python -m MaxText.benchmarks.families [--output_dir DIR] [--only NAME ...]
+
+Compile only (TPU compiler, libtpu on this host), 8,192 tokens per chip, remat_policy=full,
+attention=flash: each model on the slice it is sized for, with 8 vocabulary tiles and untiled
+(the head's [tokens, vocabulary] logits whole: Gemma 3's 262,208-token vocabulary is the case
+tiling exists for), and for the mixtures (DeepSeek's) with expert parallelism too, dropless and, for
+deepseek3-671b, with capacity_factor=1.25. Each cell is what
+  python -m MaxText.train_compile configs/base.yml model_name=M compile_topology=S dataset_type=synthetic \\
+    per_device_batch_size=1 max_target_length=8192 attention=flash remat_policy=full num_vocab_tiling=T [mesh keys]
+prints: the parameters and optimizer state per chip, the temporaries and their sum; a step the
+compiler refuses is shown with what it needed.
+"""
+
+import argparse
+
+from matplotlib.figure import Figure
+
+from MaxText import reports, runtime
+from MaxText.benchmarks import common, provenance
+
+STEP = ("dataset_type=synthetic", "per_device_batch_size=1", "max_target_length=8192", "attention=flash",
+        "remat_policy=full")
+FSDP = ("ici_fsdp_parallelism=-1",)
+EXPERT_8 = ("ici_expert_parallelism=8", "ici_fsdp_parallelism=-1")
+# (model, slice, mesh name, mesh keys, vocabulary tiles)
+CELLS = (
+    ("gemma3-27b", "v5p-64", "fsdp", FSDP, 8),
+    ("gemma3-27b", "v5p-64", "fsdp", FSDP, 1),
+    ("deepseek2-16b", "v5p-32", "fsdp", FSDP, 8),
+    ("deepseek2-16b", "v5p-32", "fsdp", FSDP, 1),
+    ("deepseek2-16b", "v5p-32", "expert 8 x fsdp", EXPERT_8, 8),
+    ("deepseek3-671b", "v5p-512", "fsdp", FSDP, 8),
+    ("deepseek3-671b", "v5p-512", "expert 8 x fsdp", EXPERT_8, 8),
+    # Dropless, its buffers sized for every copy landing on one device's experts, does not fit;
+    # MaxText's capacity rule (a model setting: copies past it are dropped) does.
+    ("deepseek3-671b", "v5p-512", "expert 8 x fsdp, capacity_factor=1.25", (*EXPERT_8, "capacity_factor=1.25"), 8),
+)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--output_dir", default="outputs/benchmarks")
+  parser.add_argument("--only", nargs="*", help="models to compile (default: every cell)")
+  args = parser.parse_args()
+  results, rows = {}, []
+  for model, topology, mesh, mesh_keys, tiles in CELLS:
+    if args.only and model not in args.only:
+      continue
+    name = f"{model} {topology} {mesh} num_vocab_tiling={tiles}"
+    r = results[name] = common.compiled_memory_on(None, f"model_name={model}", f"compile_topology={topology}", *STEP,
+                                                  *mesh_keys, f"num_vocab_tiling={tiles}")
+    cell = ([reports.gib(r["argument_bytes"]), reports.gib(r["temp_bytes"])] if "error" not in r else ["", ""])
+    rows.append([model, topology, mesh, tiles, *cell, common.gib_or_refusal(r, "total_bytes")])
+    print(f"{name}: {rows[-1][-1]}", flush=True)
+  markdown = ("## 8,192 tokens per chip, remat_policy=full, flash attention (TPU compiler, compile only)\n\n"
+              + reports.markdown_table(["model", "slice", "mesh", "num_vocab_tiling", "params+opt GiB", "temp GiB",
+                                        "total GiB/chip"], rows))
+  print(markdown)
+  figure = Figure(figsize=(9, 1 + 0.4 * len(results)))
+  axis = figure.subplots()
+  axis.barh(range(len(results)), [r.get("total_bytes", 0) / 2**30 for r in results.values()], color="tab:blue")
+  axis.set_yticks(range(len(results)), list(results), fontsize=7)
+  axis.invert_yaxis()
+  axis.set_xlabel("compiled memory per chip, GiB (TPU compiler)")
+  provenance.save(args.output_dir, "families_tpu", markdown, results, figure)
+
+
+if __name__ == "__main__":
+  runtime.setup()
+  main()
