@@ -491,10 +491,11 @@ class Grain:
   """Prepared shards, read by grain."""
   grain_train_files: str = key(
       "", "glob of train files, e.g. DIR/train-*.arrayrecord (manifest.json beside them), or a weighted mixture "
-          "GLOB,WEIGHT;GLOB,WEIGHT",
+          "GLOB,WEIGHT;GLOB,WEIGHT or a mixture file FILE.yml (NAME: {files: GLOB, weight: W} per source)",
       doc="A mixture (prepared corpora with one tokenizer, or parquet globs) draws each source's share of every "
           "prefix of the rows, each source reshuffled per epoch; metrics data/fraction/SOURCE and (prepared "
-          "corpora) data/epochs/SOURCE, SOURCE being its directory's name. See docs/guides/data.md.")
+          "corpora) data/epochs/SOURCE, SOURCE being its name in a mixture file or else its directory's name. See "
+          "docs/guides/data.md.")
   grain_eval_files: str = key("", "glob of eval files, e.g. DIR/eval-*.arrayrecord, or GLOB,WEIGHT;GLOB,WEIGHT "
                                   "(eval/SOURCE/loss each, eval/loss their weighted mean); needed when "
                                   "eval_interval > 0")

@@ -189,7 +189,40 @@ def test_each_eval_source_scores_as_it_does_alone_and_eval_loss_is_their_weighte
 
 
 def test_sources_are_named_by_their_corpus_directory_numbered_when_two_share_one():
-  assert mixture.names(["/d/web", "/e/web", "/d/books"]) == ["web_1", "web_2", "books"]
+  directories = ["/d/web", "/e/web", "/d/books"]
+  unnamed = [mixture.Source(d, Fraction(1)) for d in directories]
+  assert mixture.names(unnamed, directories) == ["web_1", "web_2", "books"]
+
+
+def test_a_mixture_file_names_its_sources_and_draws_the_rows_of_the_same_mixture_inline(corpora, tmp_path):
+  """grain_train_files=FILE.yml: the sources in the file's order, its names for their metrics, and
+  the rows, shares and epochs of the same globs and weights given inline."""
+  names = ("web", "code", "math")
+  spec = {name: {"files": f"{corpora[corpus]}/train-*", "weight": weight}
+          for name, corpus, weight in zip(names, CORPORA, WEIGHTS)}
+  (tmp_path / "mixture.yml").write_text(json.dumps(spec))  # JSON is YAML
+  inline = input_pipeline.load(grain_config(corpora))
+  from_file = input_pipeline.load(grain_config(corpora, f"grain_train_files={tmp_path / 'mixture.yml'}"))
+  for r in range(60):
+    jax.tree.map(np.testing.assert_array_equal, from_file.train[r], inline.train[r])
+  renamed = dict(zip(CORPORA, names))
+  assert from_file.progress(60) == {re.sub(r"/(\w+)$", lambda m: "/" + renamed[m[1]], k): v
+                                    for k, v in inline.progress(60).items()}
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read the mixture file"),
+    ("[a, b]", "a mixture file maps each source's name to its files and weight"),
+    ("web: {files: 'x/*'}", "source 'web' must have exactly files (a glob) and weight"),
+    ("web: {files: 'x/*', weight: -2}", "source 'web' has weight -2, not a positive number"),
+    ("web: [unclosed", "not YAML"),
+])
+def test_a_bad_mixture_file_is_one_line_naming_it(tmp_path, content, message):
+  path = tmp_path / "mixture.yml"
+  if content is not None:
+    path.write_text(content)
+  with pytest.raises(ConfigError, match=re.escape(f"grain_train_files={str(path)!r}: ") + ".*" + re.escape(message)):
+    tiny_config("dataset_type=grain", f"grain_train_files={path}")
 
 
 @pytest.fixture(scope="module")

@@ -248,7 +248,7 @@ def _shard_sources(config, key: str) -> _Sources:
   """The prepared corpora config key `key` names (mixture.parse), which must share one tokenizer."""
   sources = mixture.parse(key, getattr(config, key))
   opened = [_shards(config, key, source.pattern) for source in sources]
-  names = mixture.names([os.path.dirname(stream.paths[0]) for stream, _ in opened])
+  names = mixture.names(sources, [os.path.dirname(stream.paths[0]) for stream, _ in opened])
   first = opened[0][1]
   for name, source, (_, tokenizer) in zip(names, sources, opened):
     if tokenizer.to_str() != first.to_str():
@@ -266,7 +266,7 @@ def _parquet_sources(config, key: str, tokenizer: Tokenizer, shuffle: bool) -> _
   rows = [_parquet_rows(config, key, source.pattern, tokenizer,
                         mixture.source_seed(config.data_shuffle_seed, i) if shuffle else None)
           for i, source in enumerate(sources)]
-  names = mixture.names([os.path.dirname(sorted(glob.glob(source.pattern))[0]) for source in sources])
+  names = mixture.names(sources, [os.path.dirname(sorted(glob.glob(source.pattern))[0]) for source in sources])
   return _Sources(names, [s.weight for s in sources], rows, tokenizer)
 
 

@@ -40,11 +40,17 @@ def source_seed(seed: int, index: int) -> int:
 class Source(NamedTuple):
   pattern: str  # a glob of one prepared corpus's shards, or of parquet files
   weight: Fraction  # exact, as written: 0.3 is 3/10
+  name: str | None = None  # a mixture file's; else its directory's (names())
+
+
+MIXTURE_FILES = (".yml", ".yaml")
 
 
 def parse(key: str, value: str) -> list[Source]:
-  """The sources of config key `key`: "GLOB" (weight 1) or "GLOB,WEIGHT;GLOB,WEIGHT;...". A glob
-  may hold commas: the weight is what follows the last one."""
+  """The sources of config key `key`: "GLOB" (weight 1), "GLOB,WEIGHT;GLOB,WEIGHT;..." (a glob
+  may hold commas: the weight is what follows the last one), or a mixture file (read_file)."""
+  if value.strip().endswith(MIXTURE_FILES):
+    return read_file(key, value.strip())
   entries = [e.strip() for e in value.split(";") if e.strip()] or [value.strip()]
   sources = []
   for entry in entries:
@@ -54,19 +60,49 @@ def parse(key: str, value: str) -> list[Source]:
         raise ConfigError(f"{key}: source {entry!r} has no weight; give every source of a mixture one "
                           f"(GLOB,WEIGHT;GLOB,WEIGHT)")
       return [Source(entry, Fraction(1))]
-    try:
-      exact = Fraction(weight.strip())
-    except (ValueError, ZeroDivisionError):
-      exact = None
-    if exact is None or exact <= 0:
-      raise ConfigError(f"{key}: source {pattern.strip()!r} has weight {weight.strip()!r}, not a positive number")
-    sources.append(Source(pattern.strip(), exact))
+    sources.append(Source(pattern.strip(), _weight(key, pattern.strip(), weight.strip())))
   return sources
 
 
-def names(directories: list[str]) -> list[str]:
-  """Each source's name: its prepared corpus's directory name, numbered where two share one."""
-  bases = [os.path.basename(d.rstrip(os.sep)) or d for d in directories]
+def _weight(key: str, name: str, weight) -> Fraction:
+  try:
+    exact = Fraction(str(weight).strip())
+  except (ValueError, ZeroDivisionError):
+    exact = None
+  if exact is None or exact <= 0:
+    raise ConfigError(f"{key}: source {name!r} has weight {weight!r}, not a positive number")
+  return exact
+
+
+def read_file(key: str, path: str) -> list[Source]:
+  """A mixture file (YAML), which names the sources, in order (their shuffle seeds follow it):
+
+    web: {files: "web/train-*", weight: 0.7}
+    code: {files: "code/train-*", weight: 0.3}
+  """
+  import yaml  # noqa: PLC0415 (only mixture files need it)
+  try:
+    with open(path) as f:
+      spec = yaml.safe_load(f)
+  except OSError as e:
+    raise ConfigError(f"{key}={path!r}: cannot read the mixture file ({e.strerror})") from None
+  except yaml.YAMLError as e:
+    raise ConfigError(f"{key}={path!r}: not YAML ({str(e).splitlines()[0]})") from None
+  if not isinstance(spec, dict) or not spec:
+    raise ConfigError(f"{key}={path!r}: a mixture file maps each source's name to its files and weight, e.g. "
+                      "web: {files: \"web/train-*\", weight: 0.7}")
+  sources = []
+  for name, entry in spec.items():
+    if not isinstance(entry, dict) or set(entry) != {"files", "weight"} or not isinstance(entry["files"], str):
+      raise ConfigError(f"{key}={path!r}: source {name!r} must have exactly files (a glob) and weight")
+    sources.append(Source(entry["files"], _weight(f"{key}={path!r}", str(name), entry["weight"]), str(name)))
+  return sources
+
+
+def names(sources: list[Source], directories: list[str]) -> list[str]:
+  """Each source's name: a mixture file's, else its corpus's directory name, numbered where two
+  share one."""
+  bases = [s.name or os.path.basename(d.rstrip(os.sep)) or d for s, d in zip(sources, directories)]
   repeated = {name for name, count in Counter(bases).items() if count > 1}
   seen = Counter()
   named = []
