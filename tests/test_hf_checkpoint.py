@@ -344,7 +344,8 @@ def split_and_lose_a_shard(hf):
     (split_and_lose_a_shard, "model-00002-of-00002.safetensors, which is not there"),
     (lambda hf: edit_config(hf, architectures=["MistralForCausalLM"]),
      "architecture MistralForCausalLM is not supported (supported: LlamaForCausalLM, Qwen3ForCausalLM, "
-     "Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, Gemma3ForConditionalGeneration)"),
+     "Gemma2ForCausalLM, Gemma3ForCausalLM, DeepseekV3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, "
+     "Gemma3ForConditionalGeneration)"),
     (lambda hf: drop_tensor(hf, "model.layers.1.mlp.up_proj.weight"), "tensor model.layers.1.mlp.up_proj.weight is "
      "missing"),
     (lambda hf: reshape_tensor(hf, "model.layers.2.self_attn.k_proj.weight"),

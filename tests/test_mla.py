@@ -180,7 +180,12 @@ def test_bad_mla_and_yarn_settings_are_one_line_config_errors(overrides, message
   assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("overrides, message", [(MLA, "attention_type='mla'"), (YARN, "rope_type='yarn'")])
-def test_no_hugging_face_export_drops_mla_or_yarn(overrides, message):
-  with pytest.raises(errors.ConfigError, match=f"^{message}: no family's Hugging Face export writes it$"):
-    mapping.check_exportable(tiny_config(*overrides))
+def test_a_yarn_model_exports_its_rope_and_reads_back_as_the_same_model():
+  """transformers takes YaRN for any family (rope_parameters): the exported config.json of a
+  Llama with YaRN gives back every model key, YaRN's included. (Latent attention exports only as
+  DeepSeek's class: tests/test_hf_checkpoint.py.)"""
+  config = tiny_config(*YARN)
+  mapping.check_exportable(config)
+  written = mapping.hf_config(config, "float32")
+  assert written["rope_parameters"]["rope_type"] == "yarn"
+  mapping.check_shape(config, written, "exported")
