@@ -1,0 +1,129 @@
+"""DeepSeek-V3's multi-token prediction: the training loss and its gradients against a second pass
+built by hand from the model's pieces (embedding lookup, norms, concatenation and projection in
+jnp, the MTP layer's decoder layer through its own apply, the shared head, cross entropy with
+targets and masks from numpy), untiled and vocabulary-tiled; mtp_num_layers=0 leaves the model as
+it was; 8 devices against one; bad input."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_trees_close, loss_and_gradients_of, model_inputs, on_devices, tiny_config
+
+from MaxText import errors
+from MaxText.layers import decoders
+from MaxText.layers.models import Transformer
+
+# A tiny DeepSeek-V3: MLA, one dense layer then experts with a shared expert and sigmoid routing,
+# and two prediction depths. The router's losses are off so the loss is the cross entropies alone.
+DEEPSEEK3 = ("decoder_block=deepseek", "logits_via_embedding=false", "base_num_kv_heads=4", "attention_type=mla",
+             "q_lora_rank=12", "kv_lora_rank=16", "qk_nope_head_dim=8", "qk_rope_head_dim=8", "v_head_dim=6",
+             "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=16", "first_num_dense_layers=1",
+             "shared_experts=1", "routed_score_func=sigmoid", "routed_bias=true", "load_balance_loss_weight=0",
+             "router_z_loss_weight=0")
+MTP = (*DEEPSEEK3, "mtp_num_layers=2", "mtp_loss_scaling_factor=0.3")
+RTOL = 1e-5
+
+
+def packed_batch(cfg, rows):
+  """model_inputs' two documents per row as the input pipeline packs them: a document's last
+  token has no target (targets_segmentation 0), nor has the row's last."""
+  tokens, positions, segments = model_inputs(cfg, batch=rows)
+  following = np.roll(segments, -1, axis=1)
+  scored = (following == segments) & (np.arange(tokens.shape[1]) < tokens.shape[1] - 1)
+  return {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1), "inputs_position": positions,
+          "inputs_segmentation": segments, "targets_segmentation": (segments * scored).astype(np.int32)}
+
+
+def rms(x, scale, eps):
+  return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps) * scale
+
+
+def cross_entropy(hidden, kernel, targets, mask):
+  """sum over tokens of mask * -log softmax(hidden @ kernel)[target], and the mask's sum."""
+  logp = jax.nn.log_softmax(hidden @ kernel, axis=-1)
+  picked = jnp.take_along_axis(logp, jnp.asarray(targets)[..., None], axis=-1)[..., 0]
+  return -jnp.sum(mask * picked), np.sum(mask)
+
+
+def reference_loss(cfg, params, batch):
+  """(main cross entropy sum, the MTP term it adds): the decoder through its own apply, then
+  each prediction depth by hand. Depth k at position i embeds token i + k and predicts token
+  i + k + 1, scored where that token exists and is in position i's document."""
+  tokens, positions, segments = batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"]
+  length, eps, kernel = tokens.shape[1], cfg.normalization_layer_epsilon, params["logits_kernel"]
+  x = params["token_embedder"]["embedding"][tokens]
+  normed, h = decoders.Decoder(cfg).apply({"params": params["decoder"]}, x, positions, segments)
+  main, total = cross_entropy(normed, kernel, batch["targets"], batch["targets_segmentation"] != 0)
+  depths = []
+  for k in range(1, cfg.mtp_num_layers + 1):
+    p = params["mtp"][f"layer_{k}"]
+    ahead = jnp.pad(x[:, k:], [(0, 0), (0, k), (0, 0)])  # embedding of token i + k
+    joined = jnp.concatenate([rms(ahead, p["embedding_norm"]["scale"], eps),
+                              rms(h, p["hidden_state_norm"]["scale"], eps)], axis=-1)
+    h = decoders.DecoderLayer(cfg, True).apply({"params": p["transformer_layer"]}, joined @ p["projection"],
+                                               positions, segments, cfg.base_num_decoder_layers + k - 1)
+    targets = np.pad(tokens[:, k + 1:], [(0, 0), (0, k + 1)])
+    mask = np.zeros(tokens.shape, np.float32)
+    for i in range(length - k - 1):
+      mask[:, i] = segments[:, i + k + 1] == segments[:, i]
+    ce, count = cross_entropy(rms(h, p["shared_head_norm"]["scale"], eps), kernel, targets, mask)
+    depths.append(ce / count)
+  return main, total * cfg.mtp_loss_scaling_factor * sum(depths) / len(depths)
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """The tiny model's config, parameters, batch, and the hand-built loss and gradients."""
+  cfg = tiny_config(*MTP, num_devices=1)
+  batch = packed_batch(cfg, cfg.global_batch_size_to_train_on)
+  tokens = batch["inputs"]
+  params = jax.device_get(nn.meta.unbox(jax.jit(Transformer(cfg).init)(jax.random.key(0), tokens, tokens,
+                                                                       tokens)["params"]))
+
+  def loss(p):
+    parts = reference_loss(cfg, p, batch)
+    return sum(parts), parts
+
+  (_, (main, mtp)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  return cfg, params, batch, float(main), float(mtp), grads
+
+
+@pytest.mark.parametrize("tiles", [1, 4])
+def test_mtp_loss_and_gradients_equal_a_second_pass_by_hand(reference, tiles):
+  cfg, params, batch, main, mtp, grads = reference
+  assert mtp > 0.1 * main / np.sum(batch["targets_segmentation"] != 0)  # the depths are scored
+  loss, got = loss_and_gradients_of(tiny_config(*MTP, f"num_vocab_tiling={tiles}", num_devices=1), params, batch)
+  np.testing.assert_allclose(loss, main + mtp, rtol=RTOL)
+  assert_trees_close(got, grads, RTOL, f"num_vocab_tiling={tiles}")
+
+
+def test_without_mtp_the_parameters_and_loss_are_the_models_own(reference):
+  cfg, params, batch, main, _, _ = reference
+  off = tiny_config(*DEEPSEEK3, num_devices=1)
+  tokens = batch["inputs"]
+  tree = jax.eval_shape(lambda: Transformer(off).init(jax.random.key(0), tokens, tokens, tokens)["params"])
+  without = {name: tree for name, tree in params.items() if name != "mtp"}
+  assert jax.tree.structure(nn.meta.unbox(tree)) == jax.tree.structure(without)
+  loss, _ = loss_and_gradients_of(off, without, batch)
+  np.testing.assert_allclose(loss, main, rtol=RTOL)
+
+
+def test_eight_devices_equal_one(reference):
+  """fsdp 2 x tensor 2 x data 2 against the one-device hand-built pass, on its 4 rows."""
+  _, params, batch, main, mtp, grads = reference
+  with on_devices(8):
+    loss, got = loss_and_gradients_of(tiny_config(*MTP, "per_device_batch_size=0.5", "ici_fsdp_parallelism=2",
+                                                  "ici_tensor_parallelism=2", "ici_data_parallelism=2"), params, batch)
+  np.testing.assert_allclose(loss, main + mtp, rtol=RTOL)
+  assert_trees_close(got, grads, RTOL, "fsdp 2 x tensor 2 x data 2")
+
+
+@pytest.mark.parametrize("override, message", [("mtp_num_layers=-1", "mtp_num_layers=-1: must be >= 0"),
+                                               ("mtp_loss_scaling_factor=-0.1",
+                                                "mtp_loss_scaling_factor=-0.1: must be >= 0")])
+def test_bad_mtp_values_are_one_line_naming_the_key(override, message):
+  with pytest.raises(errors.ConfigError, match=message) as error:
+    tiny_config(*DEEPSEEK3, override, num_devices=1)
+  assert "\n" not in str(error.value)
