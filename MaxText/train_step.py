@@ -15,7 +15,7 @@ from flax.training.train_state import TrainState
 
 from MaxText import head, losses, optimizers, sharding
 from MaxText.errors import UserError, first_line
-from MaxText.layers import context_parallel, decoders, moe
+from MaxText.layers import context_parallel, decoders, moe, multi_token_prediction
 from MaxText.layers.models import Transformer
 from MaxText.layers.multi_token_prediction import shifted
 
@@ -51,7 +51,7 @@ def batch_sums(model, config, params, batch, train=True):
   """Sums over the batch's scored tokens: (loss incl. z-loss and the MoE router's losses,
   {weights, z_loss, correct}, and for MoE models moe_aux_loss (the router's share of the loss)
   and the router's statistics, each times the scored tokens; with routed_bias, expert_load, each
-  MoE layer's copies per expert (decoders.expert_loads)), from the whole logits or, with
+  MoE layer's copies per expert (moe.update_routed_bias's loads)), from the whole logits or, with
   num_vocab_tiling > 1, tile by tile. Under load-balanced context parallelism the batch is
   reordered first, targets with their tokens: sums are unchanged.
 
@@ -92,7 +92,10 @@ def batch_sums(model, config, params, batch, train=True):
     if len(means) > 1:
       sums.update({f"mtp_loss_{k}": total * jax.lax.stop_gradient(m) for k, m in enumerate(means, 1)})
   if config.routed_bias:
-    sums[moe.EXPERT_LOAD] = jax.lax.stop_gradient(decoders.expert_loads(config, state["intermediates"]))
+    loads = {"decoder": decoders.expert_loads(config, state["intermediates"])}
+    if config.mtp_num_layers:
+      loads["mtp"] = multi_token_prediction.expert_loads(config, state["intermediates"])
+    sums[moe.EXPERT_LOAD] = jax.lax.stop_gradient(loads)
   return loss, sums
 
 

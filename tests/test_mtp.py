@@ -2,7 +2,7 @@
 built by hand from the model's pieces (embedding lookup, norms, concatenation and projection in
 jnp, the MTP layer's decoder layer through its own apply, the shared head, cross entropy with
 targets and masks from numpy), untiled and vocabulary-tiled; mtp_num_layers=0 leaves the model as
-it was; 8 devices against one; bad input."""
+it was; 8 devices against one; the prediction layers' routed bias; bad input."""
 
 import flax.linen as nn
 import jax
@@ -11,17 +11,16 @@ import numpy as np
 import pytest
 from conftest import assert_trees_close, loss_and_gradients_of, model_inputs, on_devices, tiny_config
 
-from MaxText import errors
-from MaxText.layers import decoders
+from MaxText import errors, train_step
+from MaxText.layers import decoders, moe, multi_token_prediction
 from MaxText.layers.models import Transformer
 
-# A tiny DeepSeek-V3: MLA, one dense layer then experts with a shared expert and sigmoid routing,
+# A tiny DeepSeek-V3 (its attention is any decoder layer's; grouped-query attention compiles
+# fastest): one dense layer then experts with a shared expert and sigmoid routing,
 # and two prediction depths. The router's losses are off so the loss is the cross entropies alone.
-DEEPSEEK3 = ("decoder_block=deepseek", "logits_via_embedding=false", "base_num_kv_heads=4", "attention_type=mla",
-             "q_lora_rank=12", "kv_lora_rank=16", "qk_nope_head_dim=8", "qk_rope_head_dim=8", "v_head_dim=6",
-             "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=16", "first_num_dense_layers=1",
-             "shared_experts=1", "routed_score_func=sigmoid", "routed_bias=true", "load_balance_loss_weight=0",
-             "router_z_loss_weight=0")
+DEEPSEEK3 = ("decoder_block=deepseek", "logits_via_embedding=false", "num_experts=4", "num_experts_per_tok=2",
+             "base_moe_mlp_dim=16", "first_num_dense_layers=1", "shared_experts=1", "routed_score_func=sigmoid",
+             "routed_bias=true", "load_balance_loss_weight=0", "router_z_loss_weight=0")
 MTP = (*DEEPSEEK3, "mtp_num_layers=2", "mtp_loss_scaling_factor=0.3")
 RTOL = 1e-5
 
@@ -90,13 +89,32 @@ def reference():
   return cfg, params, batch, float(main), float(mtp), grads
 
 
-@pytest.mark.parametrize("tiles", [1, 4])
-def test_mtp_loss_and_gradients_equal_a_second_pass_by_hand(reference, tiles):
+MESH = ("per_device_batch_size=0.5", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "ici_data_parallelism=2")
+
+
+# The tiled loss runs on 8 devices (the reference's 4 rows over fsdp x data): one compile proves
+# tiling and the mesh, each of which would move the result past the tolerance if it were wrong.
+@pytest.mark.parametrize("tiles, devices, mesh", [(1, 1, ()), (4, 8, MESH)],
+                         ids=["untiled, one device", "4 tiles, fsdp 2 x tensor 2 x data 2"])
+def test_mtp_loss_and_gradients_equal_a_second_pass_by_hand(reference, tiles, devices, mesh):
   cfg, params, batch, main, mtp, grads = reference
   assert mtp > 0.1 * main / np.sum(batch["targets_segmentation"] != 0)  # the depths are scored
-  loss, got = loss_and_gradients_of(tiny_config(*MTP, f"num_vocab_tiling={tiles}", num_devices=1), params, batch)
+  with on_devices(devices):
+    loss, got = loss_and_gradients_of(tiny_config(*MTP, f"num_vocab_tiling={tiles}", *mesh), params, batch)
   np.testing.assert_allclose(loss, main + mtp, rtol=RTOL)
-  assert_trees_close(got, grads, RTOL, f"num_vocab_tiling={tiles}")
+  assert_trees_close(got, grads, RTOL, f"num_vocab_tiling={tiles} on {devices} devices")
+
+
+def test_the_prediction_layers_routed_bias_moves_by_their_own_load(reference):
+  cfg, params, _, _, _, _ = reference
+  load = np.array([3.0, 0.0, 1.0, 4.0], np.float32)
+  sown = {"mtp": {f"layer_{k}": {"transformer_layer": {"moe_block": {moe.EXPERT_LOAD: (k * load,)}}}
+                  for k in (1, 2)}}
+  moved = moe.update_routed_bias(params, {"mtp": multi_token_prediction.expert_loads(cfg, sown)}, 0.01)
+  for k in (1, 2):
+    bias = lambda p, k=k: p["mtp"][f"layer_{k}"]["transformer_layer"]["moe_block"]["gate"]["bias"]
+    np.testing.assert_allclose(bias(moved), bias(params) + 0.01 * np.sign(np.mean(k * load) - k * load), rtol=RTOL)
+  assert moved["decoder"] is params["decoder"]
 
 
 def test_without_mtp_the_parameters_and_loss_are_the_models_own(reference):
@@ -106,18 +124,8 @@ def test_without_mtp_the_parameters_and_loss_are_the_models_own(reference):
   tree = jax.eval_shape(lambda: Transformer(off).init(jax.random.key(0), tokens, tokens, tokens)["params"])
   without = {name: tree for name, tree in params.items() if name != "mtp"}
   assert jax.tree.structure(nn.meta.unbox(tree)) == jax.tree.structure(without)
-  loss, _ = loss_and_gradients_of(off, without, batch)
+  loss = jax.jit(lambda p: train_step.batch_sums(Transformer(off), off, p, batch)[0])(without)
   np.testing.assert_allclose(loss, main, rtol=RTOL)
-
-
-def test_eight_devices_equal_one(reference):
-  """fsdp 2 x tensor 2 x data 2 against the one-device hand-built pass, on its 4 rows."""
-  _, params, batch, main, mtp, grads = reference
-  with on_devices(8):
-    loss, got = loss_and_gradients_of(tiny_config(*MTP, "per_device_batch_size=0.5", "ici_fsdp_parallelism=2",
-                                                  "ici_tensor_parallelism=2", "ici_data_parallelism=2"), params, batch)
-  np.testing.assert_allclose(loss, main + mtp, rtol=RTOL)
-  assert_trees_close(got, grads, RTOL, "fsdp 2 x tensor 2 x data 2")
 
 
 @pytest.mark.parametrize("override, message", [("mtp_num_layers=-1", "mtp_num_layers=-1: must be >= 0"),

@@ -14,6 +14,7 @@ of the model's kind, attending causally within the rows' documents as the decode
 import flax.linen as nn
 import jax.numpy as jnp
 
+from MaxText.layers import moe
 from MaxText.layers.decoders import layer_class
 from MaxText.layers.linears import BATCH_LENGTH_EMBED, kernel_init, weights_as
 from MaxText.layers.normalizations import rms_norm
@@ -66,3 +67,12 @@ class MultiTokenPrediction(nn.Module):
           hidden, shifted(embedded, k), positions, segment_ids)
       outputs.append(normed)
     return tuple(outputs)
+
+
+def expert_loads(cfg, intermediates) -> dict:
+  """{layer_k: [E]} the load per expert that each MoE prediction layer sowed, from model.apply's
+  intermediates (moe.update_routed_bias's loads["mtp"])."""
+  if not cfg.moe:
+    return {}
+  return {f"layer_{k}": intermediates["mtp"][f"layer_{k}"]["transformer_layer"]["moe_block"][moe.EXPERT_LOAD][0]
+          for k in range(1, cfg.mtp_num_layers + 1)}
