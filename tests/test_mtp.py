@@ -2,7 +2,7 @@
 built by hand from the model's pieces (embedding lookup, norms, concatenation and projection in
 jnp, the MTP layer's decoder layer through its own apply, the shared head, cross entropy with
 targets and masks from numpy), untiled and vocabulary-tiled; mtp_num_layers=0 leaves the model as
-it was; 8 devices against one; the prediction layers' routed bias; bad input."""
+it was; 8 devices against one; the prediction layers' routed bias; their FLOPs; bad input."""
 
 import flax.linen as nn
 import jax
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import assert_trees_close, loss_and_gradients_of, model_inputs, on_devices, tiny_config
 
-from MaxText import errors, train_step
+from MaxText import costs, errors, train_step
 from MaxText.layers import decoders, moe, multi_token_prediction
 from MaxText.layers.models import Transformer
 
@@ -126,6 +126,18 @@ def test_without_mtp_the_parameters_and_loss_are_the_models_own(reference):
   assert jax.tree.structure(nn.meta.unbox(tree)) == jax.tree.structure(without)
   loss = jax.jit(lambda p: train_step.batch_sums(Transformer(off), off, p, batch)[0])(without)
   np.testing.assert_allclose(loss, main, rtol=RTOL)
+
+
+def test_flops_count_each_prediction_layer_as_a_layer_plus_its_projection_and_head():
+  """Two prediction depths cost two more MoE layers (as counted by one more decoder layer) and,
+  per depth, the [2D, D] projection and the output head, forward and backward."""
+  with_mtp, without = tiny_config(*MTP, num_devices=1), tiny_config(*DEEPSEEK3, num_devices=1)
+  deeper = tiny_config(*DEEPSEEK3, "base_num_decoder_layers=3", num_devices=1)
+  d, tokens = without.base_emb_dim, without.global_batch_size_to_train_on * without.max_target_length
+  layer = costs.training_flops_per_step(deeper) - costs.training_flops_per_step(without)
+  heads = 6 * tokens * (2 * d * d + d * without.vocab_size)
+  assert costs.training_flops_per_step(with_mtp) - costs.training_flops_per_step(without) == pytest.approx(
+      2 * (layer + heads), rel=1e-12)
 
 
 @pytest.mark.parametrize("override, message", [("mtp_num_layers=-1", "mtp_num_layers=-1: must be >= 0"),
