@@ -2,16 +2,22 @@
 built by hand from the model's pieces (embedding lookup, norms, concatenation and projection in
 jnp, the MTP layer's decoder layer through its own apply, the shared head, cross entropy with
 targets and masks from numpy), untiled and vocabulary-tiled; mtp_num_layers=0 leaves the model as
-it was; 8 devices against one; the prediction layers' routed bias; their FLOPs; bad input."""
+it was; 8 devices against one; the prediction layers' routed bias; their FLOPs; Hugging Face
+conversion of DeepSeek's prediction layer both ways; bad input."""
+
+import shutil
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
-from conftest import assert_trees_close, loss_and_gradients_of, model_inputs, on_devices, tiny_config
+from conftest import BASE_YML, ROOT, assert_trees_close, loss_and_gradients_of, model_inputs, on_devices, tiny_config
+from safetensors.numpy import load_file, save_file
 
-from MaxText import costs, errors, train_step
+from MaxText import costs, errors, pyconfig, train_step
+from MaxText.checkpoint_conversion import mapping, to_huggingface, to_maxtext
 from MaxText.layers import decoders, moe, multi_token_prediction
 from MaxText.layers.models import Transformer
 
@@ -138,6 +144,42 @@ def test_flops_count_each_prediction_layer_as_a_layer_plus_its_projection_and_he
   heads = 6 * tokens * (2 * d * d + d * without.vocab_size)
   assert costs.training_flops_per_step(with_mtp) - costs.training_flops_per_step(without) == pytest.approx(
       2 * (layer + heads), rel=1e-12)
+
+
+def test_deepseeks_prediction_layer_converts_both_ways_bit_for_bit(tmp_path):
+  """DeepSeek's layer after the last (here 4), written by numpy into the tiny DeepSeek-V3's
+  directory: an MoE layer's tensors, its norms and eh_proj, and copies of the embedding and the
+  head. Imported with mtp_num_layers=1 it is the model's mtp/layer_1 (eh_proj transposed, as it
+  reads [enorm(embedding) ; hnorm(hidden)]); exported, every tensor comes back bit for bit."""
+  hf = tmp_path / "hf"
+  shutil.copytree(ROOT / "tests" / "assets" / "hf" / "deepseek3", hf)
+  tensors = load_file(hf / "model.safetensors")
+  rng = np.random.default_rng(0)
+  layer = lambda name: "model.layers.4." + name
+  mtp = {name.replace("model.layers.3.", "model.layers.4."): rng.standard_normal(t.shape).astype(t.dtype)
+         for name, t in tensors.items() if name.startswith("model.layers.3.")}  # layer 3 has experts
+  mtp.update({layer(name): rng.standard_normal(shape).astype(np.float32) for name, shape in [
+      ("enorm.weight", (32,)), ("hnorm.weight", (32,)), ("eh_proj.weight", (32, 64)),
+      ("shared_head.norm.weight", (32,))]})
+  mtp.update({layer("embed_tokens.weight"): tensors["model.embed_tokens.weight"],
+              layer("shared_head.head.weight"): tensors["lm_head.weight"]})
+  save_file({**tensors, **mtp}, hf / "model.safetensors")
+  converted = to_maxtext.convert(to_maxtext.resolve_config(
+      [BASE_YML, f"hf_model_path={hf}", f"base_output_directory={tmp_path}", "run_name=a", "mtp_num_layers=1"]))
+  params = ocp.PyTreeCheckpointer().restore(f"{converted}/state")["params"]
+  config = pyconfig.initialize([BASE_YML, mapping.NO_DATA, f"load_parameters_path={converted}",
+                                f"hf_output_path={tmp_path / 'exported'}"])
+  tokens = np.zeros((1, config.max_target_length), np.int32)
+  model = jax.eval_shape(lambda: Transformer(config).init(jax.random.key(0), tokens, tokens, tokens)["params"])
+  assert jax.tree.map(np.shape, params) == jax.tree.map(np.shape, nn.meta.unbox(model))
+  predicted = params["mtp"]["layer_1"]
+  np.testing.assert_array_equal(predicted["projection"], mtp[layer("eh_proj.weight")].T)
+  np.testing.assert_array_equal(predicted["embedding_norm"]["scale"], mtp[layer("enorm.weight")])
+  np.testing.assert_array_equal(predicted["transformer_layer"]["moe_block"]["wi_0"][1],
+                                mtp[layer("mlp.experts.1.gate_proj.weight")].T)
+  to_huggingface.convert(config)
+  exported, wanted = load_file(tmp_path / "exported" / "model.safetensors"), {**tensors, **mtp}
+  assert sorted(exported) == sorted(wanted) and all(np.array_equal(exported[n], wanted[n]) for n in wanted)
 
 
 @pytest.mark.parametrize("override, message", [("mtp_num_layers=-1", "mtp_num_layers=-1: must be >= 0"),
