@@ -128,10 +128,17 @@ def test_without_mtp_the_parameters_and_loss_are_the_models_own(reference):
   off = tiny_config(*DEEPSEEK3, num_devices=1)
   tokens = batch["inputs"]
   tree = jax.eval_shape(lambda: Transformer(off).init(jax.random.key(0), tokens, tokens, tokens)["params"])
-  without = {name: tree for name, tree in params.items() if name != "mtp"}
+  without = {name: value for name, value in params.items() if name != "mtp"}
   assert jax.tree.structure(nn.meta.unbox(tree)) == jax.tree.structure(without)
   loss = jax.jit(lambda p: train_step.batch_sums(Transformer(off), off, p, batch)[0])(without)
   np.testing.assert_allclose(loss, main, rtol=RTOL)
+
+
+def test_evaluation_reports_the_main_loss_and_the_mtp_loss_beside_it(reference):
+  cfg, params, batch, main, mtp, _ = reference
+  loss, sums = jax.jit(lambda p: train_step.batch_sums(Transformer(cfg), cfg, p, batch, train=False))(params)
+  np.testing.assert_allclose(loss, main, rtol=RTOL)
+  np.testing.assert_allclose(sums["mtp_loss"], mtp / cfg.mtp_loss_scaling_factor, rtol=RTOL)
 
 
 def test_flops_count_each_prediction_layer_as_a_layer_plus_its_projection_and_head():
