@@ -339,6 +339,22 @@ class MoE:
 _Action = Literal[tuple(remat.ACTIONS)]
 
 
+@section("Multi-token prediction (DeepSeek-V3)")
+class MultiTokenPrediction:
+  """D extra layers after the decoder, the k-th predicting the token k + 1 past the next from the
+  (k-1)-th's hidden states and the embedding of the token k ahead (docs/guides/moe.md)."""
+  mtp_num_layers: int = key(0, "multi-token prediction depth D: extra layers predicting tokens 2 .. D + 1 ahead "
+                               "(DeepSeek-V3: 1); 0: off", affects="model",
+                            doc="Parameters under mtp/layer_{k}, k = 1 .. D, each one decoder layer of the model's "
+                                "kind (a mixture of experts in an MoE model) with its norms and projection; the "
+                                "embedding and the output head are the model's.")
+  mtp_loss_scaling_factor: float = key(0.1, "lambda: the training loss adds lambda / D times the sum of the D "
+                                            "layers' cross entropies (DeepSeek-V3: 0.3, then 0.1)")
+
+  def check(self):
+    at_least(self, 0, "mtp_num_layers", "mtp_loss_scaling_factor")
+
+
 @section("Activation checkpointing (remat)")
 class Remat:
   """What each checkpointed layer keeps for the backward pass; the rest is recomputed (docs/design/remat.md)."""

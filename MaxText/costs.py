@@ -42,17 +42,20 @@ def training_flops_per_step(config) -> float:
   the attention's own counts are its attention_type's (ATTENTION_MACS).
   A mixture of experts counts its active parameters only: the router, the
   num_experts_per_tok experts each token goes to and the shared experts; its first
-  first_num_dense_layers layers count a dense MLP.
+  first_num_dense_layers layers count a dense MLP. Multi-token prediction's mtp_num_layers
+  layers count as decoder layers of the model's kind (MoE in an MoE model), each with its
+  [2D, D] projection and its own pass through the output head.
   """
   d, m, v = config.base_emb_dim, config.base_mlp_dim, config.vocab_size
+  mtp = config.mtp_num_layers
   layers, length, batch = config.base_num_decoder_layers, config.max_target_length, config.global_batch_size_to_train_on
-  moe_layers = layers - config.first_num_dense_layers if config.moe else 0
+  moe_layers = layers - config.first_num_dense_layers + mtp if config.moe else 0
   active_experts = config.num_experts_per_tok + config.shared_experts
   moe_mlp = d * config.num_experts + active_experts * 3 * d * config.base_moe_mlp_dim
-  mlp_params = moe_layers * moe_mlp + (layers - moe_layers) * 3 * d * m
+  mlp_params = moe_layers * moe_mlp + (layers + mtp - moe_layers) * 3 * d * m
   attention_params, per_pair = ATTENTION_MACS[config.attention_type](config)
-  matmul = 2 * batch * length * (layers * attention_params + mlp_params + d * v)
-  attention = 2 * batch * length * length * per_pair * layers / 2
+  matmul = 2 * batch * length * ((layers + mtp) * attention_params + mlp_params + mtp * 2 * d * d + (1 + mtp) * d * v)
+  attention = 2 * batch * length * length * per_pair * (layers + mtp) / 2
   return 3 * (matmul + attention)
 
 

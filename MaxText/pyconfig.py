@@ -288,6 +288,9 @@ def _check_context(v: dict) -> None:
     return
   length = v["max_target_length"]
   if v["context_parallel_load_balance"]:
+    # The batch is reordered before the model sees it; multi-token prediction's shifts need row order.
+    _require(not v["mtp_num_layers"], "mtp_num_layers", "must be 0 with context parallelism and "
+             "context_parallel_load_balance=true (its shifts need the tokens in row order)", v)
     _require(length % (2 * shards) == 0, "max_target_length", f"must be divisible by 2 x context parallelism "
              f"= {2 * shards} with context_parallel_load_balance=true", v)
   strategy = v["context_parallel_strategy"]

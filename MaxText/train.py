@@ -17,7 +17,8 @@ from MaxText.train_step import Trainer, device_batch
 
 
 def _evaluate_rows(trainer: Trainer, config, params, rows) -> dict:
-  """loss (cross entropy, no z-loss or MoE router losses), perplexity, accuracy of eval_steps batches of `rows`."""
+  """loss (cross entropy, no z-loss, MoE router or multi-token prediction losses), perplexity, accuracy (and
+  mtp_loss) of eval_steps batches of `rows`."""
   batches = input_pipeline.create_eval_iterator(config, rows)
   sums = None
   for _ in range(config.eval_steps):
@@ -26,8 +27,9 @@ def _evaluate_rows(trainer: Trainer, config, params, rows) -> dict:
   sums = {k: float(v) for k, v in jax.device_get(sums).items()}
   weights = max(sums["weights"], 1.0)
   cross_entropy = (sums["loss"] - sums["z_loss"] - sums.get("moe_aux_loss", 0.0)) / weights
+  mtp = {"mtp_loss": sums["mtp_loss"] / weights} if "mtp_loss" in sums else {}
   return {"loss": cross_entropy, "perplexity": math.exp(min(cross_entropy, 50.0)),
-          "accuracy": sums["correct"] / weights}
+          "accuracy": sums["correct"] / weights, **mtp}
 
 
 def evaluate(trainer: Trainer, config, params, data) -> dict:

@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import optax
 from flax.training.train_state import TrainState
 
-from MaxText import losses, optimizers, sharding
+from MaxText import head, losses, optimizers, sharding
 from MaxText.errors import UserError, first_line
-from MaxText.layers import context_parallel, decoders, moe
+from MaxText.layers import context_parallel, decoders, moe, multi_token_prediction
 from MaxText.layers.models import Transformer
+from MaxText.layers.multi_token_prediction import shifted
 
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
 
@@ -27,25 +28,44 @@ def _microbatches(batch, count):
   return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, count, *x.shape[1:]), 0, 1), batch)
 
 
-def batch_sums(model, config, params, batch):
+def _head_sums(config, hidden, kernel, targets, weights, z_loss_multiplier):
+  """[loss, z_loss, correct] summed over the scored tokens of the head's logits from hidden
+  states, from the whole logits or, with num_vocab_tiling > 1, tile by tile."""
+  if config.num_vocab_tiling > 1:
+    return losses.tiled_token_sums(hidden, kernel, targets, weights, config.num_vocab_tiling, z_loss_multiplier,
+                                   config.vocab_tiling_mode, config.final_logits_soft_cap)
+  return losses.token_sums(head.logits(hidden, kernel, config.final_logits_soft_cap), targets, weights,
+                           z_loss_multiplier)
+
+
+def mtp_weights(batch, k: int):
+  """Which positions i multi-token prediction's k-th layer is scored at: those whose target
+  t[i + k + 1] (targets[i + k]) is scored, within the row and in position i's document."""
+  segments = batch["inputs_segmentation"]
+  inside = jnp.arange(segments.shape[1]) < segments.shape[1] - k
+  same_document = shifted(segments, k) == segments
+  return (inside & same_document & (shifted(batch["targets_segmentation"], k) != 0)).astype(jnp.float32)
+
+
+def batch_sums(model, config, params, batch, train=True):
   """Sums over the batch's scored tokens: (loss incl. z-loss and the MoE router's losses,
   {weights, z_loss, correct}, and for MoE models moe_aux_loss (the router's share of the loss)
   and the router's statistics, each times the scored tokens; with routed_bias, expert_load, each
-  MoE layer's copies per expert (decoders.expert_loads)), from the whole logits or, with
+  MoE layer's copies per expert (moe.update_routed_bias's loads)), from the whole logits or, with
   num_vocab_tiling > 1, tile by tile. Under load-balanced context parallelism the batch is
-  reordered first, targets with their tokens: sums are unchanged."""
+  reordered first, targets with their tokens: sums are unchanged.
+
+  With mtp_num_layers D > 0, mtp_loss is the mean over the D layers of their cross entropies
+  (each a mean over its scored tokens), and mtp_loss_{k} each one's where D > 1, times the
+  scored tokens; the loss adds mtp_loss_scaling_factor times mtp_loss when `train` (evaluation
+  reports the main loss)."""
   batch = context_parallel.load_balance(config, batch)
   weights = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
   targets = batch["targets"]
-  if config.num_vocab_tiling > 1:
-    (hidden, kernel), state = model.apply({"params": params}, *inputs, return_hidden=True, mutable="intermediates")
-    loss, z_loss, correct = losses.tiled_token_sums(
-        hidden, kernel, targets, weights, config.num_vocab_tiling, config.z_loss_multiplier,
-        config.vocab_tiling_mode, config.final_logits_soft_cap)
-  else:
-    logits, state = model.apply({"params": params}, *inputs, mutable="intermediates")
-    loss, z_loss, correct = losses.token_sums(logits, targets, weights, config.z_loss_multiplier)
+  (hidden, kernel, mtp_hidden), state = model.apply({"params": params}, *inputs, return_hidden=True,
+                                                    mutable="intermediates")
+  loss, z_loss, correct = _head_sums(config, hidden, kernel, targets, weights, config.z_loss_multiplier)
   total = jnp.sum(weights)
   sums = {"weights": total, "z_loss": z_loss, "correct": correct}
   router = moe.aux_means(state.get("intermediates", {}))
@@ -57,15 +77,32 @@ def batch_sums(model, config, params, batch):
     loss = loss + aux
     sums["moe_aux_loss"] = jax.lax.stop_gradient(aux)
     sums.update({name: total * jax.lax.stop_gradient(value) for name, value in router.items()})
+  if mtp_hidden:
+    # Like the router's losses: a mean per layer over its tokens, as a sum weighing the
+    # microbatch by its scored tokens.
+    means = []
+    for k, h in enumerate(mtp_hidden, 1):
+      mtp_weight = mtp_weights(batch, k)
+      cross_entropy = _head_sums(config, h, kernel, shifted(targets, k), mtp_weight, 0.0)[0]
+      means.append(cross_entropy / jnp.maximum(jnp.sum(mtp_weight), 1.0))
+    mtp_loss = total * sum(means) / len(means)
+    if train:
+      loss = loss + config.mtp_loss_scaling_factor * mtp_loss
+    sums["mtp_loss"] = jax.lax.stop_gradient(mtp_loss)
+    if len(means) > 1:
+      sums.update({f"mtp_loss_{k}": total * jax.lax.stop_gradient(m) for k, m in enumerate(means, 1)})
   if config.routed_bias:
-    sums[moe.EXPERT_LOAD] = jax.lax.stop_gradient(decoders.expert_loads(config, state["intermediates"]))
+    loads = {"decoder": decoders.expert_loads(config, state["intermediates"])}
+    if config.mtp_num_layers:
+      loads["mtp"] = multi_token_prediction.expert_loads(config, state["intermediates"])
+    sums[moe.EXPERT_LOAD] = jax.lax.stop_gradient(loads)
   return loss, sums
 
 
 def _per_token(loss, sums):
   """Token-weighted means, the same however the tokens were split into microbatches."""
   total = jnp.maximum(sums["weights"], 1.0)
-  router = {name: sums[name] / total for name in sums if name.startswith("moe_")}
+  router = {name: sums[name] / total for name in sums if name.startswith(("moe_", "mtp_"))}
   return {"loss": loss / total, "z_loss": sums["z_loss"] / total, "accuracy": sums["correct"] / total,
           "total_weights": sums["weights"], **router}
 
@@ -116,7 +153,7 @@ def train_step(model, config, state, batch):
 
 def eval_step(model, config, params, batch):
   """Loss sums of one batch without gradients; the caller sums batches then divides."""
-  loss, sums = batch_sums(model, config, params, batch)
+  loss, sums = batch_sums(model, config, params, batch, train=False)
   sums.pop(moe.EXPERT_LOAD, None)
   return {"loss": loss, **sums}
 

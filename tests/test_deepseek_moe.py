@@ -191,7 +191,7 @@ def test_dense_first_layers_equal_a_python_loop_of_the_stored_layers():
       x = decoders.DecoderLayer(cfg, is_moe).apply({"params": layer}, x, positions, segments, i)
     return rms_norm_with(cfg, p["decoder_norm"]["scale"], x)
 
-  got = outputs_loss_grads(lambda p, x: decoder.apply({"params": p}, x, positions, segments), params, x)
+  got = outputs_loss_grads(lambda p, x: decoder.apply({"params": p}, x, positions, segments)[0], params, x)
   assert_trees_close(got, outputs_loss_grads(loop, params, x), RTOL, "scan, interval 2")
 
 

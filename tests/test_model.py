@@ -147,7 +147,7 @@ def test_tied_embeddings_use_the_table_as_output_head():
   assert "logits_kernel" not in params
   tokens, positions, segments = model_inputs(config)
   model = Transformer(config)
-  hidden, kernel = model.apply({"params": params}, tokens, positions, segments, return_hidden=True)
+  hidden, kernel, _ = model.apply({"params": params}, tokens, positions, segments, return_hidden=True)
   np.testing.assert_array_equal(kernel, params["token_embedder"]["embedding"].T)
   logits = model.apply({"params": params}, tokens, positions, segments)
   np.testing.assert_allclose(logits, hidden @ kernel, rtol=1e-5, atol=1e-5)
@@ -158,8 +158,8 @@ def test_bfloat16_activations_keep_float32_parameters():
   params = init_params(config)
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
   tokens, positions, segments = model_inputs(config)
-  hidden, kernel = Transformer(config).apply({"params": params}, tokens, positions, segments,
-                                             return_hidden=True)
+  hidden, kernel, _ = Transformer(config).apply({"params": params}, tokens, positions, segments,
+                                                return_hidden=True)
   assert hidden.dtype == jnp.bfloat16 and kernel.dtype == jnp.bfloat16
   logits = Transformer(config).apply({"params": params}, tokens, positions, segments)
   assert logits.dtype == jnp.float32

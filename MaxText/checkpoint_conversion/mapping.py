@@ -78,6 +78,9 @@ def _expected(config) -> dict:
   # Latent attention's scores are scaled by its query and key width; head_dim it does not use.
   mla = config.attention_type == "mla"
   unused.update(("head_dim",) if mla else _MLA_KEYS)
+  # config.json's num_nextn_predict_layers says how many prediction layers a checkpoint holds, not
+  # how many to train: mtp_num_layers is the user's (check_tensors finds the layers it needs).
+  unused.add("mtp_num_layers")
   return {**{key: getattr(config, key) for key in config_schema.fields("model") if key not in unused},
           "rope_max_timescale": float(config.rope_max_timescale),
           "local_rope_max_timescale": float(config.local_rope_max_timescale),
@@ -233,6 +236,9 @@ class Entry(NamedTuple):
   # Trailing features of the last axis that Hugging Face keeps in interleaved RoPE pairs (2j, 2j+1)
   # and this project in halves (j, j + n/2): DeepSeek's MLA queries and shared RoPE key.
   interleaved: int = 0
+  # A Hugging Face copy of a parameter another entry holds (DeepSeek's multi-token prediction
+  # layers keep the embedding and the head again): written on export, required but not read on import.
+  copy: bool = False
 
 
 def layout(config) -> list:
@@ -241,25 +247,44 @@ def layout(config) -> list:
   entries = [Entry(("token_embedder", "embedding"), "model.embed_tokens.weight", (), (config.vocab_size, dim), 0),
              Entry(("decoder", "decoder_norm", "scale"), "model.norm.weight", (), (dim,), 0)]
   for stack in decoders.stacks(config):
-    entries += _stack_entries(config, stack)
+    entries += _layer_entries(config, ("decoder", stack.name), "model.layers.{i}.", (stack.depth,), stack.first,
+                              stack.moe)
   if not config.logits_via_embedding:
     entries.append(Entry(("logits_kernel",), "lm_head.weight", (), (dim, config.vocab_size), 1))
+  for k in range(1, config.mtp_num_layers + 1):
+    entries += _mtp_entries(config, k)
   return entries
 
 
-def _stack_entries(config, stack) -> list:
-  """A layer stack's parameters, each [stack.depth, ...]: Hugging Face's layers stack.first on."""
+def _mtp_entries(config, k: int) -> list:
+  """Multi-token prediction's layer k, where DeepSeek's checkpoints keep it: as their layer
+  base_num_decoder_layers + k - 1, whose eh_proj reads [enorm(embedding) ; hnorm(hidden)] as
+  the projection does, with copies of the embedding and the head."""
+  dim, vocab = config.base_emb_dim, config.vocab_size
+  path, prefix = ("mtp", f"layer_{k}"), f"model.layers.{config.base_num_decoder_layers + k - 1}."
+  head = (Entry(("token_embedder", "embedding"), prefix + "shared_head.head.weight", (), (vocab, dim), 0, copy=True)
+          if config.logits_via_embedding else
+          Entry(("logits_kernel",), prefix + "shared_head.head.weight", (), (dim, vocab), 1, copy=True))
+  return [Entry((*path, "embedding_norm", "scale"), prefix + "enorm.weight", (), (dim,), 0),
+          Entry((*path, "hidden_state_norm", "scale"), prefix + "hnorm.weight", (), (dim,), 0),
+          Entry((*path, "projection"), prefix + "eh_proj.weight", (), (2 * dim, dim), 1),
+          Entry((*path, "shared_head_norm", "scale"), prefix + "shared_head.norm.weight", (), (dim,), 0),
+          Entry(("token_embedder", "embedding"), prefix + "embed_tokens.weight", (), (vocab, dim), 0, copy=True),
+          head, *_layer_entries(config, (*path, "transformer_layer"), prefix, (), 0, config.moe)]
+
+
+def _layer_entries(config, prefix: tuple, hf_prefix: str, layers: tuple, first: int, moe_layer: bool) -> list:
+  """A decoder layer's parameters under `prefix`: a stack's, each [depth, ...] (layers (depth,),
+  Hugging Face's layers `first` on), or one layer's (layers (), its index in hf_prefix)."""
   dim, head_dim, family = config.base_emb_dim, config.head_dim, FAMILIES[config.decoder_block]
-  layers = (stack.depth,)
 
   def entry(path, name, shape, in_axes, stacked=layers, **options):
-    return Entry(("decoder", stack.name, *path), "model.layers.{i}." + name, stacked, shape, in_axes,
-                 first=stack.first, **options)
+    return Entry((*prefix, *path), hf_prefix + name, stacked, shape, in_axes, first=first, **options)
 
   entries = [*_attention_entries(config, entry),
              entry(("pre_self_attention_norm", "scale"), "input_layernorm.weight", (dim,), 0),
              entry(("post_self_attention_norm", "scale"), "post_attention_layernorm.weight", (dim,), 0)]
-  if stack.moe:
+  if moe_layer:
     (router, gate, up, down), hidden = family.hf_expert_names, config.base_moe_mlp_dim
     experts = layers + (config.num_experts,)
     entries += [entry(("moe_block", "gate", "kernel"), router, (dim, config.num_experts), 1),
@@ -317,8 +342,11 @@ def _attention_entries(config, entry) -> list:
 
 
 def hf_names(config, entry) -> list:
-  """The entry's Hugging Face names in the order of its stacked dimensions (layer-major)."""
-  return [entry.name.format(**dict(zip("ie", (index[0] + entry.first, *index[1:]) if index else ())))
+  """The entry's Hugging Face names in the order of its stacked dimensions (layer-major; a
+  name without {i} is one layer's, its stacked dimension the experts')."""
+  layered = "{i}" in entry.name
+  return [entry.name.format(**dict(zip("ie" if layered else "e",
+                                       (index[0] + entry.first, *index[1:]) if layered else index)))
           for index in itertools.product(*map(range, entry.stack))]
 
 
@@ -430,6 +458,7 @@ def _moe_config(config) -> dict:
   DeepSeek's (its routing)."""
   family = FAMILIES[config.decoder_block]
   deepseek = {"n_shared_experts": config.shared_experts, "first_k_dense_replace": config.first_num_dense_layers,
+              "num_nextn_predict_layers": config.mtp_num_layers,
               "n_group": max(config.n_routing_groups, 1), "topk_group": max(config.topk_routing_group, 1),
               "routed_scaling_factor": config.routed_scaling_factor}
   return {family.hf_num_experts_key: config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
@@ -441,6 +470,9 @@ def _moe_config(config) -> dict:
 def check_exportable(config) -> None:
   """A config Hugging Face's class for its family cannot express is refused before anything is written."""
   family = FAMILIES[config.decoder_block]
+  if config.mtp_num_layers and not family.hf_layers_after_last:
+    raise errors.ConfigError(f"mtp_num_layers={config.mtp_num_layers}: {family.hf_architecture} has no multi-token "
+                             "prediction layers")
   if config.attention_type != family.hf_attention_type:
     raise errors.ConfigError(f"attention_type={config.attention_type!r}: {family.hf_architecture} has "
                              f"{family.hf_attention_type!r} attention")
@@ -537,10 +569,10 @@ def read_tensor(tensors: dict, name: str) -> np.ndarray:
 
 def _after_last_layer(config, name: str) -> bool:
   """A tensor of a layer after the last where the family's checkpoints keep their multi-token
-  prediction block there (DeepSeek's), which this project does not train: not imported."""
+  prediction block there (DeepSeek's), past the mtp_num_layers this config trains: not imported."""
   layer = re.match(r"model\.layers\.(\d+)\.", name)
   return FAMILIES[config.decoder_block].hf_layers_after_last and bool(layer) and int(layer[1]) >= (
-      config.base_num_decoder_layers)
+      config.base_num_decoder_layers + config.mtp_num_layers)
 
 
 def check_tensors(config, tensors: dict, hf_path: str) -> None:

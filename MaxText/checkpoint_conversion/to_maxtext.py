@@ -43,7 +43,7 @@ def _write(config, tensors: dict, dtype, path: str) -> None:
   """The checkpoint, each parameter a layer at a time as it is written (sliced.save), its
   checksums (as a run's, so every reader verifies it), then model.yml."""
   tree, sums = {}, {}
-  for entry in mapping.layout(config):
+  for entry in (entry for entry in mapping.layout(config) if not entry.copy):
     keys, stack, shape = entry.path, entry.stack, entry.shape
     running = sums[".params" + "".join(f"[{key!r}]" for key in keys)] = checkpointing.SliceChecksums()
 

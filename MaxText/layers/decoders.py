@@ -190,6 +190,9 @@ class Decoder(nn.Module):
   entry of `stacks`, created by one scan over its layers, so their values depend only on the
   shape keys and the seed. Applying regroups them for the stack remat_layer_interval and
   scan_layers ask for, so a checkpoint saved under any of these settings resumes under any other.
+
+  Returns the final-normed hidden states and those before the final norm (multi-token
+  prediction's input).
   """
 
   config: object
@@ -205,4 +208,4 @@ class Decoder(nn.Module):
         regrouped = nn.map_variables(LayerStack, "params", trans_in_fn=lambda v, depth=stack.depth: {
             "params": regroup(cfg, depth, v["params"])})
         x = regrouped(cfg, stack, name=stack.name)(x, positions, segment_ids)
-    return rms_norm(cfg, "decoder_norm")(x)
+    return rms_norm(cfg, "decoder_norm")(x), x

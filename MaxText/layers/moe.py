@@ -345,16 +345,19 @@ def is_routed_bias(path) -> bool:
 
 
 def update_routed_bias(params, loads: dict, rate: float):
-  """params with each MoE layer's Gate bias moved by rate * sign(mean load - load): loads maps a
-  stack of layers under params["decoder"] to its layers' expert loads [layers, E]
-  (decoders.expert_loads), so the overloaded experts are chosen less (DeepSeek-V3's
-  auxiliary-loss-free balancing)."""
-  decoder = dict(params["decoder"])
-  for stack, load in loads.items():
-    step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
-    decoder[stack] = jax.tree_util.tree_map_with_path(
-        lambda path, p, step=step: p + step.astype(p.dtype) if is_routed_bias(path) else p, decoder[stack])
-  return {**params, "decoder": decoder}
+  """params with each MoE layer's Gate bias moved by rate * sign(mean load - load), so the
+  overloaded experts are chosen less (DeepSeek-V3's auxiliary-loss-free balancing). loads
+  mirrors params' first two levels: {"decoder": {stack: [layers, E]}} (decoders.expert_loads),
+  and {"mtp": {layer: [E]}} for multi-token prediction's MoE layers."""
+  params = dict(params)
+  for top, parts in loads.items():
+    updated = dict(params[top])
+    for name, load in parts.items():
+      step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+      updated[name] = jax.tree_util.tree_map_with_path(
+          lambda path, p, step=step: p + step.astype(p.dtype) if is_routed_bias(path) else p, updated[name])
+    params[top] = updated
+  return params
 
 
 class MoeBlock(nn.Module):
