@@ -386,6 +386,31 @@ class Remat:
     at_least(self, 1, "remat_layer_interval")
 
 
+@section("Pipeline")
+class Pipeline:
+  """With pipeline stages (ici_/dcn_pipeline_parallelism > 1) each stage holds a share of the
+  decoder's layers and microbatches flow through them; only activations cross between stages. The
+  embedding and the output head run outside the stages. gpipe runs every microbatch's forward, then
+  every backward: activation memory grows with the microbatches. 1f1b runs one forward and one
+  backward per stage and iteration, keeping at most 2 x stages - 1 microbatches' activations."""
+  num_pipeline_microbatches: int = key(-1, "microbatches per step (a multiple of the stages); -1: one per stage")
+  num_layers_per_pipeline_stage: int = key(
+      0, "layers a stage runs per pass; fewer than layers / stages makes the schedule circular (each stage "
+         "holds every S-th group); 0: layers / stages")
+  num_pipeline_repeats: int = key(-1, "passes of each microbatch through the stages (circular when > 1); -1: "
+                                      "layers / (stages x num_layers_per_pipeline_stage)")
+  pipeline_schedule: Literal["gpipe", "1f1b"] = key(
+      "gpipe", "gpipe: every forward, then every backward (circular with repeats > 1); 1f1b: one forward and one "
+               "backward per stage and iteration, activations bounded by the stages")
+
+  def check(self):
+    require(self.num_pipeline_microbatches == -1 or self.num_pipeline_microbatches >= 1, self,
+            "num_pipeline_microbatches", "must be >= 1, or -1 for one per stage")
+    require(self.num_pipeline_repeats == -1 or self.num_pipeline_repeats >= 1, self, "num_pipeline_repeats",
+            "must be >= 1, or -1 to follow num_layers_per_pipeline_stage")
+    at_least(self, 0, "num_layers_per_pipeline_stage")
+
+
 @section("Optimizer (optax AdamW, warmup + cosine schedule)")
 class Optimizer:
   """The optimizer, its schedule and the loss's extra terms."""
@@ -608,17 +633,19 @@ class Decode:
 
 @section("Mesh and sharding")
 class Mesh:
-  """The device mesh has axes (data, fsdp, tensor, context, expert). Each ici_* key sizes one axis
+  """The device mesh has axes (data, pipeline, fsdp, tensor, context, expert). Each ici_* key sizes one axis
   within a slice or host (fast interconnect), each dcn_* key across slices or hosts (data center
   network); each group may have one -1 that fills the rest. With every dcn_* at 1 the ici_* sizes
   span all devices, on one host or many; otherwise the dcn_* product must equal the number of
   slices (TPU) or processes (GPU, CPU) and the ici_* product the devices in each."""
   ici_data_parallelism: int = key(1, "pure data parallelism (replicated parameters)")
+  ici_pipeline_parallelism: int = key(1, "pipeline stages within a slice or host (docs/guides/pipeline.md)")
   ici_fsdp_parallelism: int = key(-1, "data parallelism with parameters and optimizer state sharded")
   ici_tensor_parallelism: int = key(1, "Megatron-style tensor parallelism over heads, MLP and vocab")
   ici_context_parallelism: int = key(1, "the sequence split: activations and attention's queries "
                                         "(docs/guides/long_context.md)")
   dcn_data_parallelism: int = key(1, "data parallelism across slices/hosts")
+  dcn_pipeline_parallelism: int = key(1, "pipeline stages across slices/hosts: only activations cross between them")
   dcn_fsdp_parallelism: int = key(1, "FSDP across slices/hosts")
   dcn_tensor_parallelism: int = key(1, "tensor parallelism across slices/hosts (rarely wise)")
   dcn_context_parallelism: int = key(1, "context parallelism across slices/hosts")
@@ -647,14 +674,15 @@ class Mesh:
        ["activation_vocab", ["tensor"]], ["activation_embed", []], ["exp", ["expert"]],
        ["exp_fsdp", ["expert", "fsdp", "context"]], ["embed", ["fsdp", "context", "expert"]],
        ["embed", ["fsdp", "context"]], ["vocab", ["tensor"]], ["q_heads", ["tensor"]], ["kv_heads", ["tensor"]],
-       ["heads", ["tensor"]], ["mlp", ["tensor"]], ["kv", []], ["norm", []], ["layers", []],
+       ["heads", ["tensor"]], ["mlp", ["tensor"]], ["kv", []], ["norm", []], ["layers", ["pipeline"]],
        ["q_lora", ["fsdp", "context", "expert"]], ["kv_lora", ["fsdp", "context", "expert"]], ["q_lora_up_proj", []],
        ["kv_lora_up_proj", []], ["kv_head_dim", []]],
       "model axis name -> mesh axes, first unused match wins (flax semantics)",
       doc="`exp` comes before `embed`, so the experts' weights shard their `exp` axis first; `exp_fsdp` is the "
           "experts' weights where the experts divide over those axes (moe.py), and the second `embed` rule serves "
           "the experts' weights whose `exp` axis took `expert`. attention_type=mla's latent features (q_lora, "
-          "kv_lora: the inputs of wq_b and wkv_b) shard as `embed` does.")
+          "kv_lora: the inputs of wq_b and wkv_b) shard as `embed` does. The stacked layers' `layers` axis is "
+          "split over the pipeline stages.")
 
   @staticmethod
   def axis_rules(rules: list) -> list:

@@ -266,6 +266,7 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   v.update(FAMILIES[v["decoder_block"]].switches())
   sharding.check_divisible(v)
   _check_context(v)
+  _derive_pipeline(v)
   units = v["base_mlp_dim"] // sharding.logical_shards(v, "mlp")
   _require(units % v["mlp_chunks"] == 0, "mlp_chunks",
            f"must divide the {units} hidden units per tensor shard (base_mlp_dim / the shards of mlp)", v)
@@ -278,6 +279,42 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   v["learning_rate_schedule_steps"] = v["learning_rate_schedule_steps"] or v["steps"]
   v["run_dir"] = os.path.join(v["base_output_directory"], v["run_name"])
   v["dataset_cache_dir"] = v["dataset_cache_dir"] or os.path.join(v["base_output_directory"], "cache")
+
+
+def _derive_pipeline(v: dict) -> None:
+  """pipeline_stages, num_pipeline_microbatches and num_pipeline_repeats resolved for the mesh,
+  and what a pipeline needs of the layers and the batch."""
+  axis = sharding.MESH_AXES.index("pipeline")
+  stages = v["pipeline_stages"] = v["mesh_shape"][axis] * v["dcn_mesh_shape"][axis]
+  layers = v["base_num_decoder_layers"]
+  if v["num_pipeline_microbatches"] == -1:
+    v["num_pipeline_microbatches"] = stages
+  if stages == 1:
+    v["num_pipeline_repeats"] = 1
+    return
+  for key in ("first_num_dense_layers", "mtp_num_layers"):
+    _require(not v[key], key, f"must be 0 with pipeline stages ({stages}): a pipeline runs one stack of layers", v)
+  _require(not v["moe"], "decoder_block", f"pipeline stages ({stages}) run dense decoders only, not a mixture of "
+           "experts", v)
+  per_stage = v["num_layers_per_pipeline_stage"] or layers // stages
+  repeats = layers // (stages * per_stage) if per_stage else 0
+  if v["num_pipeline_repeats"] != -1:
+    _require(v["num_pipeline_repeats"] == repeats or not v["num_layers_per_pipeline_stage"], "num_pipeline_repeats",
+             f"disagrees with num_layers_per_pipeline_stage={per_stage}: {layers} layers over {stages} stages make "
+             f"{repeats} repeats", v)
+    repeats = v["num_pipeline_repeats"]
+  _require(repeats >= 1 and layers % (stages * repeats) == 0, "base_num_decoder_layers",
+           f"must be divisible by pipeline stages x repeats = {stages} x {repeats} "
+           "(ici_/dcn_pipeline_parallelism, num_pipeline_repeats or num_layers_per_pipeline_stage)", v)
+  v["num_pipeline_repeats"] = repeats
+  count = v["num_pipeline_microbatches"]
+  _require(count % stages == 0, "num_pipeline_microbatches", f"must be a multiple of the {stages} pipeline stages", v)
+  shards = sharding.logical_shards(v, "activation_batch")
+  _require(v["micro_batch_size"] % (count * shards) == 0, "num_pipeline_microbatches",
+           f"must split the {v['micro_batch_size']} rows per step into microbatches of whole rows per batch shard "
+           f"({shards} shards of activation_batch)", v)
+  _require(v["pipeline_schedule"] != "1f1b" or repeats == 1, "pipeline_schedule",
+           f"1f1b is not circular: num_pipeline_repeats must be 1, not {repeats}", v)
 
 
 def _check_context(v: dict) -> None:

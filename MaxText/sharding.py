@@ -1,5 +1,5 @@
-"""The devices and their mesh: which devices a run is for, the (data, fsdp, tensor, context,
-expert) mesh sizes from ici_*/dcn_*_parallelism, the check that every sharded dimension divides, and
+"""The devices and their mesh: which devices a run is for, the (data, pipeline, fsdp, tensor,
+context, expert) mesh sizes from ici_*/dcn_*_parallelism, the check that every sharded dimension divides, and
 logical-axis sharding (flax logical axis rules over jax.sharding)."""
 
 import contextlib
@@ -14,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from MaxText import accelerators
 from MaxText.errors import ConfigError, UserError, first_line
 
-MESH_AXES = ("data", "fsdp", "tensor", "context", "expert")
+MESH_AXES = ("data", "pipeline", "fsdp", "tensor", "context", "expert")
 BATCH = ("activation_batch", "activation_length")
 
 
@@ -126,7 +126,7 @@ def logical_shards(v: dict, name: str) -> int:
 
 
 def create_mesh(config) -> jax.sharding.Mesh:
-  """The (data, fsdp, tensor, context, expert) mesh; with dcn_* sizes, a hybrid mesh whose dcn part
+  """The (data, pipeline, fsdp, tensor, context, expert) mesh; with dcn_* sizes, a hybrid mesh whose dcn part
   spans slices (TPU) or processes (GPU, CPU) and whose ici part spans devices within one.
   With compile_topology, the devices are that TPU slice's, to compile for."""
   # Auto axes: XLA's SPMD partitioner propagates shardings from the constraints we place.

@@ -15,17 +15,12 @@ from flax.training.train_state import TrainState
 
 from MaxText import head, losses, optimizers, sharding
 from MaxText.errors import UserError, first_line
-from MaxText.layers import context_parallel, decoders, moe, multi_token_prediction
+from MaxText.layers import context_parallel, decoders, moe, multi_token_prediction, pipeline
 from MaxText.layers.models import Transformer
 from MaxText.layers.multi_token_prediction import shifted
+from MaxText.layers.normalizations import rms_norm_with
 
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
-
-
-def _microbatches(batch, count):
-  """[count * m, T] -> [count, m, T], microbatch k = rows k, k + count, ...: every
-  microbatch is spread over the batch shards like the whole batch."""
-  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, count, *x.shape[1:]), 0, 1), batch)
 
 
 def _head_sums(config, hidden, kernel, targets, weights, z_loss_multiplier):
@@ -107,10 +102,38 @@ def _per_token(loss, sums):
           "total_weights": sums["weights"], **router}
 
 
+def one_f_one_b(model, config, params, batch):
+  """((loss, sums), gradient of the loss) as value_and_grad of batch_sums gives them, from the
+  1F1B pipeline (pipeline_schedule=1f1b): the stack's layers in stages, the embedding and the
+  head, its final norm and the loss of each microbatch inside the loop."""
+  batch = context_parallel.load_balance(config, batch)
+  (stack,) = decoders.stacks(config)
+  rest = {**params, "decoder": {k: v for k, v in params["decoder"].items() if k != stack.name}}
+
+  def embed(rest, microbatch):
+    return model.apply({"params": rest}, microbatch["inputs"], method="embed")
+
+  def head_sums(rest, y, microbatch):
+    hidden = rms_norm_with(config, rest["decoder"]["decoder_norm"]["scale"], y)
+    kernel = model.apply({"params": rest}, method="output_kernel")
+    weights = (microbatch["targets_segmentation"] != 0).astype(jnp.float32)
+    loss, z_loss, correct = _head_sums(config, hidden, kernel, microbatch["targets"], weights,
+                                       config.z_loss_multiplier)
+    return loss, {"weights": jnp.sum(weights), "z_loss": z_loss, "correct": correct}
+
+  (loss, sums), (layer_grads, grads) = pipeline.gradients(
+      config, decoders.pipeline_stage(config, stack), params["decoder"][stack.name], rest, embed, head_sums, batch)
+  grads["decoder"] = {**grads["decoder"], stack.name: layer_grads}
+  return (loss, sums), grads
+
+
 def gradients(model, config, params, batch):
   """((loss sum, sums), gradient of the loss per scored token) of the global batch, summed over
   its gradient_accumulation_steps microbatches."""
-  grad_fn = jax.value_and_grad(functools.partial(batch_sums, model, config), has_aux=True)
+  if config.pipeline_stages > 1 and config.pipeline_schedule == "1f1b":
+    grad_fn = functools.partial(one_f_one_b, model, config)
+  else:
+    grad_fn = jax.value_and_grad(functools.partial(batch_sums, model, config), has_aux=True)
   if config.gradient_accumulation_steps > 1:
 
     def accumulate(total, microbatch):
@@ -118,7 +141,7 @@ def gradients(model, config, params, batch):
 
     zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, params, batch))
     (loss, sums), grads = jax.lax.scan(accumulate, zeros,
-                                       _microbatches(batch, config.gradient_accumulation_steps))[0]
+                                       pipeline.microbatches(batch, config.gradient_accumulation_steps))[0]
   else:
     (loss, sums), grads = grad_fn(params, batch)
   # The loss is a sum over tokens; dividing once by the global token count makes every

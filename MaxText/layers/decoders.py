@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import remat
-from MaxText.layers import moe
+from MaxText.layers import moe, pipeline
 from MaxText.layers.attentions import Attention
 from MaxText.layers.linears import BATCH_LENGTH_EMBED, MlpBlock
 from MaxText.layers.normalizations import rms_norm
@@ -115,27 +115,28 @@ class LayerStack(nn.Module):
   """A stack's layers as the memory settings run them, over parameters grouped to match: with
   scan_layers, nn.scan over blocks of remat_layer_interval layers (one compiled body; the
   depth % interval layers left over form one more, unscanned block); without, a Python loop.
-  The interval counts from the stack's first layer."""
+  The interval counts from the stack's first layer, whose model index is `first` (traced in a
+  pipeline stage)."""
 
   config: object
   stack: Stack
 
   @nn.compact
-  def __call__(self, x, positions, segment_ids):
+  def __call__(self, x, positions, segment_ids, first):
     cfg, stack = self.config, self.stack
     interval = cfg.remat_layer_interval
     if not cfg.scan_layers:
       for i in range(stack.depth):
         x = layer_class(cfg, i % interval == 0, False)(cfg, stack.moe, name=f"layer_{i}")(
-            x, positions, segment_ids, stack.first + i)
+            x, positions, segment_ids, first + i)
       return x
     groups, rest = divmod(stack.depth, interval)
     if groups:
       x, _ = scanned(DecoderBlock, cfg, groups, stack.moe, interval, True, name="blocks")(
-          x, positions, segment_ids, stack.first + jnp.arange(groups) * interval)
+          x, positions, segment_ids, first + jnp.arange(groups) * interval)
     if rest:
       x, _ = DecoderBlock(cfg, stack.moe, rest, False, name="rest")(x, positions, segment_ids,
-                                                                    stack.first + groups * interval)
+                                                                    first + groups * interval)
     return x
 
 
@@ -166,6 +167,18 @@ def regroup(cfg, depth: int, layers):
   return grouped
 
 
+def pipeline_stage(cfg, stack: Stack) -> pipeline.Stage:
+  """The stack's layers as a pipeline stage runs them: L / (S R) consecutive layers, regrouped
+  and run as LayerStack runs a stack of that depth."""
+  depth = stack.depth // (cfg.pipeline_stages * cfg.num_pipeline_repeats)
+  part = stack._replace(depth=depth)
+
+  def apply(layers, x, positions, segment_ids, first):
+    return LayerStack(cfg, part, parent=None).apply({"params": layers}, x, positions, segment_ids, first)
+
+  return pipeline.Stage(functools.partial(regroup, cfg, depth), apply, depth, stack.first)
+
+
 def expert_loads(cfg, intermediates) -> dict:
   """{stack name: [depth, E]} the load per expert that each MoE layer sowed (moe.EXPERT_LOAD),
   back in the stored layer order (regroup's inverse), from model.apply's intermediates."""
@@ -190,6 +203,8 @@ class Decoder(nn.Module):
   entry of `stacks`, created by one scan over its layers, so their values depend only on the
   shape keys and the seed. Applying regroups them for the stack remat_layer_interval and
   scan_layers ask for, so a checkpoint saved under any of these settings resumes under any other.
+  With pipeline stages the stack runs pipelined (GPipe's forward, `pipeline.forward`) from the
+  same stored parameters, whose layers axis the stages shard.
 
   Returns the final-normed hidden states and those before the final norm (multi-token
   prediction's input).
@@ -204,8 +219,11 @@ class Decoder(nn.Module):
       if self.is_initializing():
         x, _ = scanned(ScannedDecoderLayer, cfg, stack.depth, stack.moe, name=stack.name)(
             x, positions, segment_ids, stack.first + jnp.arange(stack.depth))
+      elif cfg.pipeline_stages > 1:
+        x = pipeline.forward(cfg, pipeline_stage(cfg, stack), self.variables["params"][stack.name], x, positions,
+                             segment_ids)
       else:
         regrouped = nn.map_variables(LayerStack, "params", trans_in_fn=lambda v, depth=stack.depth: {
             "params": regroup(cfg, depth, v["params"])})
-        x = regrouped(cfg, stack, name=stack.name)(x, positions, segment_ids)
+        x = regrouped(cfg, stack, name=stack.name)(x, positions, segment_ids, stack.first)
     return rms_norm(cfg, "decoder_norm")(x), x

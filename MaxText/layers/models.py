@@ -25,23 +25,32 @@ class Transformer(nn.Module):
 
   config: object
 
-  @nn.compact
-  def __call__(self, tokens, positions, segment_ids, return_hidden=False):
+  def setup(self):
     cfg = self.config
-    dtype, weight_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype)
-    embed = Embed(cfg.vocab_size, cfg.base_emb_dim, dtype, weight_dtype, name="token_embedder")
-    x = embed(tokens)
-    if cfg.scale_embedding:
-      x = x * jnp.asarray(cfg.base_emb_dim**0.5, x.dtype)
-    hidden, pre_norm = Decoder(cfg, name="decoder")(x, positions, segment_ids)
-    mtp_hidden = (MultiTokenPrediction(cfg, name="mtp")(pre_norm, x, positions, segment_ids) if cfg.mtp_num_layers
-                  else ())
-    if cfg.logits_via_embedding:
-      kernel = embed.embedding.T
-    else:
-      kernel = self.param("logits_kernel", nn.with_logical_partitioning(kernel_init(1), ("embed", "vocab")),
-                          (cfg.base_emb_dim, cfg.vocab_size), weight_dtype)
-    kernel = kernel.astype(dtype)
+    self.token_embedder = Embed(cfg.vocab_size, cfg.base_emb_dim, jnp.dtype(cfg.dtype), jnp.dtype(cfg.weight_dtype))
+    self.decoder = Decoder(cfg)
+    self.mtp = MultiTokenPrediction(cfg) if cfg.mtp_num_layers else None
+    if not cfg.logits_via_embedding:
+      self.logits_kernel = self.param("logits_kernel", nn.with_logical_partitioning(kernel_init(1), ("embed", "vocab")),
+                                      (cfg.base_emb_dim, cfg.vocab_size), jnp.dtype(cfg.weight_dtype))
+
+  def embed(self, tokens):
+    """tokens [B, T] -> the decoder's input [B, T, D] (scaled by sqrt(D) where the family does)."""
+    x = self.token_embedder(tokens)
+    if self.config.scale_embedding:
+      x = x * jnp.asarray(self.config.base_emb_dim**0.5, x.dtype)
+    return x
+
+  def output_kernel(self):
+    """The head's [D, V] kernel in the activation dtype."""
+    kernel = self.token_embedder.embedding.T if self.config.logits_via_embedding else self.logits_kernel
+    return kernel.astype(jnp.dtype(self.config.dtype))
+
+  def __call__(self, tokens, positions, segment_ids, return_hidden=False):
+    x = self.embed(tokens)
+    hidden, pre_norm = self.decoder(x, positions, segment_ids)
+    mtp_hidden = self.mtp(pre_norm, x, positions, segment_ids) if self.mtp is not None else ()
+    kernel = self.output_kernel()
     if return_hidden:
       return hidden, kernel, mtp_hidden
-    return head.logits(hidden, kernel, cfg.final_logits_soft_cap)
+    return head.logits(hidden, kernel, self.config.final_logits_soft_cap)

@@ -1,0 +1,212 @@
+"""Pipeline parallelism: the decoder's layers in stages along the `pipeline` mesh axis.
+
+A stack's stored layers [L, ...] (layer order; the `layers` axis sharded over `pipeline`) are
+viewed as [S stages, R repeats, L / (S R) layers]: stage s runs the layer groups s, S + s,
+2S + s, ... (circular with num_pipeline_repeats R > 1; with R = 1 a stage's layers are the
+contiguous ones its shard of the stored axis already holds, so nothing moves). All stages run
+in each iteration, each on its own microbatch, as one program vmapped over the stage axis
+(spmd_axis_name="pipeline"), and their outputs move one stage on by a roll of that axis, which
+the partitioner turns into a collective permute: only activations cross between stages.
+
+Microbatch m at repeat r enters stage s in iteration r M + m + s (M microbatches). Stage 0 reads
+from a buffer of the M microbatches: their embeddings for repeat 0, and for later repeats the
+last stage's output, written there M - S + 1 >= 1 iterations before it is read.
+
+`forward` is the GPipe schedule: autodiff runs every backward after every forward, so a stage
+keeps the residuals (what remat_policy saves) of all R M + S - 1 iterations. `gradients` is 1F1B:
+each iteration runs one forward and one backward per stage, the loss and its gradient inside
+the loop, and a stage keeps the residuals of at most 2S - 1 microbatches (the round trip to the
+last stage and back), however many microbatches there are.
+"""
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+import flax.linen as nn
+
+# The state passed between stages: [stage, rows, length, embed].
+STATE_AXES = ("layers", "activation_batch", "activation_length", "activation_embed")
+
+
+class Stage(NamedTuple):
+  """A stage's layers as functions of its slice [L / (S R), ...] of the stored layers."""
+
+  regroup: Callable  # the slice -> the layout its layers read (linear, so its transpose is cheap)
+  apply: Callable  # (regrouped, x, positions, segment ids, model's index of its first layer) -> x
+  per_stage: int  # layers per stage and repeat
+  first: int  # the model's index of the stack's first layer
+
+
+def microbatches(tree, count: int):
+  """[count * m, ...] -> [count, m, ...], microbatch k = rows k, k + count, ...: every
+  microbatch is spread over the batch shards like the whole batch."""
+  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, count, *x.shape[1:]), 0, 1), tree)
+
+
+def rows(x):
+  """microbatches' inverse: [count, m, ...] -> [count * m, ...] in the batch's row order."""
+  return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def bubble(cfg) -> float:
+  """The share of stage-iterations that compute nothing: (S - 1) / (R M + S - 1) for GPipe,
+  2 (S - 1) / (M + 2 (S - 1)) for 1F1B (each of its iterations is one forward and one backward)."""
+  stages, work = cfg.pipeline_stages, cfg.num_pipeline_repeats * cfg.num_pipeline_microbatches
+  idle = (2 if cfg.pipeline_schedule == "1f1b" else 1) * (stages - 1)
+  return idle / (work + idle) if stages > 1 else 0.0
+
+
+def _on_stages(x, axes=None):
+  """x [S, ...] with its stage axis on `pipeline` (the rest as `axes` name them, or as the
+  partitioner likes)."""
+  if axes is not None:
+    return nn.with_logical_constraint(x, axes)
+  return jax.lax.with_sharding_constraint(x, PartitionSpec("pipeline", *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1)))
+
+
+def stage_layers(cfg, layers):
+  """The stored [L, ...] -> [S, R, L / (S R), ...], the stage axis on `pipeline`."""
+  stages, repeats = cfg.pipeline_stages, cfg.num_pipeline_repeats
+  return jax.tree.map(lambda p: _on_stages(jnp.swapaxes(p.reshape(repeats, stages, -1, *p.shape[1:]), 0, 1)),
+                      layers)
+
+
+def _stage_run(cfg, stage: Stage):
+  """(stage_layers' [S, R, ...], repeat per stage [S], x, positions, segment ids [S, ...]) -> x:
+  every stage's layers of its repeat on its microbatch."""
+  stages = cfg.pipeline_stages
+
+  def one(layers, repeat, x, positions, segment_ids, index):
+    mine = stage.regroup(jax.tree.map(lambda p: p[repeat], layers))
+    first = stage.first + (repeat * stages + index) * stage.per_stage
+    return stage.apply(mine, x, positions, segment_ids, first)
+
+  run = jax.vmap(one, spmd_axis_name="pipeline")
+  return lambda layers, repeat, x, positions, segment_ids: run(layers, repeat, x, positions, segment_ids,
+                                                               jnp.arange(stages))
+
+
+def forward(cfg, stage: Stage, layers, x, positions, segment_ids):
+  """x [B, T, D] through a stack's layers pipelined over its stages, GPipe's schedule
+  (circular when R > 1); differentiable, so autodiff gives the backward."""
+  stages, repeats, count = cfg.pipeline_stages, cfg.num_pipeline_repeats, cfg.num_pipeline_microbatches
+  run = _stage_run(cfg, stage)
+  params = stage_layers(cfg, layers)
+  buffer, positions, segment_ids = microbatches((x, positions, segment_ids), count)
+  index = jnp.arange(stages)
+
+  def iteration(carry, t):
+    state, buffer = carry
+    state = _on_stages(state.at[0].set(buffer[t % count]), STATE_AXES)
+    work = jnp.clip(t - index, 0, repeats * count - 1)  # each stage's (repeat, microbatch) as r M + m
+    m = work % count
+    out = _on_stages(run(params, work // count, state, positions[m], segment_ids[m]), STATE_AXES)
+    done = (t - stages + 1) % count  # the microbatch the last stage finished, from iteration S - 1 on
+    buffer = buffer.at[done].set(jnp.where(t >= stages - 1, out[-1], buffer[done]))
+    return (jnp.roll(out, 1, axis=0), buffer), None
+
+  state = jnp.zeros((stages, *buffer.shape[1:]), buffer.dtype)
+  (_, buffer), _ = jax.lax.scan(iteration, (state, buffer), jnp.arange(repeats * count + stages - 1))
+  return rows(buffer)
+
+
+class _Residuals:
+  """What one stage's vjp keeps, without the stage's own parameters (the vjp forwards them;
+  they are read again from the parameters, never stored once per microbatch). `split` learns the
+  vjp's structure each time it is traced (the backward of the same iteration rebuilds it from the
+  latest); `join` rebuilds the vjp from the parameters and the rest."""
+
+  def __init__(self):
+    self.treedef, self.from_params = None, None
+
+  def split(self, params, vjp):
+    leaves, self.treedef = jax.tree.flatten(vjp)
+    owned = {id(p): i for i, p in enumerate(jax.tree.leaves(params))}
+    from_params = tuple(owned.get(id(leaf)) for leaf in leaves)
+    assert self.from_params in (None, from_params), "the stage's vjp kept other arrays when traced again"
+    self.from_params = from_params
+    return [leaf for leaf, i in zip(leaves, from_params) if i is None]
+
+  def join(self, params, kept):
+    own, kept = jax.tree.leaves(params), iter(kept)
+    return jax.tree.unflatten(self.treedef, [next(kept) if i is None else own[i] for i in self.from_params])
+
+
+def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, batch: dict):
+  """1F1B: ((loss, sums), (gradient of the stack's layers, gradient of `rest`)) of the batch's
+  microbatches, each iteration one forward and one backward per stage.
+
+  embed(rest, microbatch) -> x [m, T, D]: the first stage's input; head(rest, y, microbatch) ->
+  (loss, sums): the loss of the last stage's output, whose gradient starts the backward. `rest`
+  are the parameters besides the stack (the embedding, the final norm, the head); `sums` are
+  summed over the microbatches as the loss is."""
+  stages, count = cfg.pipeline_stages, cfg.num_pipeline_microbatches
+  slots = 2 * stages - 1
+  run_layers = jax.tree.map(lambda p: p[:, 0], stage_layers(cfg, layers))  # 1F1B is not circular
+  regroup = jax.vmap(stage.regroup)
+  params = regroup(run_layers)
+  batch = microbatches(batch, count)
+  index = jnp.arange(stages)
+  residuals = _Residuals()
+  first = stage.first + index * stage.per_stage
+
+  def forward_one(p, x, positions, segment_ids, first):
+    y, vjp = jax.vjp(lambda p, x: stage.apply(p, x, positions, segment_ids, first), p, x)
+    return y, residuals.split(p, vjp)
+
+  def backward_one(p, kept, dy):
+    return residuals.join(p, kept)(dy)
+
+  fwd = jax.vmap(forward_one, spmd_axis_name="pipeline")
+  bwd = jax.vmap(backward_one, spmd_axis_name="pipeline")
+  take = lambda m: jax.tree.map(lambda a: a[jnp.clip(m, 0, count - 1)], batch)
+  x0 = jax.eval_shape(lambda: embed(rest, take(0)))
+  state = jnp.zeros((stages, *x0.shape), x0.dtype)
+  kept_shape = jax.eval_shape(lambda: fwd(params, state, batch["inputs_position"][:stages],
+                                          batch["inputs_segmentation"][:stages], first)[1])
+  kept = [jnp.zeros((stages, slots, *k.shape[1:]), k.dtype) for k in kept_shape]
+  zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+  sums0 = jax.eval_shape(lambda: head(rest, state[0], take(0)))
+
+  def iteration(carry, t):
+    state, cotangent, kept, grads, rest_grads, total = carry
+    # Forward: stage s runs microbatch t - s; the first stage's input is embedded here.
+    state = _on_stages(state.at[0].set(embed(rest, take(t))), STATE_AXES)
+    m_f = jnp.clip(t - index, 0, count - 1)
+    y, new = fwd(params, state, batch["inputs_position"][m_f], batch["inputs_segmentation"][m_f], first)
+    y = _on_stages(y, STATE_AXES)
+    slot_f = (t - index) % slots
+    kept = [jax.vmap(lambda b, v, k: b.at[k].set(v))(b, v, slot_f) for b, v in zip(kept, new)]
+    # The loss of the microbatch the last stage just finished, and its gradient.
+    m_l = t - stages + 1
+    scored = (m_l >= 0) & (m_l < count)
+    out, head_vjp = jax.vjp(lambda r, y: head(r, y, take(m_l)), rest, y[-1])
+    d_rest, dy = head_vjp((jnp.where(scored, 1.0, 0.0).astype(out[0].dtype), zeros(out[1])))
+    total = jax.tree.map(lambda a, b: a + jnp.where(scored, b, 0), total, out)
+    # Backward: stage s runs microbatch t - 2S + 2 + s, its cotangent from stage s + 1 (the
+    # last stage's from the loss above).
+    cotangent = _on_stages(cotangent.at[-1].set(dy), STATE_AXES)
+    m_b = t - 2 * stages + 2 + index
+    live = (m_b >= 0) & (m_b < count)
+    slot_b = m_b % slots
+    mine = [jax.vmap(lambda b, k: b[k])(b, slot_b) for b in kept]
+    d_params, dx = bwd(params, mine, cotangent)
+    grads = jax.tree.map(lambda g, d: g + jnp.where(live.reshape(-1, *(1,) * (d.ndim - 1)), d, 0), grads, d_params)
+    # The first stage's input gradient reaches the embedding.
+    m_0 = t - 2 * stages + 2
+    _, embed_vjp = jax.vjp(lambda r: embed(r, take(m_0)), rest)
+    (d_embed,) = embed_vjp(jnp.where(live[0], dx[0], 0))
+    rest_grads = jax.tree.map(lambda g, a, b: g + a + b, rest_grads, d_rest, d_embed)
+    return (jnp.roll(y, 1, axis=0), _on_stages(jnp.roll(dx, -1, axis=0), STATE_AXES), kept, grads, rest_grads,
+            total), None
+
+  carry = (state, jnp.zeros_like(state), kept, zeros(params), zeros(rest), zeros(sums0))
+  (_, _, _, grads, rest_grads, total), _ = jax.lax.scan(iteration, carry, jnp.arange(count + 2 * stages - 2))
+  # The gradient of the stored layers: the transpose of their view as stages.
+  _, to_stored = jax.vjp(lambda l: regroup(jax.tree.map(lambda p: p[:, 0], stage_layers(cfg, l))), layers)
+  (layer_grads,) = to_stored(grads)
+  return total, (layer_grads, rest_grads)
