@@ -53,7 +53,7 @@ def test_the_launch_command_is_one_xpk_accepts_and_trains_the_compiled_config():
   # Two v5p-8 slices: 8 chips, data parallel across the slices, FSDP within each.
   config = pyconfig.initialize([BASE_YML, *overrides], num_devices=8, memory_kinds=["device", "pinned_host"],
                                num_granules=2)
-  assert config.dcn_mesh_shape == (2, 1, 1, 1, 1) and config.mesh_shape == (1, 4, 1, 1, 1)
+  assert config.dcn_mesh_shape == (2, 1, 1, 1, 1, 1) and config.mesh_shape == (1, 1, 4, 1, 1, 1)
   assert config.run_name == "llama-run" and config.num_vocab_tiling == 8 and config.base_emb_dim == 32
   assert "train step memory per device (8 TPU v5 devices of v5p-8 x 2 slice(s)" in result.stderr
 

@@ -76,10 +76,10 @@ def test_derived_values():
   cfg = tiny_config("per_device_batch_size=3", "gradient_accumulation_steps=2", "head_dim=null",
                     "base_emb_dim=48", num_devices=4)
   assert cfg.micro_batch_size == 12 and cfg.global_batch_size_to_train_on == 24
-  assert cfg.head_dim == 12 and cfg.mesh_shape == (1, 4, 1, 1, 1)
+  assert cfg.head_dim == 12 and cfg.mesh_shape == (1, 1, 4, 1, 1, 1)
   assert cfg.learning_rate_schedule_steps == cfg.steps
   cfg = tiny_config("ici_tensor_parallelism=2", "ici_data_parallelism=2", num_devices=8)
-  assert cfg.mesh_shape == (2, 2, 2, 1, 1)
+  assert cfg.mesh_shape == (2, 1, 2, 2, 1, 1)
 
 
 def test_config_is_read_only():

@@ -19,17 +19,18 @@ the loop, and a stage keeps the residuals of at most 2S - 1 microbatches (the ro
 last stage and back), however many microbatches there are.
 """
 
-import functools
 from typing import Callable, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-import flax.linen as nn
-
-# The state passed between stages: [stage, rows, length, embed].
+# The state passed between stages: [stage, rows, length, embed]; the microbatches waiting for the
+# first stage: [microbatch, rows, length, embed]. Every array a loop carries is constrained: left
+# to itself the partitioner may keep a carry whole on every device.
 STATE_AXES = ("layers", "activation_batch", "activation_length", "activation_embed")
+BUFFER_AXES = (None, "activation_batch", "activation_length", "activation_embed")
 
 
 class Stage(NamedTuple):
@@ -61,11 +62,38 @@ def bubble(cfg) -> float:
 
 
 def _on_stages(x, axes=None):
-  """x [S, ...] with its stage axis on `pipeline` (the rest as `axes` name them, or as the
-  partitioner likes)."""
+  """x with the logical `axes`, or else x [S, ...] with its stage axis on `pipeline` and the
+  rest as the partitioner likes."""
   if axes is not None:
     return nn.with_logical_constraint(x, axes)
   return jax.lax.with_sharding_constraint(x, PartitionSpec("pipeline", *(PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1)))
+
+
+# Every traced index below is a select over the indexed axis: a dynamic slice, gather or scatter
+# there makes the TPU partitioner gather the row axis the arrays shard (a whole microbatch per
+# device), and the selects cost one pass over arrays of a few microbatches.
+def _hits(i, count: int, ndim: int):
+  """True where position k of the indexed axis is i (i: [] or one per stage [S]), shaped to
+  broadcast against an array of ndim dimensions indexed at axis i.ndim."""
+  i = jnp.asarray(i)
+  return (jnp.arange(count) == i[..., None]).reshape(*i.shape, count, *(1,) * (ndim - i.ndim - 1))
+
+
+def _at(x, i):
+  """x[i] (i scalar), or x[s, i[s]] for every stage s (i [S], x [S, N, ...])."""
+  i = jnp.asarray(i)
+  return jnp.sum(jnp.where(_hits(i, x.shape[i.ndim], x.ndim), x, 0), axis=i.ndim)
+
+
+def _put(x, i, value):
+  """x with x[i] = value (i scalar), or x[s, i[s]] = value[s] for every stage s (i [S])."""
+  i = jnp.asarray(i)
+  return jnp.where(_hits(i, x.shape[i.ndim], x.ndim), jnp.expand_dims(value, i.ndim), x)
+
+
+def _pick(x, i):
+  """x [N, ...], i [S] -> [S, ...]: x[i[s]] for every stage s."""
+  return _at(jnp.broadcast_to(x[None], (i.shape[0], *x.shape)), i)
 
 
 def stage_layers(cfg, layers):
@@ -81,13 +109,19 @@ def _stage_run(cfg, stage: Stage):
   stages = cfg.pipeline_stages
 
   def one(layers, repeat, x, positions, segment_ids, index):
-    mine = stage.regroup(jax.tree.map(lambda p: p[repeat], layers))
     first = stage.first + (repeat * stages + index) * stage.per_stage
-    return stage.apply(mine, x, positions, segment_ids, first)
+    return stage.apply(stage.regroup(layers), x, positions, segment_ids, first)
 
   run = jax.vmap(one, spmd_axis_name="pipeline")
-  return lambda layers, repeat, x, positions, segment_ids: run(layers, repeat, x, positions, segment_ids,
-                                                               jnp.arange(stages))
+
+  def every_stage(layers, repeat, x, positions, segment_ids):
+    if cfg.num_pipeline_repeats > 1:
+      layers = jax.tree.map(lambda p: _at(p, repeat), layers)
+    else:
+      layers = jax.tree.map(lambda p: p[:, 0], layers)
+    return run(layers, repeat, x, positions, segment_ids, jnp.arange(stages))
+
+  return every_stage
 
 
 def forward(cfg, stage: Stage, layers, x, positions, segment_ids):
@@ -101,15 +135,17 @@ def forward(cfg, stage: Stage, layers, x, positions, segment_ids):
 
   def iteration(carry, t):
     state, buffer = carry
-    state = _on_stages(state.at[0].set(buffer[t % count]), STATE_AXES)
+    state = _on_stages(_put(state, 0, _at(buffer, t % count)), STATE_AXES)
     work = jnp.clip(t - index, 0, repeats * count - 1)  # each stage's (repeat, microbatch) as r M + m
     m = work % count
-    out = _on_stages(run(params, work // count, state, positions[m], segment_ids[m]), STATE_AXES)
-    done = (t - stages + 1) % count  # the microbatch the last stage finished, from iteration S - 1 on
-    buffer = buffer.at[done].set(jnp.where(t >= stages - 1, out[-1], buffer[done]))
-    return (jnp.roll(out, 1, axis=0), buffer), None
+    out = _on_stages(run(params, work // count, state, _pick(positions, m), _pick(segment_ids, m)), STATE_AXES)
+    # The microbatch the last stage finished, from iteration S - 1 on (before it, index M: none).
+    done = jnp.where(t >= stages - 1, (t - stages + 1) % count, count)
+    buffer = _on_stages(_put(buffer, done, out[-1]), BUFFER_AXES)
+    return (_on_stages(jnp.roll(out, 1, axis=0), STATE_AXES), buffer), None
 
-  state = jnp.zeros((stages, *buffer.shape[1:]), buffer.dtype)
+  buffer = _on_stages(buffer, BUFFER_AXES)
+  state = _on_stages(jnp.zeros((stages, *buffer.shape[1:]), buffer.dtype), STATE_AXES)
   (_, buffer), _ = jax.lax.scan(iteration, (state, buffer), jnp.arange(repeats * count + stages - 1))
   return rows(buffer)
 
@@ -146,9 +182,11 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   summed over the microbatches as the loss is."""
   stages, count = cfg.pipeline_stages, cfg.num_pipeline_microbatches
   slots = 2 * stages - 1
-  run_layers = jax.tree.map(lambda p: p[:, 0], stage_layers(cfg, layers))  # 1F1B is not circular
   regroup = jax.vmap(stage.regroup)
-  params = regroup(run_layers)
+  # Each stage's layers (1F1B is not circular) as they run, and the map of their gradient back
+  # to the stored layers: the transpose of that view.
+  params, to_stored = jax.vjp(lambda stored: regroup(jax.tree.map(lambda p: p[:, 0], stage_layers(cfg, stored))),
+                              layers)
   batch = microbatches(batch, count)
   index = jnp.arange(stages)
   residuals = _Residuals()
@@ -163,7 +201,7 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
 
   fwd = jax.vmap(forward_one, spmd_axis_name="pipeline")
   bwd = jax.vmap(backward_one, spmd_axis_name="pipeline")
-  take = lambda m: jax.tree.map(lambda a: a[jnp.clip(m, 0, count - 1)], batch)
+  take = lambda m: jax.tree.map(lambda a: _at(a, jnp.clip(m, 0, count - 1)), batch)
   x0 = jax.eval_shape(lambda: embed(rest, take(0)))
   state = jnp.zeros((stages, *x0.shape), x0.dtype)
   kept_shape = jax.eval_shape(lambda: fwd(params, state, batch["inputs_position"][:stages],
@@ -175,12 +213,12 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   def iteration(carry, t):
     state, cotangent, kept, grads, rest_grads, total = carry
     # Forward: stage s runs microbatch t - s; the first stage's input is embedded here.
-    state = _on_stages(state.at[0].set(embed(rest, take(t))), STATE_AXES)
+    state = _on_stages(_put(state, 0, embed(rest, take(t))), STATE_AXES)
     m_f = jnp.clip(t - index, 0, count - 1)
-    y, new = fwd(params, state, batch["inputs_position"][m_f], batch["inputs_segmentation"][m_f], first)
+    y, new = fwd(params, state, _pick(batch["inputs_position"], m_f), _pick(batch["inputs_segmentation"], m_f), first)
     y = _on_stages(y, STATE_AXES)
     slot_f = (t - index) % slots
-    kept = [jax.vmap(lambda b, v, k: b.at[k].set(v))(b, v, slot_f) for b, v in zip(kept, new)]
+    kept = [_put(b, slot_f, v) for b, v in zip(kept, new)]
     # The loss of the microbatch the last stage just finished, and its gradient.
     m_l = t - stages + 1
     scored = (m_l >= 0) & (m_l < count)
@@ -189,11 +227,11 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
     total = jax.tree.map(lambda a, b: a + jnp.where(scored, b, 0), total, out)
     # Backward: stage s runs microbatch t - 2S + 2 + s, its cotangent from stage s + 1 (the
     # last stage's from the loss above).
-    cotangent = _on_stages(cotangent.at[-1].set(dy), STATE_AXES)
+    cotangent = _on_stages(_put(cotangent, stages - 1, dy), STATE_AXES)
     m_b = t - 2 * stages + 2 + index
     live = (m_b >= 0) & (m_b < count)
     slot_b = m_b % slots
-    mine = [jax.vmap(lambda b, k: b[k])(b, slot_b) for b in kept]
+    mine = [_at(b, slot_b) for b in kept]
     d_params, dx = bwd(params, mine, cotangent)
     grads = jax.tree.map(lambda g, d: g + jnp.where(live.reshape(-1, *(1,) * (d.ndim - 1)), d, 0), grads, d_params)
     # The first stage's input gradient reaches the embedding.
@@ -206,7 +244,5 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
 
   carry = (state, jnp.zeros_like(state), kept, zeros(params), zeros(rest), zeros(sums0))
   (_, _, _, grads, rest_grads, total), _ = jax.lax.scan(iteration, carry, jnp.arange(count + 2 * stages - 2))
-  # The gradient of the stored layers: the transpose of their view as stages.
-  _, to_stored = jax.vjp(lambda l: regroup(jax.tree.map(lambda p: p[:, 0], stage_layers(cfg, l))), layers)
   (layer_grads,) = to_stored(grads)
   return total, (layer_grads, rest_grads)

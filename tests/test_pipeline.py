@@ -1,0 +1,145 @@
+"""Pipeline stages on 8 simulated devices give one device's loss and gradients (GPipe, circular
+and 1F1B); 1F1B's memory does not grow with the microbatches; a run saved pipelined resumes
+without a pipeline; the schedule's bubble; bad pipeline settings are one-line config errors."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import (
+  SHARDED,
+  assert_trees_close,
+  fixed_batch,
+  metrics_losses,
+  on_devices,
+  tiny_config,
+  trainer_and_state,
+)
+
+from MaxText import errors, sharding, train, train_step
+from MaxText.layers import pipeline
+
+MODELS = {
+    "llama": ("base_num_decoder_layers=4",),
+    # Windows on every other layer: a stage that ran its layers under another layer's index would
+    # attend with the wrong window.
+    "gemma2": ("base_num_decoder_layers=4", "decoder_block=gemma2", "logits_via_embedding=true",
+               "sliding_window_size=6", "attn_logits_soft_cap=50.0", "final_logits_soft_cap=30.0"),
+}
+_PP2, _PP4 = "ici_pipeline_parallelism=2", "ici_pipeline_parallelism=4"
+CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
+    "gpipe pp2 fsdp2 data2 m4": ("llama", (_PP2, "ici_fsdp_parallelism=2", "ici_data_parallelism=2",
+                                           "num_pipeline_microbatches=4")),
+    "circular pp2 r2 fsdp4 m2": ("gemma2", (_PP2, "ici_fsdp_parallelism=4", "num_pipeline_repeats=2")),
+    "1f1b pp4 tensor2 m4": ("gemma2", (_PP4, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=1",
+                                       "pipeline_schedule=1f1b", "num_pipeline_microbatches=4")),
+    "1f1b pp2 tensor4 m16": ("llama", (_PP2, "ici_tensor_parallelism=4", "ici_fsdp_parallelism=1",
+                                       "pipeline_schedule=1f1b", "num_pipeline_microbatches=16")),
+    "1f1b pp2 fsdp4, accumulation 2, 4 tiles, interval 2": (
+        "llama", (_PP2, "ici_fsdp_parallelism=4", "pipeline_schedule=1f1b", "gradient_accumulation_steps=2",
+                  "per_device_batch_size=1", "num_vocab_tiling=4", "remat_layer_interval=2")),
+    "1f1b pp2 context2 fsdp2": ("llama", (_PP2, "ici_fsdp_parallelism=2", "ici_context_parallelism=2",
+                                          "pipeline_schedule=1f1b", "attention=chunked", "attention_chunk_size=4")),
+}
+
+
+def step_gradients(config, batch):
+  """{"loss": summed loss, parameter path: gradient per scored token} of the train step's own
+  gradients (train_step.gradients: the 1F1B loop where the config asks for it), gathered."""
+  trainer, state = trainer_and_state(config)
+  with sharding.activate(trainer.mesh, config):
+    (loss, _), grads = jax.jit(lambda p, b: train_step.gradients(trainer.model, config, p, b))(
+        state.params, train_step.device_batch(trainer, batch))
+  leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(grads))
+  return {"loss": np.asarray(loss), **{jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}}
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  """{model: (its batch of 16 rows, its loss and gradients on one device, no pipeline)}."""
+  results = {}
+  for name, model in MODELS.items():
+    config = tiny_config(*SHARDED, *model, "per_device_batch_size=16")
+    batch = fixed_batch(config)
+    results[name] = batch, step_gradients(config, batch)
+  return results
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipelined_gradients_equal_one_device(one_device, case):
+  model, overrides = CASES[case]
+  batch, want = one_device[model]
+  with on_devices(8):
+    config = tiny_config(*SHARDED, *MODELS[model], "per_device_batch_size=2", *overrides)
+    got = step_gradients(config, batch)
+  assert config.pipeline_stages > 1
+  assert_trees_close(got, want, rtol=1e-5, what=case)
+
+
+def _temp_bytes(*overrides):
+  with on_devices(8):
+    config = tiny_config("base_emb_dim=64", "base_mlp_dim=128", "base_num_decoder_layers=4",
+                         "max_target_length=64", "vocab_size=256", "remat_policy=full", _PP2, "ici_fsdp_parallelism=4",
+                         *overrides)
+    compiled = train_step.compile_train_step(train_step.build(config, sharding.create_mesh(config)), config)
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_1f1b_memory_does_not_grow_with_the_microbatches():
+  """Microbatches of the same size (one row per batch shard), 4 then 16 of them, on XLA:CPU:
+  1F1B keeps at most 2S - 1 microbatches' residuals, GPipe every one until its backward."""
+  temp = {(schedule, count): _temp_bytes(f"pipeline_schedule={schedule}", f"num_pipeline_microbatches={count}",
+                                         f"per_device_batch_size={count / 2:g}")
+          for schedule, count in (("1f1b", 4), ("1f1b", 16), ("gpipe", 16))}
+  assert temp["1f1b", 16] <= 1.25 * temp["1f1b", 4], temp
+  assert temp["1f1b", 16] < temp["gpipe", 16] / 2, temp
+
+
+def test_a_pipelined_run_resumes_without_a_pipeline(tmp_path):
+  """The stored layers are the same whatever the stages: saved at step 2 under 4 stages, resumed
+  under fsdp 8, step 3's loss is the uninterrupted pipelined run's."""
+  common = (*SHARDED, "per_device_batch_size=1", "steps=3", f"base_output_directory={tmp_path}",
+            "enable_checkpointing=true", "checkpoint_period=2", "learning_rate_schedule_steps=3")
+  pipelined = (_PP4, "ici_fsdp_parallelism=2", "pipeline_schedule=1f1b", "num_pipeline_microbatches=4")
+
+  def run(name, *overrides):
+    metrics_file = tmp_path / f"{name}.jsonl"
+    with on_devices(8):
+      train.train(tiny_config(*common, f"run_name={name}", f"metrics_file={metrics_file}", *overrides))
+    return metrics_losses(metrics_file)
+
+  uninterrupted = run("whole", *pipelined, "base_num_decoder_layers=4")
+  run("resumed", *pipelined, "base_num_decoder_layers=4", "steps=2")
+  resumed = run("resumed", "ici_fsdp_parallelism=8", "base_num_decoder_layers=4")
+  np.testing.assert_allclose(resumed[3], uninterrupted[3], rtol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages, repeats, count", [(2, 1, 2), (4, 1, 8), (2, 2, 4), (4, 3, 4)])
+def test_bubble_counts_the_idle_stage_iterations(schedule, stages, repeats, count):
+  """The loops' own timing: in GPipe stage s runs work item i = t - s (R M items), in 1F1B a
+  forward of t - s and a backward of t - 2S + 2 + s (M each); a stage-iteration that runs
+  neither is idle, and one that runs only one of 1F1B's two is half idle."""
+  if schedule == "1f1b" and repeats > 1:
+    return
+  config = type("C", (), {"pipeline_stages": stages, "num_pipeline_repeats": repeats,
+                          "num_pipeline_microbatches": count, "pipeline_schedule": schedule})
+  if schedule == "gpipe":
+    slots = [(0 <= t - s < repeats * count) for t in range(repeats * count + stages - 1) for s in range(stages)]
+  else:
+    slots = [((0 <= t - s < count) + (0 <= t - 2 * stages + 2 + s < count)) / 2
+             for t in range(count + 2 * stages - 2) for s in range(stages)]
+  assert pipeline.bubble(config) == pytest.approx(1 - sum(slots) / len(slots))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ((_PP4, "base_num_decoder_layers=6"), r"base_num_decoder_layers=6: must be divisible by pipeline stages x repeats"),
+    ((_PP2, "num_pipeline_repeats=2", "base_num_decoder_layers=6"), r"base_num_decoder_layers=6"),
+    ((_PP4, "num_pipeline_microbatches=6"), r"num_pipeline_microbatches=6: must be a multiple of the 4"),
+    ((_PP2, "ici_fsdp_parallelism=4", "num_pipeline_microbatches=4"), r"num_pipeline_microbatches=4: must split"),
+    ((_PP2, "num_pipeline_repeats=2", "pipeline_schedule=1f1b"), r"pipeline_schedule='1f1b': 1f1b is not circular"),
+    ((_PP2, "num_layers_per_pipeline_stage=1", "num_pipeline_repeats=1"), r"num_pipeline_repeats=1: disagrees"),
+    ((_PP2, "decoder_block=mixtral", "num_experts=4"), r"decoder_block='mixtral': pipeline stages"),
+])
+def test_bad_pipeline_settings_are_config_errors(overrides, message):
+  with on_devices(8), pytest.raises(errors.ConfigError, match=message):
+    tiny_config(*SHARDED, "base_num_decoder_layers=4", "per_device_batch_size=1", *overrides)
