@@ -480,6 +480,12 @@ class Plan:
                                                 "ici_fsdp_parallelism=-1); []: as configured")
   plan_context_parallel_strategies: list[Literal[tuple(STRATEGIES)]] = key(
       [], "context_parallel_strategy values tried where context > 1; []: as configured")
+  plan_pipeline_parallelism: list[int] = key([], "ici_pipeline_parallelism values tried (e.g. [1, 2, 4], with "
+                                                 "ici_fsdp_parallelism=-1); []: as configured")
+  plan_num_pipeline_microbatches: list[int] = key(
+      [], "num_pipeline_microbatches values tried where pipeline stages > 1 (-1: one per stage); []: as configured")
+  plan_pipeline_schedules: list[Literal["gpipe", "1f1b"]] = key(
+      [], "pipeline_schedule values tried where pipeline stages > 1; []: as configured")
   plan_max_target_lengths: list[int] = key(
       [4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576],
       "max_target_length=auto on the planner's command line: these lengths, ascending, each searched until one has "
@@ -494,6 +500,7 @@ class Plan:
                  "plan_max_target_lengths"):
       positive_ascending(self, name, empty_ok=False)
     positive_ascending(self, "plan_context_parallelism", empty_ok=True)
+    positive_ascending(self, "plan_pipeline_parallelism", empty_ok=True)
 
 
 @section("Batch and data")

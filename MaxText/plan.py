@@ -2,7 +2,8 @@
 
 Finds the fastest num_vocab_tiling x remat_policy x remat_layer_interval x per_device_batch_size
 (x mlp_chunks x attention_head_chunks x gradient_accumulation_steps x ici_context_parallelism x
-context_parallel_strategy) whose train step fits hbm_budget_gib per device, for the devices
+context_parallel_strategy x ici_pipeline_parallelism x num_pipeline_microbatches x pipeline_schedule)
+whose train step fits hbm_budget_gib per device, for the devices
 train_compile compiles for: a TPU slice (compile_topology=v5p-64), or the visible devices
 (JAX_NUM_CPU_DEVICES=N simulates N). Every other key is held as given, and so is a search key
 given on the command line. Each candidate is the train step `train` runs, AOT-compiled: memory
@@ -11,7 +12,7 @@ counts, FLOPs from the traced step (recomputation included). Its predicted step 
 per device, max(FLOPs / peak FLOP/s, bytes / HBM bandwidth), from the chip table (on CPU, both
 rates are measured once at start-up).
 
-The search walks, for each context setting x remat_policy x mlp_chunks x attention_head_chunks x
+The search walks, for each context setting x pipeline setting x remat_policy x mlp_chunks x attention_head_chunks x
 gradient_accumulation_steps, up plan_remat_layer_intervals, and at each interval up the
 plan_per_device_batch_sizes ladder; at each batch size it compiles the fewest tile counts of
 plan_num_vocab_tiling that could fit, one more, then the most: when those do not fit, the
@@ -39,6 +40,7 @@ import concurrent.futures
 import contextlib
 import functools
 import heapq
+import itertools
 import multiprocessing
 import os
 import time
@@ -68,10 +70,17 @@ SEARCH_KEYS = {
     "attention_head_chunks": "plan_attention_head_chunks",
     "ici_context_parallelism": "plan_context_parallelism",
     "context_parallel_strategy": "plan_context_parallel_strategies",
+    "ici_pipeline_parallelism": "plan_pipeline_parallelism",
+    "num_pipeline_microbatches": "plan_num_pipeline_microbatches",
+    "pipeline_schedule": "plan_pipeline_schedules",
     "gradient_accumulation_steps": "plan_gradient_accumulation_steps",
     "per_device_batch_size": "plan_per_device_batch_sizes",
     "num_vocab_tiling": "plan_num_vocab_tiling",
 }
+# The mesh settings each chain of the search fixes: context parallelism and pipeline stages.
+CONTEXT_KEYS = ("ici_context_parallelism", "context_parallel_strategy")
+PIPELINE_KEYS = ("ici_pipeline_parallelism", "num_pipeline_microbatches", "pipeline_schedule")
+PARALLEL_KEYS = CONTEXT_KEYS + PIPELINE_KEYS
 # Left of a device's memory for what the compiled step does not count: the runtime,
 # fragmentation, the next input batch.
 MARGIN = 0.1
@@ -136,10 +145,12 @@ def search_space(config, free) -> dict:
     if key == "remat_policy":
       # Policies that keep the same tensors where they count on this platform compile alike.
       values = remat.distinct_policies(values or remat.SEARCHABLE_POLICIES, config.platform)[0]
-    if key in ("ici_context_parallelism", "context_parallel_strategy") and not values:
-      values = [getattr(config, key)]
-    if key == "ici_context_parallelism" and any(config.num_devices % x for x in values):
-      raise errors.ConfigError(f"plan_context_parallelism={values}: {next(x for x in values if config.num_devices % x)}"
+    if key in PARALLEL_KEYS and not values:
+      # Without a pipeline the configured microbatches resolved to 1; a searched pipeline's
+      # default is one per stage.
+      values = [-1 if key == "num_pipeline_microbatches" and config.pipeline_stages == 1 else getattr(config, key)]
+    if key in ("ici_context_parallelism", "ici_pipeline_parallelism") and any(config.num_devices % x for x in values):
+      raise errors.ConfigError(f"{plan_key}={values}: {next(x for x in values if config.num_devices % x)}"
                                f" does not divide the {config.num_devices} devices")
     if key == "remat_layer_interval":
       values = [i for i in values if i <= config.base_num_decoder_layers]
@@ -342,20 +353,28 @@ def candidate_bound(space: dict) -> tuple[int, int]:
   return settings, settings * per_setting
 
 
-def _settings(space: dict, fixed: dict | None = None, configured: tuple | None = None) -> list:
-  """One dict per chain of the search: the context, policy, slicing and accumulation settings
-  (the interval, set along the chain, keeps its place in the candidates' settings). `configured`:
-  the config's (ici_context_parallelism, context_parallel_strategy)."""
-  strategies = space["context_parallel_strategy"]
-  # The context keys appear in the candidates' settings (and the train line) when searched, or
-  # fixed by a one-value plan_* list to other than the config's.
-  searched = (len(space["ici_context_parallelism"]) > 1 or len(strategies) > 1
-              or (configured is not None and (space["ici_context_parallelism"][0], strategies[0]) != configured))
-  contexts = [{"ici_context_parallelism": x, "context_parallel_strategy": s} if searched else {}
-              for x in space["ici_context_parallelism"] for s in (strategies if x > 1 else strategies[:1])]
-  return [{**(fixed or {}), **context, "remat_policy": p, "remat_layer_interval": None, "mlp_chunks": c,
+def _parallel(space: dict, keys: tuple, configured: tuple | None) -> list:
+  """The settings of one parallelism the chains run under: the first key's degree, and at
+  degrees above 1 every value of the other keys (at 1, their first). The keys appear in the
+  candidates' settings (and the train line) when searched, or fixed by a one-value plan_* list to
+  other than the config's."""
+  degree, *others = keys
+  combos = [(x, *rest) for x in space[degree]
+            for rest in itertools.product(*(space[k] if x > 1 else space[k][:1] for k in others))]
+  searched = len(combos) > 1 or (configured is not None and combos[0] != configured)
+  return [dict(zip(keys, combo)) if searched else {} for combo in combos]
+
+
+def _settings(space: dict, fixed: dict | None = None, configured: dict | None = None) -> list:
+  """One dict per chain of the search: the context, pipeline, policy, slicing and accumulation
+  settings (the interval, set along the chain, keeps its place in the candidates' settings).
+  `configured`: the config's values of PARALLEL_KEYS."""
+  configured = configured or {}
+  contexts = _parallel(space, CONTEXT_KEYS, tuple(configured[k] for k in CONTEXT_KEYS) if configured else None)
+  pipelines = _parallel(space, PIPELINE_KEYS, tuple(configured[k] for k in PIPELINE_KEYS) if configured else None)
+  return [{**(fixed or {}), **context, **stages, "remat_policy": p, "remat_layer_interval": None, "mlp_chunks": c,
            "attention_head_chunks": a, "gradient_accumulation_steps": g}
-          for context in contexts for p in space["remat_policy"] for c in space["mlp_chunks"]
+          for context in contexts for stages in pipelines for p in space["remat_policy"] for c in space["mlp_chunks"]
           for a in space["attention_head_chunks"] for g in space["gradient_accumulation_steps"]]
 
 
@@ -366,7 +385,7 @@ def search(base, space: dict, budget: int, rates: tuple, workers: int, verbose: 
   a compile each at a time, sharing what they learn (_Known); those of the policies that keep
   the least go first, as what does not fit for them does not fit for the others."""
   known = _Known(base.platform)
-  settings = _settings(space, fixed, (base.ici_context_parallelism, base.context_parallel_strategy))
+  settings = _settings(space, fixed, {k: getattr(base, k) for k in PARALLEL_KEYS})
   policies = space["remat_policy"]
   settings.sort(key=lambda s: sum(remat.needs_no_less(s["remat_policy"], p, base.platform) for p in policies))
   ready = []  # (chain index, settings to compile); the lowest index goes first
@@ -446,6 +465,9 @@ def _name(settings: dict) -> str:
   name += f" attention/{settings['attention_head_chunks']}" if settings["attention_head_chunks"] > 1 else ""
   context = settings.get("ici_context_parallelism", 1)
   name += f" context {context} {settings['context_parallel_strategy']}" if context > 1 else ""
+  stages = settings.get("ici_pipeline_parallelism", 1)
+  name += (f" pipeline {stages} {settings['pipeline_schedule']} m{settings['num_pipeline_microbatches']}"
+           if stages > 1 else "")
   return name + (f" x{settings['gradient_accumulation_steps']}" if settings["gradient_accumulation_steps"] > 1 else "")
 
 

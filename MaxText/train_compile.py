@@ -13,6 +13,7 @@ or N simulated CPU devices: JAX_NUM_CPU_DEVICES=N python -m MaxText.train_compil
 import sys
 
 from MaxText import costs, errors, launch, metrics, run_control, runtime, sharding, train_step
+from MaxText.layers import pipeline
 
 
 def main(argv):
@@ -37,6 +38,11 @@ def main(argv):
   limit = report["device_memory_bytes"]
   if limit:
     print(f"  device memory   {limit:16,d} bytes  {limit / 2**30:9.3f} GiB  ({device.device_kind})")
+  if config.pipeline_stages > 1:
+    report["pipeline_bubble"] = pipeline.bubble(config)
+    print(f"pipeline: {config.pipeline_stages} stages x {config.num_pipeline_repeats} repeat(s), "
+          f"{config.num_pipeline_microbatches} microbatches, {config.pipeline_schedule}: the stages idle "
+          f"{report['pipeline_bubble']:.1%} of the loop (the bubble); each device's memory above is its stage's")
   report["largest_vocab_arrays"] = costs.largest_vocab_arrays(compiled, config.vocab_size, config.num_devices)
   print("largest arrays with a vocabulary dimension, per device:")
   print("\n".join(f"  {shape:28s} {size / 2**20:12,.1f} MiB" for shape, size in report["largest_vocab_arrays"]))
