@@ -207,6 +207,7 @@ _MEGASCALE_TRANSFERS = {"ALL_GATHER": "all_gather", "ALL_REDUCE": "psum", "REDUC
 _MEGASCALE_SLICE_STRIDE = 100000
 
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = ")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
 
 class _Op(NamedTuple):
@@ -217,7 +218,6 @@ class _Op(NamedTuple):
   operands: list  # the names of its operands
   args: str  # the text between its parentheses (a constant's value)
   attributes: str
-_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
 
 def _shape_bytes(shape: str) -> int:
