@@ -438,10 +438,10 @@ def network_bytes(hlo: str, mesh, slice_of: Callable | None = None) -> dict:
       primitive = _MEGASCALE_TRANSFERS[re.search(r'_xla_megascale_transfer_type="(\w+)"', op.attributes).group(1)]
       spec, operands = _braced(op.attributes, "_xla_megascale_target"), op.operands[:1]
     else:
-      start = instructions[op.operands[0]] if op.opcode.endswith("-done") else op
       primitive = _HLO_COLLECTIVES.get(op.opcode.removesuffix("-done"))
-      if primitive is None or op.opcode.endswith("-start"):
+      if primitive is None:  # not a collective, or an asynchronous one's -start
         return collections.Counter()
+      start = instructions[op.operands[0]] if op.opcode.endswith("-done") else op
       spec = _braced(start.attributes, "source_target_pairs" if primitive == "ppermute" else "replica_groups")
       operands = start.operands[:1] if primitive == "ppermute" else start.operands
     sizes = [_shape_bytes(instructions[name].shape) for name in operands]

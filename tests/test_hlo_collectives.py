@@ -87,6 +87,16 @@ def test_a_roll_over_a_sharded_axis_permutes_the_rows_that_cross_shards(mesh):
   assert costs.network_bytes(text, mesh) == sent(ici={"fsdp": 3 * 8 * F32})
 
 
+def test_a_conditional_counts_its_costliest_branch(mesh):
+  def body(flag, block):  # a sum of all 16 floats over data, or of 4 of them over fsdp
+    return jax.lax.cond(flag[0] > 0, lambda b: jax.lax.psum(b, "data"),
+                        lambda b: jax.lax.psum(b[:4], "fsdp").sum() * b, block)
+  f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("fsdp")), out_specs=P("fsdp"), check_vma=False)
+  text = jax.jit(f).lower(array(mesh, (1,), None), array(mesh, (64,), "fsdp")).compile().as_text()
+  assert "conditional(" in text
+  assert costs.network_bytes(text, mesh) == sent(ici={"data": 2 * (1 / 2) * BLOCK})
+
+
 @pytest.mark.parametrize("spec, groups", [
     ("{{0,2},{1,3}}", [[0, 2], [1, 3]]),
     ("{}", [[0, 1, 2, 3]]),
@@ -106,19 +116,23 @@ def test_two_tpu_slices_send_between_them_through_the_megascale_runtime():
   devices = accelerators.slice_devices("v5p-8", 2)  # 4 chips a slice
   mesh = auto_mesh(mesh_utils.create_hybrid_device_mesh((1, 4), (2, 1), devices), ("data", "fsdp"))
 
-  def f(blocks, w, rows):
+  def f(blocks, w, rows, columns):
     def body(block):
       def step(carry, _):
         return jax.lax.psum(carry, "data") / 2, None
       return jax.lax.scan(step, block, None, length=5)[0]
     summed = jax.shard_map(body, mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"))(blocks)
-    return summed, jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P())) * 2, jnp.roll(rows, 1, axis=0)
+    gathered = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P())) * 2
+    return summed, gathered, jnp.roll(rows, 1, axis=0), jnp.roll(columns, 1, axis=0)
 
   # Whole (8, 128) tiles, which libtpu sends unpadded: a block of 128 floats, a weight [8, 256],
-  # rows [8, 128] split over the two slices (each device sends its slice's last row to the other).
-  args = array(mesh, (512,), "fsdp"), array(mesh, (8, 256), "fsdp"), array(mesh, (8, 128), "data")
-  outs = tuple(NamedSharding(mesh, spec) for spec in (P("fsdp"), P(), P("data")))
+  # rows [8, 128] split over the two slices and [16, 128] over the four chips of one (each device
+  # sends its last row to the next).
+  args = (array(mesh, (512,), "fsdp"), array(mesh, (8, 256), "fsdp"), array(mesh, (8, 128), "data"),
+          array(mesh, (16, 128), "fsdp"))
+  outs = tuple(NamedSharding(mesh, spec) for spec in (P("fsdp"), P(), P("data"), P("fsdp")))
   text = jax.jit(f, out_shardings=outs).lower(*args).compile().as_text()
   assert "_xla_megascale_transfer_type" in text and "known_trip_count" not in text
+  assert "collective-permute-done" in text  # counted once with its -start
   dcn = {"data": 5 * 2 * (1 / 2) * 128 * F32 + 128 * F32}
-  assert costs.network_bytes(text, mesh) == sent(dcn=dcn, ici={"fsdp": 3 / 4 * 8 * 256 * F32})
+  assert costs.network_bytes(text, mesh) == sent(dcn=dcn, ici={"fsdp": 3 / 4 * 8 * 256 * F32 + 128 * F32})
