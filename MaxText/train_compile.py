@@ -3,9 +3,9 @@
 Lowers and compiles exactly the train step that `MaxText.train` runs (same config, same
 mesh, same shardings), runs nothing, and prints the compiled per-device memory against the
 device's, the step's FLOPs and the MFU it would reach at the chip's peak, and the bytes each
-device sends over the network per step, between slices (dcn) and within one (ici), by mesh axes.
-Exit code 1 when it does not fit. Devices: the visible ones; a TPU slice with compile_topology (libtpu compiles
-for it on any machine):
+device sends over the network per step, between slices (dcn) and within one (ici), by mesh
+axes. Exit code 1 when it does not fit. Devices: the visible ones; a TPU slice with
+compile_topology (libtpu compiles for it on any machine):
   python -m MaxText.train_compile configs/base.yml model_name=llama3-8b compile_topology=v5p-256 \\
     compile_topology_num_slices=2 dcn_data_parallelism=2 num_vocab_tiling=8
 or N simulated CPU devices: JAX_NUM_CPU_DEVICES=N python -m MaxText.train_compile ...
