@@ -2,9 +2,10 @@
 
 Lowers and compiles exactly the train step that `MaxText.train` runs (same config, same
 mesh, same shardings), runs nothing, and prints the compiled per-device memory against the
-device's, the step's FLOPs and the MFU it would reach at the chip's peak. Exit code 1 when it
-does not fit. Devices: the visible ones; a TPU slice with compile_topology (libtpu compiles
-for it on any machine):
+device's, the step's FLOPs and the MFU it would reach at the chip's peak, and the bytes each
+device sends over the network per step, between slices (dcn) and within one (ici), by mesh
+axes. Exit code 1 when it does not fit. Devices: the visible ones; a TPU slice with
+compile_topology (libtpu compiles for it on any machine):
   python -m MaxText.train_compile configs/base.yml model_name=llama3-8b compile_topology=v5p-256 \\
     compile_topology_num_slices=2 dcn_data_parallelism=2 num_vocab_tiling=8
 or N simulated CPU devices: JAX_NUM_CPU_DEVICES=N python -m MaxText.train_compile ...
@@ -57,9 +58,17 @@ def main(argv):
     print(f"at the {device.device_kind} peak of {peak:g} TFLOP/s: a step takes at least {seconds:.3g} s, "
           f"MFU at most {model_flops / step_flops:.1%}")
   if report["collective_bytes_per_device"]:
-    print("collectives called in shard_map, GiB sent per device per step, by the mesh axes they run over (the "
-          "partitioner's own, such as FSDP's gathers, not counted): "
-          + ", ".join(f"{axes} {bytes_ / 2**30:.3f}" for axes, bytes_ in report["collective_bytes_per_device"].items()))
+    print("collectives called in shard_map, GiB sent per device per step, by the mesh axes they run over (as "
+          "traced): " + ", ".join(f"{axes} {bytes_ / 2**30:.3f}"
+                                  for axes, bytes_ in report["collective_bytes_per_device"].items()))
+  network = report["network_bytes_per_device"] = costs.network_bytes(compiled.as_text(), trainer.mesh)
+  print(f"network bytes per device per step (the compiled step's collectives, the partitioner's included): "
+        f"across slices (dcn) {network['dcn'] / 2**30:.3f} GiB, within a slice (ici) {network['ici'] / 2**30:.3f} GiB")
+  for axes, sent in network["by_axes"].items():
+    print(f"  over {axes:28s} dcn {sent['dcn'] / 2**30:10.3f} GiB  ici {sent['ici'] / 2**30:10.3f} GiB")
+  if network["unknown_trip_counts"]:
+    print(f"warning: {network['unknown_trip_counts']} loop(s) with collectives of a trip count the compiled HLO does "
+          "not say, counted once", file=sys.stderr)
   if config.memory_stats_file:
     metrics.write_json(config.memory_stats_file, report)
   if problem:
