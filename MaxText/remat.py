@@ -48,9 +48,13 @@ def saved_names(policy: str, actions: Mapping[str, str]) -> tuple[tuple[str, ...
   return POLICIES[policy]
 
 
-def checkpoint_policy(config):
-  """The jax.checkpoint policy for config.remat_policy, any but `none`."""
+def checkpoint_policy(config, keep_input: bool = False):
+  """The jax.checkpoint policy for config.remat_policy, any but `none`. keep_input: the layer
+  input is kept on the device too where the policy does not offload it (for a region around
+  checkpointed layers, so that it recomputes what is between them and not the layers)."""
   device, offload = saved_names(config.remat_policy, config.to_dict())
+  if keep_input and "decoder_layer_input" not in offload:
+    device = (*device, "decoder_layer_input")
   if offload:
     return jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=list(device), names_which_can_be_offloaded=list(offload),

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from MaxText import remat
+
 # The state passed between stages: [stage, rows, length, embed]; the microbatches waiting for the
 # first stage: [microbatch, rows, length, embed]. Every array a loop carries is constrained: left
 # to itself the partitioner may keep a carry whole on every device.
@@ -79,12 +81,14 @@ def _hits(i, count: int, ndim: int):
   return (jnp.arange(count) == i[..., None]).reshape(*i.shape, count, *(1,) * (ndim - i.ndim - 1))
 
 
+@jax.checkpoint  # the backward rebuilds the mask from the index instead of keeping it
 def _at(x, i):
   """x[i] (i scalar), or x[s, i[s]] for every stage s (i [S], x [S, N, ...])."""
   i = jnp.asarray(i)
   return jnp.sum(jnp.where(_hits(i, x.shape[i.ndim], x.ndim), x, 0), axis=i.ndim)
 
 
+@jax.checkpoint
 def _put(x, i, value):
   """x with x[i] = value (i scalar), or x[s, i[s]] = value[s] for every stage s (i [S])."""
   i = jnp.asarray(i)
@@ -105,7 +109,10 @@ def stage_layers(cfg, layers):
 
 def _stage_run(cfg, stage: Stage):
   """(stage_layers' [S, R, ...], repeat per stage [S], x, positions, segment ids [S, ...]) -> x:
-  every stage's layers of its repeat on its microbatch."""
+  every stage's layers of its repeat on its microbatch. Under a remat policy the whole is
+  checkpointed keeping what the layers' policy keeps and their inputs: the backward re-selects a
+  circular stage's weights from the stored ones rather than keep each iteration's, and recomputes
+  no layer the layers' own checkpoints do not."""
   stages = cfg.pipeline_stages
 
   def one(layers, repeat, x, positions, segment_ids, index):
@@ -121,7 +128,9 @@ def _stage_run(cfg, stage: Stage):
       layers = jax.tree.map(lambda p: p[:, 0], layers)
     return run(layers, repeat, x, positions, segment_ids, jnp.arange(stages))
 
-  return every_stage
+  if cfg.remat_policy == "none":
+    return every_stage
+  return jax.checkpoint(every_stage, policy=remat.checkpoint_policy(cfg, keep_input=True), prevent_cse=False)
 
 
 def forward(cfg, stage: Stage, layers, x, positions, segment_ids):
