@@ -16,7 +16,7 @@ last stage's output, written there M - S + 1 >= 1 iterations before it is read.
 keeps the residuals (what remat_policy saves) of all R M + S - 1 iterations. `gradients` is 1F1B:
 each iteration runs one forward and one backward per stage, the loss and its gradient inside
 the loop, and a stage keeps the residuals of at most 2S - 1 microbatches (the round trip to the
-last stage and back), however many microbatches there are.
+last stage and back; M where M is fewer), however many microbatches there are.
 """
 
 from typing import Callable, NamedTuple
@@ -190,7 +190,8 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   are the parameters besides the stack (the embedding, the final norm, the head); `sums` are
   summed over the microbatches as the loss is."""
   stages, count = cfg.pipeline_stages, cfg.num_pipeline_microbatches
-  slots = 2 * stages - 1
+  # Microbatches in flight at a stage: at most the round trip's 2S - 1, and never more than M.
+  slots = min(2 * stages - 1, count)
   regroup = jax.vmap(stage.regroup)
   # Each stage's layers (1F1B is not circular) as they run, and the map of their gradient back
   # to the stored layers: the transpose of that view.
@@ -226,7 +227,9 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
     m_f = jnp.clip(t - index, 0, count - 1)
     y, new = fwd(params, state, _pick(batch["inputs_position"], m_f), _pick(batch["inputs_segmentation"], m_f), first)
     y = _on_stages(y, STATE_AXES)
-    slot_f = (t - index) % slots
+    # A stage past its last forward writes nowhere (slot `slots`): with fewer slots than the round
+    # trip its slot may still hold a microbatch waiting for its backward.
+    slot_f = jnp.where(t - index < count, (t - index) % slots, slots)
     kept = [_put(b, slot_f, v) for b, v in zip(kept, new)]
     # The loss of the microbatch the last stage just finished, and its gradient.
     m_l = t - stages + 1
