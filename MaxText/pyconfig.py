@@ -294,8 +294,6 @@ def _derive_pipeline(v: dict) -> None:
     return
   for key in ("first_num_dense_layers", "mtp_num_layers"):
     _require(not v[key], key, f"must be 0 with pipeline stages ({stages}): a pipeline runs one stack of layers", v)
-  _require(not v["moe"], "decoder_block", f"pipeline stages ({stages}) run dense decoders only, not a mixture of "
-           "experts", v)
   per_stage = v["num_layers_per_pipeline_stage"] or layers // stages
   repeats = layers // (stages * per_stage) if per_stage else 0
   if v["num_pipeline_repeats"] != -1:

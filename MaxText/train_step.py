@@ -42,6 +42,17 @@ def mtp_weights(batch, k: int):
   return (inside & same_document & (shifted(batch["targets_segmentation"], k) != 0)).astype(jnp.float32)
 
 
+def _router_sums(config, means, total):
+  """(the MoE router's losses, its sums): `means` {name: mean over the MoE layers} of the
+  router's statistics for `total` scored tokens, or one of each per microbatch. The router's
+  losses are means over tokens and layers; as sums they weigh each microbatch by its scored
+  tokens, like the cross entropy."""
+  aux = jnp.sum(total * (config.load_balance_loss_weight * means["moe_lb_loss"]
+                         + config.router_z_loss_weight * means["moe_z_loss"]))
+  return aux, {"moe_aux_loss": jax.lax.stop_gradient(aux),
+               **{name: jnp.sum(total * jax.lax.stop_gradient(value)) for name, value in means.items()}}
+
+
 def batch_sums(model, config, params, batch, train=True):
   """Sums over the batch's scored tokens: (loss incl. z-loss and the MoE router's losses,
   {weights, z_loss, correct}, and for MoE models moe_aux_loss (the router's share of the loss)
@@ -63,15 +74,18 @@ def batch_sums(model, config, params, batch, train=True):
   loss, z_loss, correct = _head_sums(config, hidden, kernel, targets, weights, config.z_loss_multiplier)
   total = jnp.sum(weights)
   sums = {"weights": total, "z_loss": z_loss, "correct": correct}
-  router = moe.aux_means(state.get("intermediates", {}))
+  intermediates = state.get("intermediates", {})
+  if config.pipeline_stages > 1 and config.moe:
+    # Each pipeline microbatch's statistics, as gradient accumulation's microbatches have theirs.
+    stats = intermediates["decoder"][decoders.PIPELINE_STATS][0]
+    router = {name: jnp.mean(stats[name], axis=1) for name in moe.AUX_NAMES}
+    totals = jnp.sum(pipeline.microbatches(weights, config.num_pipeline_microbatches), axis=(1, 2))
+  else:
+    router, totals = moe.aux_means(intermediates), total
   if router:
-    # The router's losses are means over tokens and layers; as sums they weigh each microbatch
-    # by its scored tokens, like the cross entropy.
-    aux = total * (config.load_balance_loss_weight * router["moe_lb_loss"]
-                   + config.router_z_loss_weight * router["moe_z_loss"])
+    aux, router_sums = _router_sums(config, router, totals)
     loss = loss + aux
-    sums["moe_aux_loss"] = jax.lax.stop_gradient(aux)
-    sums.update({name: total * jax.lax.stop_gradient(value) for name, value in router.items()})
+    sums.update(router_sums)
   if mtp_hidden:
     # Like the router's losses: a mean per layer over its tokens, as a sum weighing the
     # microbatch by its scored tokens.
@@ -121,9 +135,19 @@ def one_f_one_b(model, config, params, batch):
                                        config.z_loss_multiplier)
     return loss, {"weights": jnp.sum(weights), "z_loss": z_loss, "correct": correct}
 
-  (loss, sums), (layer_grads, grads) = pipeline.gradients(
-      config, decoders.pipeline_stage(config, stack), params["decoder"][stack.name], rest, embed, head_sums, batch)
+  def router(microbatch, stats):
+    """A stage's share of batch_sums' router terms: its layers' statistics over all the layers."""
+    if not stats:
+      return jnp.zeros(()), {}
+    total = jnp.sum(microbatch["targets_segmentation"] != 0).astype(jnp.float32)
+    return _router_sums(config, {name: jnp.sum(stats[name]) / stack.depth for name in moe.AUX_NAMES}, total)
+
+  (loss, sums), (layer_grads, grads), stats = pipeline.gradients(
+      config, decoders.pipeline_stage(config, stack), params["decoder"][stack.name], rest, embed, head_sums, batch,
+      router)
   grads["decoder"] = {**grads["decoder"], stack.name: layer_grads}
+  if config.routed_bias:
+    sums[moe.EXPERT_LOAD] = {"decoder": {stack.name: stats[moe.EXPERT_LOAD]}}
   return (loss, sums), grads
 
 

@@ -1,5 +1,5 @@
 """Pipeline stages on 8 simulated devices give one device's loss and gradients (GPipe, circular
-and 1F1B); 1F1B's memory does not grow with the microbatches; a run saved pipelined resumes
+and 1F1B; dense, Gemma 2 and a mixture of experts); 1F1B's memory does not grow with the microbatches; a run saved pipelined resumes
 without a pipeline; the schedule's bubble; bad pipeline settings are one-line config errors."""
 
 import jax
@@ -24,7 +24,15 @@ MODELS = {
     # attend with the wrong window.
     "gemma2": ("base_num_decoder_layers=4", "decoder_block=gemma2", "logits_via_embedding=true",
                "sliding_window_size=6", "attn_logits_soft_cap=50.0", "final_logits_soft_cap=30.0"),
+    # The router's losses are per microbatch (nonlinear in its tokens), so the reference is one
+    # device accumulating the same 4 microbatches' gradients; sigmoid scores and a correction bias
+    # whose loads the step reports.
+    "moe": ("base_num_decoder_layers=4", "decoder_block=qwen3_moe", "num_experts=4", "num_experts_per_tok=2",
+            "base_moe_mlp_dim=24", "load_balance_loss_weight=0.1", "router_z_loss_weight=0.01",
+            "routed_score_func=sigmoid", "routed_bias=true"),
 }
+# The one-device reference's own overrides.
+REFERENCE = {"moe": ("gradient_accumulation_steps=4", "per_device_batch_size=4")}
 _PP2, _PP4 = "ici_pipeline_parallelism=2", "ici_pipeline_parallelism=4"
 CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
     "gpipe pp2 fsdp2 data2 m4": ("llama", (_PP2, "ici_fsdp_parallelism=2", "ici_data_parallelism=2",
@@ -39,17 +47,22 @@ CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
                   "per_device_batch_size=1", "num_vocab_tiling=4", "remat_layer_interval=2")),
     "1f1b pp2 context2 fsdp2": ("llama", (_PP2, "ici_fsdp_parallelism=2", "ici_context_parallelism=2",
                                           "pipeline_schedule=1f1b", "attention=chunked", "attention_chunk_size=4")),
+    "moe gpipe pp2 expert2 tensor2 m4": ("moe", (_PP2, "ici_expert_parallelism=2", "ici_tensor_parallelism=2",
+                                                 "ici_fsdp_parallelism=1", "num_pipeline_microbatches=4")),
+    "moe 1f1b pp4 fsdp2 m4": ("moe", (_PP4, "ici_fsdp_parallelism=2", "pipeline_schedule=1f1b",
+                                      "num_pipeline_microbatches=4")),
 }
 
 
 def step_gradients(config, batch):
-  """{"loss": summed loss, parameter path: gradient per scored token} of the train step's own
-  gradients (train_step.gradients: the 1F1B loop where the config asks for it), gathered."""
+  """{"loss": summed loss, the step's sums (the router's statistics and loads included), parameter
+  path: gradient per scored token} of the train step's own gradients (train_step.gradients: the
+  1F1B loop where the config asks for it), gathered."""
   trainer, state = trainer_and_state(config)
   with sharding.activate(trainer.mesh, config):
-    (loss, _), grads = jax.jit(lambda p, b: train_step.gradients(trainer.model, config, p, b))(
+    (loss, sums), grads = jax.jit(lambda p, b: train_step.gradients(trainer.model, config, p, b))(
         state.params, train_step.device_batch(trainer, batch))
-  leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(grads))
+  leaves = jax.tree_util.tree_leaves_with_path(jax.device_get((sums, grads)))
   return {"loss": np.asarray(loss), **{jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}}
 
 
@@ -58,7 +71,7 @@ def one_device():
   """{model: (its batch of 16 rows, its loss and gradients on one device, no pipeline)}."""
   results = {}
   for name, model in MODELS.items():
-    config = tiny_config(*SHARDED, *model, "per_device_batch_size=16")
+    config = tiny_config(*SHARDED, *model, "per_device_batch_size=16", *REFERENCE.get(name, ()))
     batch = fixed_batch(config)
     results[name] = batch, step_gradients(config, batch)
   return results
@@ -138,7 +151,8 @@ def test_bubble_counts_the_idle_stage_iterations(schedule, stages, repeats, coun
     ((_PP2, "ici_fsdp_parallelism=4", "num_pipeline_microbatches=4"), r"num_pipeline_microbatches=4: must split"),
     ((_PP2, "num_pipeline_repeats=2", "pipeline_schedule=1f1b"), r"pipeline_schedule='1f1b': 1f1b is not circular"),
     ((_PP2, "num_layers_per_pipeline_stage=1", "num_pipeline_repeats=1"), r"num_pipeline_repeats=1: disagrees"),
-    ((_PP2, "decoder_block=mixtral", "num_experts=4"), r"decoder_block='mixtral': pipeline stages"),
+    ((_PP2, "decoder_block=qwen3_moe", "num_experts=4", "first_num_dense_layers=2"),
+     r"first_num_dense_layers=2: must be 0 with pipeline stages"),
 ])
 def test_bad_pipeline_settings_are_config_errors(overrides, message):
   with on_devices(8), pytest.raises(errors.ConfigError, match=message):

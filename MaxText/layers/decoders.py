@@ -169,30 +169,47 @@ def regroup(cfg, depth: int, layers):
 
 def pipeline_stage(cfg, stack: Stack) -> pipeline.Stage:
   """The stack's layers as a pipeline stage runs them: L / (S R) consecutive layers, regrouped
-  and run as LayerStack runs a stack of that depth."""
+  and run as LayerStack runs a stack of that depth, with their MoE layers' router statistics
+  ({name: [L / (S R), ...]}, `layer_stats`)."""
   depth = stack.depth // (cfg.pipeline_stages * cfg.num_pipeline_repeats)
   part = stack._replace(depth=depth)
 
   def apply(layers, x, positions, segment_ids, first):
-    return LayerStack(cfg, part, parent=None).apply({"params": layers}, x, positions, segment_ids, first)
+    y, state = LayerStack(cfg, part, parent=None).apply({"params": layers}, x, positions, segment_ids, first,
+                                                        mutable="intermediates")
+    return y, layer_stats(cfg, part, state.get("intermediates", {}))
 
   return pipeline.Stage(functools.partial(regroup, cfg, depth), apply, depth, stack.first)
 
 
-def expert_loads(cfg, intermediates) -> dict:
-  """{stack name: [depth, E]} the load per expert that each MoE layer sowed (moe.EXPERT_LOAD),
-  back in the stored layer order (regroup's inverse), from model.apply's intermediates."""
-  loads = {}
-  for stack in stacks(cfg):
-    if not stack.moe:
-      continue
-    grouped = intermediates["decoder"][stack.name]
+def layer_stats(cfg, stack: Stack, grouped) -> dict:
+  """{name: [depth, ...]} what each of the stack's MoE layers sowed (the router's statistics,
+  moe.AUX_NAMES, and its load per expert, moe.EXPERT_LOAD), back in the stored layer order
+  (regroup's inverse), from a LayerStack's intermediates; {} for dense layers."""
+  if not stack.moe:
+    return {}
+  stats = {}
+  for name in (*moe.AUX_NAMES, moe.EXPERT_LOAD):
     per_layer = []
     for path, step in _layer_order(cfg, stack.depth):
-      load = functools.reduce(lambda tree, key: tree[key], path, grouped)["moe_block"][moe.EXPERT_LOAD][0]
-      per_layer.append(load if step is None else load[step])
-    loads[stack.name] = jnp.stack(per_layer)
-  return loads
+      value = functools.reduce(lambda tree, key: tree[key], path, grouped)["moe_block"][name][0]
+      per_layer.append(value if step is None else value[step])
+    stats[name] = jnp.stack(per_layer)
+  return stats
+
+
+def expert_loads(cfg, intermediates) -> dict:
+  """{stack name: [depth, E]} the load per expert of each MoE layer (moe.EXPERT_LOAD) in the
+  stored layer order, from model.apply's intermediates (pipelined: summed over the microbatches)."""
+  if cfg.pipeline_stages > 1:
+    (stack,) = stacks(cfg)
+    return {stack.name: jnp.sum(intermediates["decoder"][PIPELINE_STATS][0][moe.EXPERT_LOAD], axis=0)}
+  return {stack.name: layer_stats(cfg, stack, intermediates["decoder"][stack.name])[moe.EXPERT_LOAD]
+          for stack in stacks(cfg) if stack.moe}
+
+
+# Where a pipelined decoder sows its MoE layers' statistics: {name: [microbatch, layer, ...]}.
+PIPELINE_STATS = "pipeline_stats"
 
 
 class Decoder(nn.Module):
@@ -220,8 +237,10 @@ class Decoder(nn.Module):
         x, _ = scanned(ScannedDecoderLayer, cfg, stack.depth, stack.moe, name=stack.name)(
             x, positions, segment_ids, stack.first + jnp.arange(stack.depth))
       elif cfg.pipeline_stages > 1:
-        x = pipeline.forward(cfg, pipeline_stage(cfg, stack), self.variables["params"][stack.name], x, positions,
-                             segment_ids)
+        x, stats = pipeline.forward(cfg, pipeline_stage(cfg, stack), self.variables["params"][stack.name], x,
+                                    positions, segment_ids)
+        if stats:
+          self.sow("intermediates", PIPELINE_STATS, stats)
       else:
         regrouped = nn.map_variables(LayerStack, "params", trans_in_fn=lambda v, depth=stack.depth: {
             "params": regroup(cfg, depth, v["params"])})

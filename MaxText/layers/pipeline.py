@@ -39,7 +39,9 @@ class Stage(NamedTuple):
   """A stage's layers as functions of its slice [L / (S R), ...] of the stored layers."""
 
   regroup: Callable  # the slice -> the layout its layers read (linear, so its transpose is cheap)
-  apply: Callable  # (regrouped, x, positions, segment ids, model's index of its first layer) -> x
+  # (regrouped, x, positions, segment ids, model's index of its first layer) -> (x, {name: per layer
+  # [L / (S R), ...]}: what its layers report, the MoE router's statistics; {} for dense layers)
+  apply: Callable
   per_stage: int  # layers per stage and repeat
   first: int  # the model's index of the stack's first layer
 
@@ -108,8 +110,8 @@ def stage_layers(cfg, layers):
 
 
 def _stage_run(cfg, stage: Stage):
-  """(stage_layers' [S, R, ...], repeat per stage [S], x, positions, segment ids [S, ...]) -> x:
-  every stage's layers of its repeat on its microbatch. Under a remat policy the whole is
+  """(stage_layers' [S, R, ...], repeat per stage [S], x, positions, segment ids [S, ...]) -> (x,
+  statistics [S, ...]): every stage's layers of its repeat on its microbatch. Under a remat policy the whole is
   checkpointed keeping what the layers' policy keeps and their inputs: the backward re-selects a
   circular stage's weights from the stored ones rather than keep each iteration's, and recomputes
   no layer the layers' own checkpoints do not."""
@@ -135,7 +137,8 @@ def _stage_run(cfg, stage: Stage):
 
 def forward(cfg, stage: Stage, layers, x, positions, segment_ids):
   """x [B, T, D] through a stack's layers pipelined over its stages, GPipe's schedule
-  (circular when R > 1); differentiable, so autodiff gives the backward."""
+  (circular when R > 1); differentiable, so autodiff gives the backward. Returns it and the
+  layers' statistics {name: [microbatch, layer, ...]} (each microbatch's, in layer order)."""
   stages, repeats, count = cfg.pipeline_stages, cfg.num_pipeline_repeats, cfg.num_pipeline_microbatches
   run = _stage_run(cfg, stage)
   params = stage_layers(cfg, layers)
@@ -143,20 +146,29 @@ def forward(cfg, stage: Stage, layers, x, positions, segment_ids):
   index = jnp.arange(stages)
 
   def iteration(carry, t):
-    state, buffer = carry
+    state, buffer, stats = carry
     state = _on_stages(_put(state, 0, _at(buffer, t % count)), STATE_AXES)
-    work = jnp.clip(t - index, 0, repeats * count - 1)  # each stage's (repeat, microbatch) as r M + m
-    m = work % count
-    out = _on_stages(run(params, work // count, state, _pick(positions, m), _pick(segment_ids, m)), STATE_AXES)
+    work = t - index  # each stage's (repeat, microbatch) as r M + m
+    ran = (work >= 0) & (work < repeats * count)
+    work = jnp.clip(work, 0, repeats * count - 1)
+    m, repeat = work % count, work // count
+    out, new = run(params, repeat, state, _pick(positions, m), _pick(segment_ids, m))
+    out = _on_stages(out, STATE_AXES)
     # The microbatch the last stage finished, from iteration S - 1 on (before it, index M: none).
     done = jnp.where(t >= stages - 1, (t - stages + 1) % count, count)
     buffer = _on_stages(_put(buffer, done, out[-1]), BUFFER_AXES)
-    return (_on_stages(jnp.roll(out, 1, axis=0), STATE_AXES), buffer), None
+    # Each stage's statistics at [its microbatch, its repeat, the stage].
+    hits = ((jnp.arange(count)[:, None, None] == m) & (jnp.arange(repeats)[None, :, None] == repeat) & ran)
+    stats = {k: jnp.where(hits.reshape(*hits.shape, *(1,) * (v.ndim - 1)), v, stats[k]) for k, v in new.items()}
+    return (_on_stages(jnp.roll(out, 1, axis=0), STATE_AXES), buffer, stats), None
 
   buffer = _on_stages(buffer, BUFFER_AXES)
   state = _on_stages(jnp.zeros((stages, *buffer.shape[1:]), buffer.dtype), STATE_AXES)
-  (_, buffer), _ = jax.lax.scan(iteration, (state, buffer), jnp.arange(repeats * count + stages - 1))
-  return rows(buffer)
+  shapes = jax.eval_shape(run, params, index, state, positions[:stages], segment_ids[:stages])[1]
+  stats = {k: jnp.zeros((count, repeats, *v.shape), v.dtype) for k, v in shapes.items()}
+  (_, buffer, stats), _ = jax.lax.scan(iteration, (state, buffer, stats), jnp.arange(repeats * count + stages - 1))
+  # [M, R, S, L / (S R), ...]: the layers of repeat r and stage s are the (r S + s)-th group.
+  return rows(buffer), {k: v.reshape(count, -1, *v.shape[4:]) for k, v in stats.items()}
 
 
 class _Residuals:
@@ -181,12 +193,15 @@ class _Residuals:
     return jax.tree.unflatten(self.treedef, [next(kept) if i is None else own[i] for i in self.from_params])
 
 
-def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, batch: dict):
-  """1F1B: ((loss, sums), (gradient of the stack's layers, gradient of `rest`)) of the batch's
-  microbatches, each iteration one forward and one backward per stage.
+def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, batch: dict, report: Callable):
+  """1F1B: ((loss, sums), (gradient of the stack's layers, gradient of `rest`), the layers'
+  statistics {name: [layer, ...]} summed over the microbatches) of the batch's microbatches,
+  each iteration one forward and one backward per stage.
 
   embed(rest, microbatch) -> x [m, T, D]: the first stage's input; head(rest, y, microbatch) ->
-  (loss, sums): the loss of the last stage's output, whose gradient starts the backward. `rest`
+  (loss, sums): the loss of the last stage's output, whose gradient starts the backward;
+  report(microbatch, a stage's statistics) -> (loss, sums): what the layers' statistics add,
+  linear in them (the MoE router's losses; its gradient is the statistics' cotangent). `rest`
   are the parameters besides the stack (the embedding, the final norm, the head); `sums` are
   summed over the microbatches as the loss is."""
   stages, count = cfg.pipeline_stages, cfg.num_pipeline_microbatches
@@ -203,58 +218,71 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   first = stage.first + index * stage.per_stage
 
   def forward_one(p, x, positions, segment_ids, first):
-    y, vjp = jax.vjp(lambda p, x: stage.apply(p, x, positions, segment_ids, first), p, x)
-    return y, residuals.split(p, vjp)
+    (y, stats), vjp = jax.vjp(lambda p, x: stage.apply(p, x, positions, segment_ids, first), p, x)
+    return y, stats, residuals.split(p, vjp)
 
-  def backward_one(p, kept, dy):
-    return residuals.join(p, kept)(dy)
+  def backward_one(p, kept, dy, d_stats):
+    return residuals.join(p, kept)((dy, d_stats))
 
   fwd = jax.vmap(forward_one, spmd_axis_name="pipeline")
   bwd = jax.vmap(backward_one, spmd_axis_name="pipeline")
   take = lambda m: jax.tree.map(lambda a: _at(a, jnp.clip(m, 0, count - 1)), batch)
+  per_stage = lambda m: jax.tree.map(lambda a: _pick(a, jnp.clip(m, 0, count - 1)), batch)
+  reported = jax.vmap(report)
+  stat_cotangent = jax.vmap(jax.grad(lambda microbatch, stats: report(microbatch, stats)[0], argnums=1))
   x0 = jax.eval_shape(lambda: embed(rest, take(0)))
   state = jnp.zeros((stages, *x0.shape), x0.dtype)
-  kept_shape = jax.eval_shape(lambda: fwd(params, state, batch["inputs_position"][:stages],
-                                          batch["inputs_segmentation"][:stages], first)[1])
+  _, stats_shape, kept_shape = jax.eval_shape(lambda: fwd(params, state, batch["inputs_position"][:stages],
+                                                           batch["inputs_segmentation"][:stages], first))
   kept = [jnp.zeros((stages, slots, *k.shape[1:]), k.dtype) for k in kept_shape]
   zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
-  sums0 = jax.eval_shape(lambda: head(rest, state[0], take(0)))
+  head_shape = jax.eval_shape(lambda: head(rest, state[0], take(0)))
+  report_shape = jax.eval_shape(lambda: reported(per_stage(index), zeros(stats_shape)))
+  per_stage_sums = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), report_shape[1])
+  total = (jnp.zeros((), head_shape[0].dtype), zeros({**head_shape[1], **per_stage_sums}))
+  mask = lambda live, x: jnp.where(live.reshape(-1, *(1,) * (x.ndim - 1)), x, 0)
 
   def iteration(carry, t):
-    state, cotangent, kept, grads, rest_grads, total = carry
+    state, cotangent, kept, grads, rest_grads, total, stats_sums = carry
     # Forward: stage s runs microbatch t - s; the first stage's input is embedded here.
     state = _on_stages(_put(state, 0, embed(rest, take(t))), STATE_AXES)
-    m_f = jnp.clip(t - index, 0, count - 1)
-    y, new = fwd(params, state, _pick(batch["inputs_position"], m_f), _pick(batch["inputs_segmentation"], m_f), first)
+    m_f = t - index
+    ran = (m_f >= 0) & (m_f < count)
+    forward = per_stage(m_f)
+    y, stats, new = fwd(params, state, forward["inputs_position"], forward["inputs_segmentation"], first)
     y = _on_stages(y, STATE_AXES)
     # A stage past its last forward writes nowhere (slot `slots`): with fewer slots than the round
     # trip its slot may still hold a microbatch waiting for its backward.
     slot_f = jnp.where(t - index < count, (t - index) % slots, slots)
     kept = [_put(b, slot_f, v) for b, v in zip(kept, new)]
+    stats_sums = jax.tree.map(lambda a, b: a + mask(ran, b), stats_sums, stats)
+    loss, sums = jax.tree.map(lambda x: jnp.sum(mask(ran, x), axis=0), reported(forward, stats))
     # The loss of the microbatch the last stage just finished, and its gradient.
     m_l = t - stages + 1
     scored = (m_l >= 0) & (m_l < count)
     out, head_vjp = jax.vjp(lambda r, y: head(r, y, take(m_l)), rest, y[-1])
     d_rest, dy = head_vjp((jnp.where(scored, 1.0, 0.0).astype(out[0].dtype), zeros(out[1])))
-    total = jax.tree.map(lambda a, b: a + jnp.where(scored, b, 0), total, out)
+    total = (total[0] + loss + jnp.where(scored, out[0], 0),
+             {k: v + sums.get(k, 0) + jnp.where(scored, out[1].get(k, 0), 0) for k, v in total[1].items()})
     # Backward: stage s runs microbatch t - 2S + 2 + s, its cotangent from stage s + 1 (the
     # last stage's from the loss above).
     cotangent = _on_stages(_put(cotangent, stages - 1, dy), STATE_AXES)
     m_b = t - 2 * stages + 2 + index
     live = (m_b >= 0) & (m_b < count)
-    slot_b = m_b % slots
-    mine = [_at(b, slot_b) for b in kept]
-    d_params, dx = bwd(params, mine, cotangent)
-    grads = jax.tree.map(lambda g, d: g + jnp.where(live.reshape(-1, *(1,) * (d.ndim - 1)), d, 0), grads, d_params)
+    mine = [_at(b, m_b % slots) for b in kept]
+    d_stats = jax.tree.map(lambda d: mask(live, d), stat_cotangent(per_stage(m_b), stats))
+    d_params, dx = bwd(params, mine, cotangent, d_stats)
+    grads = jax.tree.map(lambda g, d: g + mask(live, d), grads, d_params)
     # The first stage's input gradient reaches the embedding.
     m_0 = t - 2 * stages + 2
     _, embed_vjp = jax.vjp(lambda r: embed(r, take(m_0)), rest)
     (d_embed,) = embed_vjp(jnp.where(live[0], dx[0], 0))
     rest_grads = jax.tree.map(lambda g, a, b: g + a + b, rest_grads, d_rest, d_embed)
     return (jnp.roll(y, 1, axis=0), _on_stages(jnp.roll(dx, -1, axis=0), STATE_AXES), kept, grads, rest_grads,
-            total), None
+            total, stats_sums), None
 
-  carry = (state, jnp.zeros_like(state), kept, zeros(params), zeros(rest), zeros(sums0))
-  (_, _, _, grads, rest_grads, total), _ = jax.lax.scan(iteration, carry, jnp.arange(count + 2 * stages - 2))
+  carry = (state, jnp.zeros_like(state), kept, zeros(params), zeros(rest), total, zeros(stats_shape))
+  (*_, grads, rest_grads, total, stats_sums), _ = jax.lax.scan(iteration, carry,
+                                                               jnp.arange(count + 2 * stages - 2))
   (layer_grads,) = to_stored(grads)
-  return total, (layer_grads, rest_grads)
+  return total, (layer_grads, rest_grads), {k: v.reshape(-1, *v.shape[2:]) for k, v in stats_sums.items()}
