@@ -102,12 +102,12 @@ def test_converted_weights_give_the_hugging_face_logits(family, settings):
     ("qwen3_moe", "norm_topk_prob=false"),
     ("qwen3_moe_tied", "norm_topk_prob=true"), ("mixtral", "num_experts_per_tok=1"),
     ("deepseek3", "routed_bias=false"), ("deepseek3", "shared_experts=0"), ("deepseek3", "routed_scaling_factor=1"),
-    ("deepseek3", "rope_type=default"), ("deepseek2", "norm_topk_prob=true")])
+    ("deepseek3", "rope_type=default"), ("deepseek2", "norm_topk_prob=true"), ("deepseek2", "mscale_all_dim=1")])
 def test_without_the_family_feature_the_logits_are_not_matched(family, without):
   """Qwen3's q/k norms, Llama 3.1's RoPE rescaling, each of Gemma 2's and Gemma 3's features (its
   q/k norms and five-to-one pattern are what it adds to gemma2), the experts' routing and
   DeepSeek-V3's correction bias, shared expert, routed scaling and YaRN, and DeepSeek-V2's
-  top-k weights left unrenormalised matter: the
+  top-k weights not renormalised and YaRN's score factor (mscale_all_dim) matter: the
   same weights without one miss transformers' logits by over 100 times what the parity test
   allows."""
   logits, golden = logits_and_golden(family, tiny_config(*SHAPE, *FAMILIES[family], without))

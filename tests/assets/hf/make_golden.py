@@ -87,7 +87,7 @@ MODELS = {
         num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=2,
         num_experts_per_tok=2, moe_intermediate_size=24, topk_method="greedy", routed_scaling_factor=2.5,
         norm_topk_prob=False, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-        v_head_dim=6, eos_token_id=95, tie_word_embeddings=False,
+        v_head_dim=6, eos_token_id=95, tie_word_embeddings=False, initializer_range=0.2,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
                              beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.707))),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
