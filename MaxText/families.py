@@ -114,7 +114,7 @@ FAMILIES = {
                                  ("rope_local_base_freq", 10000.0), ("query_pre_attn_scalar", 256),
                                  ("sliding_window", 4096), ("sliding_window_pattern", 6))),
     "deepseek": _DEEPSEEK,
-    # DeepSeek-V2 (and V2-Lite, Coder-V2): V3's layer, its experts chosen by softmax score with no
+    # DeepSeek-V2 (V2-Lite; greedy routing): V3's layer, its experts chosen by softmax score with no
     # correction bias and no groups; transformers' class never renormalises the top-k weights
     # (config.json's norm_topk_prob it ignores), and its checkpoints hold no prediction layers.
     "deepseek2": dataclasses.replace(
