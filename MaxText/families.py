@@ -47,8 +47,9 @@ class Family:
   hf_expert_names: tuple[str, str, str, str] | None = None
   hf_num_experts_key: str = "num_experts"
   hf_expert_width_key: str = "moe_intermediate_size"
-  # True where the Hugging Face class always renormalises the top-k router weights (it has no
-  # norm_topk_prob key); None where config.json says.
+  # True or False where the Hugging Face class always or never renormalises the top-k router
+  # weights, whatever config.json says (Mixtral has no norm_topk_prob key, DeepSeek-V2 ignores
+  # its); None where config.json says.
   hf_norm_topk_prob: bool | None = None
   # A multimodal class whose language model is this family's (imported alone): its architecture,
   # and what transformers assumes where its config.json's text_config is silent (the Hub's files
@@ -64,6 +65,10 @@ class Family:
   hf_router_bias: str = ""
   hf_shared_experts: str = ""
   hf_layers_after_last: bool = False
+  # DeepSeek-V2's config.json chooses its class's routing by topk_method: the one value converted,
+  # which routes without groups (its other, group_limited_greedy, ranks a group by its best
+  # expert, where this project ranks it by its best two, as DeepSeek-V3); "": not read.
+  hf_topk_method: str = ""
 
   SWITCHES = ("qk_norm", "sandwich_norms", "norm_plus_one", "scale_embedding", "mlp_activation", "moe",
               "sliding_window_pattern")
@@ -75,6 +80,17 @@ class Family:
 
 _LLAMA = Family(hf_architecture="LlamaForCausalLM", hf_model_type="llama")
 _QWEN3 = dataclasses.replace(_LLAMA, qk_norm=True, hf_architecture="Qwen3ForCausalLM", hf_model_type="qwen3")
+# DeepSeek-V3: Llama's layer with latent attention (attention_type=mla) and, after
+# first_num_dense_layers dense layers, experts chosen by sigmoid scores and a correction bias
+# within the best groups, plus shared experts.
+_DEEPSEEK = dataclasses.replace(
+    _LLAMA, moe=True, hf_architecture="DeepseekV3ForCausalLM", hf_model_type="deepseek_v3",
+    hf_expert_names=("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                     "mlp.experts.{e}.down_proj.weight"),
+    hf_num_experts_key="n_routed_experts", hf_attention_type="mla",
+    hf_routing=(("routed_score_func", "sigmoid"), ("routed_bias", True)),
+    hf_router_bias="mlp.gate.e_score_correction_bias", hf_shared_experts="mlp.shared_experts.",
+    hf_layers_after_last=True)
 _GEMMA2 = Family(
     sandwich_norms=True, norm_plus_one=True, scale_embedding=True, mlp_activation="gelu_tanh",
     hf_architecture="Gemma2ForCausalLM", hf_model_type="gemma2", hf_activation_key="hidden_activation",
@@ -97,17 +113,13 @@ FAMILIES = {
                                  ("head_dim", 256), ("rms_norm_eps", 1e-6), ("rope_theta", 1000000.0),
                                  ("rope_local_base_freq", 10000.0), ("query_pre_attn_scalar", 256),
                                  ("sliding_window", 4096), ("sliding_window_pattern", 6))),
-    # DeepSeek-V3 (and V2's shapes): Llama's layer with latent attention (attention_type=mla) and,
-    # after first_num_dense_layers dense layers, experts chosen by sigmoid scores and a correction
-    # bias within the best groups, plus shared experts.
-    "deepseek": dataclasses.replace(
-        _LLAMA, moe=True, hf_architecture="DeepseekV3ForCausalLM", hf_model_type="deepseek_v3",
-        hf_expert_names=("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
-                         "mlp.experts.{e}.down_proj.weight"),
-        hf_num_experts_key="n_routed_experts", hf_attention_type="mla",
-        hf_routing=(("routed_score_func", "sigmoid"), ("routed_bias", True)),
-        hf_router_bias="mlp.gate.e_score_correction_bias", hf_shared_experts="mlp.shared_experts.",
-        hf_layers_after_last=True),
+    "deepseek": _DEEPSEEK,
+    # DeepSeek-V2 (V2-Lite; greedy routing): V3's layer, its experts chosen by softmax score with no
+    # correction bias and no groups; transformers' class never renormalises the top-k weights
+    # (config.json's norm_topk_prob it ignores), and its checkpoints hold no prediction layers.
+    "deepseek2": dataclasses.replace(
+        _DEEPSEEK, hf_architecture="DeepseekV2ForCausalLM", hf_model_type="deepseek_v2", hf_routing=(),
+        hf_router_bias="", hf_layers_after_last=False, hf_norm_topk_prob=False, hf_topk_method="greedy"),
     "qwen3_moe": dataclasses.replace(
         _QWEN3, moe=True, hf_architecture="Qwen3MoeForCausalLM", hf_model_type="qwen3_moe",
         hf_expert_names=("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",

@@ -1,6 +1,7 @@
 """Hugging Face checkpoints: converted weights give transformers' own logits and greedy tokens
 (golden files written by tests/assets/hf/make_golden.py from random LlamaForCausalLM,
-Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM), both converters
+Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM,
+DeepseekV2ForCausalLM and DeepseekV3ForCausalLM), both converters
 round-trip bit for bit, and runs continue from the imported weights with the model directory's tokenizer."""
 
 import dataclasses
@@ -50,6 +51,13 @@ FAMILIES = {"llama": ("decoder_block=llama2", "logits_via_embedding=false"),
                           "base_moe_mlp_dim=24", "first_num_dense_layers=1", "shared_experts=1", "n_routing_groups=4",
                           "topk_routing_group=2", "routed_scaling_factor=2.5", "norm_topk_prob=true",
                           "routed_score_func=sigmoid", "routed_bias=true"),
+            "deepseek2": ("decoder_block=deepseek2", "logits_via_embedding=false", "base_num_kv_heads=4",
+                          "attention_type=mla", "q_lora_rank=0", "kv_lora_rank=16", "qk_nope_head_dim=8",
+                          "qk_rope_head_dim=8", "v_head_dim=6", "rope_type=yarn", "rope_scaling_factor=4",
+                          "rope_original_max_position=16", "beta_fast=32", "beta_slow=1", "mscale=1",
+                          "mscale_all_dim=0.707", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=24",
+                          "first_num_dense_layers=1", "shared_experts=2", "routed_scaling_factor=2.5",
+                          "norm_topk_prob=false"),
             "mixtral": ("decoder_block=mixtral", "logits_via_embedding=false", *MOE, "base_moe_mlp_dim=64"),
             "mixtral_tied": ("decoder_block=mixtral", "logits_via_embedding=true", *MOE, "base_moe_mlp_dim=64")}
 # TINY's run keys without its model keys: runs from a converted checkpoint take those saved with it.
@@ -94,11 +102,12 @@ def test_converted_weights_give_the_hugging_face_logits(family, settings):
     ("qwen3_moe", "norm_topk_prob=false"),
     ("qwen3_moe_tied", "norm_topk_prob=true"), ("mixtral", "num_experts_per_tok=1"),
     ("deepseek3", "routed_bias=false"), ("deepseek3", "shared_experts=0"), ("deepseek3", "routed_scaling_factor=1"),
-    ("deepseek3", "rope_type=default")])
+    ("deepseek3", "rope_type=default"), ("deepseek2", "norm_topk_prob=true"), ("deepseek2", "mscale_all_dim=1")])
 def test_without_the_family_feature_the_logits_are_not_matched(family, without):
   """Qwen3's q/k norms, Llama 3.1's RoPE rescaling, each of Gemma 2's and Gemma 3's features (its
   q/k norms and five-to-one pattern are what it adds to gemma2), the experts' routing and
-  DeepSeek-V3's correction bias, shared expert, routed scaling and YaRN matter: the
+  DeepSeek-V3's correction bias, shared expert, routed scaling and YaRN, and DeepSeek-V2's
+  top-k weights not renormalised and YaRN's score factor (mscale_all_dim) matter: the
   same weights without one miss transformers' logits by over 100 times what the parity test
   allows."""
   logits, golden = logits_and_golden(family, tiny_config(*SHAPE, *FAMILIES[family], without))
@@ -233,15 +242,18 @@ def test_both_converters_hold_one_layer_of_a_stacked_parameter_at_a_time(tmp_pat
   assert sorted(tensors) == sorted(original) and all(np.array_equal(tensors[n], original[n]) for n in original)
 
 
-def test_deepseek_converts_both_ways_bit_for_bit(tmp_path):
-  """DeepSeek-V3's two layer stacks (its dense first layer, then the experts', each counting
-  Hugging Face's layers from where it starts), its RoPE features kept interleaved there and its
-  correction bias: imported and exported again, the same tensors bit for bit and a config.json
-  of the same model; the multi-token prediction block after the last layer is not imported."""
+@pytest.mark.parametrize("family, after_last", [("deepseek3", "model.layers.4.enorm.weight"), ("deepseek2", None)])
+def test_deepseek_converts_both_ways_bit_for_bit(tmp_path, family, after_last):
+  """DeepSeek-V3's and V2's two layer stacks (the dense first layer, then the experts', each
+  counting Hugging Face's layers from where it starts), their RoPE features kept interleaved
+  there, V3's correction bias and V2's queries without a low rank: imported and exported again,
+  the same tensors bit for bit and a config.json of the same model; V3's multi-token prediction
+  block after the last layer is not imported."""
   hf = tmp_path / "hf"
-  shutil.copytree(ASSETS / "deepseek3", hf)
+  shutil.copytree(ASSETS / family, hf)
   tensors = load_file(hf / "model.safetensors")
-  save_file({**tensors, "model.layers.4.enorm.weight": np.ones(32, np.float32)}, hf / "model.safetensors")
+  if after_last:
+    save_file({**tensors, after_last: np.ones(32, np.float32)}, hf / "model.safetensors")
   converted = to_maxtext.convert(to_maxtext.resolve_config(
       [BASE_YML, f"hf_model_path={hf}", f"base_output_directory={tmp_path}", "run_name=a"]))
   config = pyconfig.initialize([BASE_YML, mapping.NO_DATA, f"load_parameters_path={converted}",
@@ -250,7 +262,7 @@ def test_deepseek_converts_both_ways_bit_for_bit(tmp_path):
   to_huggingface.convert(config)
   exported = load_file(tmp_path / "exported" / "model.safetensors")
   assert sorted(exported) == sorted(tensors) and all(np.array_equal(exported[n], tensors[n]) for n in tensors)
-  mapping.check_shape(tiny_config(*SHAPE, *FAMILIES["deepseek3"]),
+  mapping.check_shape(tiny_config(*SHAPE, *FAMILIES[family]),
                       mapping.read_config(str(tmp_path / "exported")), "exported")
 
 
@@ -279,7 +291,7 @@ def test_bf16_weights_stay_bf16_unless_convert_dtype_asks(tmp_path, convert_dtyp
 
 
 @pytest.mark.parametrize("model_name", ["llama3.2-1b", "qwen3-0.6b", "gemma2-2b", "gemma3-1b", "gemma3-4b",
-                                        "gemma3-27b", "deepseek3-671b"])
+                                        "gemma3-27b", "deepseek3-671b", "deepseek2-16b"])
 def test_a_published_config_json_gives_the_model_file_keys(tmp_path, model_name):
   """config.json as the Hub publishes it (transcribed in tests/assets/hf/published_configs.json;
   Gemma 2's names neither a tied head nor layer_types, which transformers takes as tied and
@@ -344,7 +356,8 @@ def split_and_lose_a_shard(hf):
     (split_and_lose_a_shard, "model-00002-of-00002.safetensors, which is not there"),
     (lambda hf: edit_config(hf, architectures=["MistralForCausalLM"]),
      "architecture MistralForCausalLM is not supported (supported: LlamaForCausalLM, Qwen3ForCausalLM, "
-     "Gemma2ForCausalLM, Gemma3ForCausalLM, DeepseekV3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM, "
+     "Gemma2ForCausalLM, Gemma3ForCausalLM, DeepseekV3ForCausalLM, DeepseekV2ForCausalLM, Qwen3MoeForCausalLM, "
+     "MixtralForCausalLM, "
      "Gemma3ForConditionalGeneration)"),
     (lambda hf: drop_tensor(hf, "model.layers.1.mlp.up_proj.weight"), "tensor model.layers.1.mlp.up_proj.weight is "
      "missing"),
@@ -516,9 +529,34 @@ def test_a_new_family_is_one_registry_entry(monkeypatch, tmp_path):
     ("qwen3_moe", ("routed_score_func=sigmoid",), r"^routed_score_func='sigmoid': Qwen3MoeForCausalLM routes with "
                                                   "routed_score_func='softmax'"),
     ("qwen3", ("attention_type=mla", "base_num_kv_heads=4"), r"^attention_type='mla': Qwen3ForCausalLM has 'global' "
-                                                             "attention")],
-    ids=["mixtral unnormalised", "gemma2 local base", "llama3.1 and linear", "qwen3_moe sigmoid", "qwen3 mla"])
+                                                             "attention"),
+    ("deepseek2", ("norm_topk_prob=true",), r"^norm_topk_prob=True: DeepseekV2ForCausalLM fixes it at False"),
+    ("deepseek2", ("n_routing_groups=4", "topk_routing_group=2"),
+     r"^n_routing_groups=4: DeepseekV2ForCausalLM routes with n_routing_groups=-1"),
+    ("deepseek2", ("mtp_num_layers=1",), r"^mtp_num_layers=1: DeepseekV2ForCausalLM has no multi-token prediction")],
+    ids=["mixtral unnormalised", "gemma2 local base", "llama3.1 and linear", "qwen3_moe sigmoid", "qwen3 mla",
+         "deepseek2 renormalised", "deepseek2 groups", "deepseek2 mtp"])
 def test_an_export_the_hugging_face_class_cannot_express_is_refused(family, settings, message):
   with pytest.raises(errors.ConfigError, match=message):
     mapping.check_exportable(tiny_config(*SHAPE, *FAMILIES[family], *settings))
   mapping.check_exportable(tiny_config(*SHAPE, *FAMILIES[family]))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(topk_method="group_limited_greedy", n_group=4, topk_group=2),
+     "n_routing_groups=topk_method group_limited_greedy of DeepseekV2ForCausalLM (not supported: greedy is): "),
+    (dict(norm_topk_prob=True), "norm_topk_prob=True (DeepseekV2ForCausalLM ignores it: not supported): ")],
+    ids=["groups by their best expert", "renormalised"])
+def test_a_deepseek2_routing_unlike_this_projects_is_refused_on_import(tmp_path, changes, message):
+  """transformers' DeepseekV2ForCausalLM ranks groups by their best expert (group_limited_greedy),
+  where this project ranks them by their best two, and ignores norm_topk_prob: a config.json
+  asking for either is one line naming it, where the greedy method's groups (V2-Lite's n_group 1,
+  or any) are none."""
+  hf = tmp_path / "hf"
+  shutil.copytree(ASSETS / "deepseek2", hf)
+  edit_config(hf, topk_method="greedy", n_group=4, topk_group=2)
+  assert to_maxtext.resolve_config([BASE_YML, f"hf_model_path={hf}"]).n_routing_groups == -1
+  edit_config(hf, **changes)
+  with pytest.raises(errors.ConfigError, match=re.escape(message)) as error:
+    to_maxtext.resolve_config([BASE_YML, f"hf_model_path={hf}"])
+  assert "\n" not in str(error.value)

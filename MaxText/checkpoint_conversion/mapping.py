@@ -3,8 +3,9 @@ converters read (to_maxtext.py, to_huggingface.py), config.json both ways, and r
 directory's safetensors one tensor at a time.
 
 Supported: LlamaForCausalLM (Llama 2, 3, 3.1, 3.2), Qwen3ForCausalLM, Gemma2ForCausalLM,
-Gemma3ForCausalLM (Gemma 3's text decoder), and the mixtures of experts Qwen3MoeForCausalLM and MixtralForCausalLM;
-imported only, the language model of Gemma3ForConditionalGeneration (Gemma 3 4B, 12B, 27B as published).
+Gemma3ForCausalLM (Gemma 3's text decoder), and the mixtures of experts Qwen3MoeForCausalLM, MixtralForCausalLM,
+DeepseekV2ForCausalLM and DeepseekV3ForCausalLM; imported only, the language model of
+Gemma3ForConditionalGeneration (Gemma 3 4B, 12B, 27B as published).
 """
 
 import glob
@@ -193,20 +194,28 @@ def _moe_keys(hf: dict, family) -> dict:
     return {}
   # The Hub's Qwen3-MoE files say num_experts; transformers 5 writes num_local_experts for both.
   experts = hf["num_local_experts"] if "num_local_experts" in hf else hf[family.hf_num_experts_key]
-  norm_topk_prob = family.hf_norm_topk_prob
+  norm_topk_prob, said = family.hf_norm_topk_prob, hf.get("norm_topk_prob")
+  if norm_topk_prob is None:
+    norm_topk_prob = bool(said)
+  elif said is not None and bool(said) != norm_topk_prob:
+    norm_topk_prob = f"{said} ({family.hf_architecture} ignores it: not supported)"
   dense_layers = hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1
   # Softmax, no bias, groups, scaling or shared experts (Qwen3-MoE's and Mixtral's routing) unless
-  # the family's class or DeepSeek's keys say otherwise; one group is none.
-  groups = hf.get("n_group") or 1
+  # the family's class or DeepSeek's keys say otherwise; one group is none, and so are the
+  # groups of a class whose topk_method (the one converted) routes without them.
+  groups = 1 if family.hf_topk_method else hf.get("n_group") or 1
   routing = {"routed_score_func": "softmax", "routed_bias": False, **dict(family.hf_routing),
              "n_routing_groups": groups if groups > 1 else -1,
              "topk_routing_group": hf["topk_group"] if groups > 1 else -1,
              "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
              "shared_experts": hf.get("n_shared_experts") or 0,
              "first_num_dense_layers": hf.get("first_k_dense_replace", 0)}
+  method = hf.get("topk_method") or family.hf_topk_method
+  if family.hf_topk_method and method != family.hf_topk_method:
+    routing["n_routing_groups"] = (f"topk_method {method} of {family.hf_architecture} (not supported: "
+                                   f"{family.hf_topk_method} is)")
   return {**routing, "num_experts": experts, "num_experts_per_tok": hf["num_experts_per_tok"],
-          "base_moe_mlp_dim": hf[family.hf_expert_width_key],
-          "norm_topk_prob": bool(hf.get("norm_topk_prob", False)) if norm_topk_prob is None else norm_topk_prob,
+          "base_moe_mlp_dim": hf[family.hf_expert_width_key], "norm_topk_prob": norm_topk_prob,
           **({"decoder_block": f"{family.hf_architecture} with dense layers (mlp_only_layers "
                                f"{hf.get('mlp_only_layers')}, decoder_sparse_step {hf.get('decoder_sparse_step')}: "
                                "not supported)"} if dense_layers else {})}
@@ -460,7 +469,8 @@ def _moe_config(config) -> dict:
   deepseek = {"n_shared_experts": config.shared_experts, "first_k_dense_replace": config.first_num_dense_layers,
               "num_nextn_predict_layers": config.mtp_num_layers,
               "n_group": max(config.n_routing_groups, 1), "topk_group": max(config.topk_routing_group, 1),
-              "routed_scaling_factor": config.routed_scaling_factor}
+              "routed_scaling_factor": config.routed_scaling_factor,
+              **({"topk_method": family.hf_topk_method} if family.hf_topk_method else {})}
   return {family.hf_num_experts_key: config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
           "moe_intermediate_size": config.base_moe_mlp_dim, "norm_topk_prob": config.norm_topk_prob,
           "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": config.load_balance_loss_weight,
@@ -477,13 +487,15 @@ def check_exportable(config) -> None:
     raise errors.ConfigError(f"attention_type={config.attention_type!r}: {family.hf_architecture} has "
                              f"{family.hf_attention_type!r} attention")
   if config.moe:
-    # The class's routing: its score function and bias, and groups, scaling, shared experts and
-    # dense first layers only where it has shared experts (DeepSeek's).
+    # The class's routing: its score function and bias, and scaling, shared experts and dense
+    # first layers only where it has shared experts (DeepSeek's), groups only where its
+    # topk_method is not read (DeepSeek-V3's).
     routing = {"routed_score_func": "softmax", "routed_bias": False, **dict(family.hf_routing)}
-    if not family.hf_shared_experts:
+    if not family.hf_shared_experts or family.hf_topk_method:
       routing.update(n_routing_groups=config.n_routing_groups if config.n_routing_groups <= 0 else -1,
-                     topk_routing_group=config.topk_routing_group if config.topk_routing_group <= 0 else -1,
-                     routed_scaling_factor=1.0, shared_experts=0, first_num_dense_layers=0)
+                     topk_routing_group=config.topk_routing_group if config.topk_routing_group <= 0 else -1)
+    if not family.hf_shared_experts:
+      routing.update(routed_scaling_factor=1.0, shared_experts=0, first_num_dense_layers=0)
     for key, want in routing.items():
       if getattr(config, key) != want:
         raise errors.ConfigError(f"{key}={getattr(config, key)!r}: {family.hf_architecture} routes with {key}={want!r}")

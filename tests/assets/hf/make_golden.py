@@ -1,6 +1,6 @@
 """Writes the Hugging Face parity assets: python tests/assets/hf/make_golden.py [NAME ...] (all,
 or only the named ones; needs torch and transformers, which are not runtime dependencies; any
-versions that have Qwen3, Gemma 2, Gemma 3, Qwen3-MoE and Mixtral; Gemma 3's RoPE per layer type
+versions that have Qwen3, Gemma 2, Gemma 3, Qwen3-MoE, Mixtral and DeepSeek-V2 and V3; Gemma 3's RoPE per layer type
 needs transformers 5).
 
 For each family, a small randomly initialised transformers model saved as Hugging Face does
@@ -78,6 +78,18 @@ MODELS = {
         eos_token_id=95, tie_word_embeddings=False,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
                              beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))),
+    # DeepSeek-V2 with every feature made to bite: latent attention with queries projected directly
+    # (no q-LoRA), 8 interleaved RoPE features, YaRN over a short original context with mscale and
+    # mscale_all_dim apart (so both the RoPE's and the scores' factors differ from 1); a dense first
+    # layer, then 8 experts of which each token's 2 by softmax score, weights not renormalised and
+    # scaled, and 2 shared experts.
+    "deepseek2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM, dict(
+        num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=2,
+        num_experts_per_tok=2, moe_intermediate_size=24, topk_method="greedy", routed_scaling_factor=2.5,
+        norm_topk_prob=False, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+        v_head_dim=6, eos_token_id=95, tie_word_embeddings=False, initializer_range=0.2,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.707))),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
         tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)),
     "mixtral_tied": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
