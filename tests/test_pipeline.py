@@ -1,6 +1,7 @@
 """Pipeline stages on 8 simulated devices give one device's loss and gradients (GPipe, circular
-and 1F1B; dense, Gemma 2 and a mixture of experts); 1F1B's memory does not grow with the microbatches; a run saved pipelined resumes
-without a pipeline; the schedule's bubble; bad pipeline settings are one-line config errors."""
+and 1F1B; dense, Gemma 2 and a mixture of experts); 1F1B's memory does not grow with the
+microbatches; a run saved pipelined resumes without a pipeline; the schedule's bubble; bad
+pipeline settings are one-line config errors."""
 
 import jax
 import numpy as np
