@@ -380,7 +380,8 @@ def _called(op) -> list:
 
 def _device_slice(device):
   """The unit that dcn_* axes span: a TPU slice, or else a process."""
-  return device.slice_index if device.platform == "tpu" else device.process_index
+  # A single slice's devices have no slice_index.
+  return getattr(device, "slice_index", 0) if device.platform == "tpu" else device.process_index
 
 
 def network_bytes(hlo: str, mesh, slice_of: Callable | None = None) -> dict:

@@ -15,8 +15,12 @@ last stage's output, written there M - S + 1 >= 1 iterations before it is read.
 `forward` is the GPipe schedule: autodiff runs every backward after every forward, so a stage
 keeps the residuals (what remat_policy saves) of all R M + S - 1 iterations. `gradients` is 1F1B:
 each iteration runs one forward and one backward per stage, the loss and its gradient inside
-the loop, and a stage keeps the residuals of at most 2S - 1 microbatches (the round trip to the
-last stage and back; M where M is fewer), however many microbatches there are.
+the loop. A stage keeps only its inputs, of at most 2S - 1 microbatches (the round trip to the
+last stage and back; M where M is fewer), however many microbatches there are, and its backward
+runs the stage's forward again for the vjp: the residuals (what remat_policy saves) exist for
+one microbatch at a time, for one more forward of the stage per microbatch. (Keeping each
+forward's vjp residuals instead would save that forward, but a vjp that holds a shard_map, as the
+flash kernels are, does not lower when called under vmap in another iteration's trace.)
 """
 
 from typing import Callable, NamedTuple
@@ -171,28 +175,6 @@ def forward(cfg, stage: Stage, layers, x, positions, segment_ids):
   return rows(buffer), {k: v.reshape(count, -1, *v.shape[4:]) for k, v in stats.items()}
 
 
-class _Residuals:
-  """What one stage's vjp keeps, without the stage's own parameters (the vjp forwards them;
-  they are read again from the parameters, never stored once per microbatch). `split` learns the
-  vjp's structure each time it is traced (the backward of the same iteration rebuilds it from the
-  latest); `join` rebuilds the vjp from the parameters and the rest."""
-
-  def __init__(self):
-    self.treedef, self.from_params = None, None
-
-  def split(self, params, vjp):
-    leaves, self.treedef = jax.tree.flatten(vjp)
-    owned = {id(p): i for i, p in enumerate(jax.tree.leaves(params))}
-    from_params = tuple(owned.get(id(leaf)) for leaf in leaves)
-    assert self.from_params in (None, from_params), "the stage's vjp kept other arrays when traced again"
-    self.from_params = from_params
-    return [leaf for leaf, i in zip(leaves, from_params) if i is None]
-
-  def join(self, params, kept):
-    own, kept = jax.tree.leaves(params), iter(kept)
-    return jax.tree.unflatten(self.treedef, [next(kept) if i is None else own[i] for i in self.from_params])
-
-
 def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, batch: dict, report: Callable):
   """1F1B: ((loss, sums), (gradient of the stack's layers, gradient of `rest`), the layers'
   statistics {name: [layer, ...]} summed over the microbatches) of the batch's microbatches,
@@ -214,27 +196,17 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
                               layers)
   batch = microbatches(batch, count)
   index = jnp.arange(stages)
-  residuals = _Residuals()
   first = stage.first + index * stage.per_stage
-
-  def forward_one(p, x, positions, segment_ids, first):
-    (y, stats), vjp = jax.vjp(lambda p, x: stage.apply(p, x, positions, segment_ids, first), p, x)
-    return y, stats, residuals.split(p, vjp)
-
-  def backward_one(p, kept, dy, d_stats):
-    return residuals.join(p, kept)((dy, d_stats))
-
-  fwd = jax.vmap(forward_one, spmd_axis_name="pipeline")
-  bwd = jax.vmap(backward_one, spmd_axis_name="pipeline")
+  run = jax.vmap(stage.apply, spmd_axis_name="pipeline")
   take = lambda m: jax.tree.map(lambda a: _at(a, jnp.clip(m, 0, count - 1)), batch)
   per_stage = lambda m: jax.tree.map(lambda a: _pick(a, jnp.clip(m, 0, count - 1)), batch)
   reported = jax.vmap(report)
   stat_cotangent = jax.vmap(jax.grad(lambda microbatch, stats: report(microbatch, stats)[0], argnums=1))
   x0 = jax.eval_shape(lambda: embed(rest, take(0)))
   state = jnp.zeros((stages, *x0.shape), x0.dtype)
-  _, stats_shape, kept_shape = jax.eval_shape(lambda: fwd(params, state, batch["inputs_position"][:stages],
-                                                           batch["inputs_segmentation"][:stages], first))
-  kept = [jnp.zeros((stages, slots, *k.shape[1:]), k.dtype) for k in kept_shape]
+  stats_shape = jax.eval_shape(lambda: run(params, state, batch["inputs_position"][:stages],
+                                           batch["inputs_segmentation"][:stages], first)[1])
+  inputs = jnp.zeros((stages, slots, *x0.shape), x0.dtype)
   zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
   head_shape = jax.eval_shape(lambda: head(rest, state[0], take(0)))
   report_shape = jax.eval_shape(lambda: reported(per_stage(index), zeros(stats_shape)))
@@ -243,18 +215,18 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   mask = lambda live, x: jnp.where(live.reshape(-1, *(1,) * (x.ndim - 1)), x, 0)
 
   def iteration(carry, t):
-    state, cotangent, kept, grads, rest_grads, total, stats_sums = carry
+    state, cotangent, inputs, grads, rest_grads, total, stats_sums = carry
     # Forward: stage s runs microbatch t - s; the first stage's input is embedded here.
     state = _on_stages(_put(state, 0, embed(rest, take(t))), STATE_AXES)
     m_f = t - index
     ran = (m_f >= 0) & (m_f < count)
     forward = per_stage(m_f)
-    y, stats, new = fwd(params, state, forward["inputs_position"], forward["inputs_segmentation"], first)
+    y, stats = run(params, state, forward["inputs_position"], forward["inputs_segmentation"], first)
     y = _on_stages(y, STATE_AXES)
     # A stage past its last forward writes nowhere (slot `slots`): with fewer slots than the round
     # trip its slot may still hold a microbatch waiting for its backward.
     slot_f = jnp.where(t - index < count, (t - index) % slots, slots)
-    kept = [_put(b, slot_f, v) for b, v in zip(kept, new)]
+    inputs = _put(inputs, slot_f, state)
     stats_sums = jax.tree.map(lambda a, b: a + mask(ran, b), stats_sums, stats)
     loss, sums = jax.tree.map(lambda x: jnp.sum(mask(ran, x), axis=0), reported(forward, stats))
     # The loss of the microbatch the last stage just finished, and its gradient.
@@ -269,19 +241,21 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
     cotangent = _on_stages(_put(cotangent, stages - 1, dy), STATE_AXES)
     m_b = t - 2 * stages + 2 + index
     live = (m_b >= 0) & (m_b < count)
-    mine = [_at(b, m_b % slots) for b in kept]
-    d_stats = jax.tree.map(lambda d: mask(live, d), stat_cotangent(per_stage(m_b), stats))
-    d_params, dx = bwd(params, mine, cotangent, d_stats)
+    backward = per_stage(m_b)
+    d_stats = jax.tree.map(lambda d: mask(live, d), stat_cotangent(backward, stats))
+    _, stage_vjp = jax.vjp(lambda p, x: run(p, x, backward["inputs_position"], backward["inputs_segmentation"], first),
+                           params, _at(inputs, m_b % slots))
+    d_params, dx = stage_vjp((cotangent, d_stats))
     grads = jax.tree.map(lambda g, d: g + mask(live, d), grads, d_params)
     # The first stage's input gradient reaches the embedding.
     m_0 = t - 2 * stages + 2
     _, embed_vjp = jax.vjp(lambda r: embed(r, take(m_0)), rest)
     (d_embed,) = embed_vjp(jnp.where(live[0], dx[0], 0))
     rest_grads = jax.tree.map(lambda g, a, b: g + a + b, rest_grads, d_rest, d_embed)
-    return (jnp.roll(y, 1, axis=0), _on_stages(jnp.roll(dx, -1, axis=0), STATE_AXES), kept, grads, rest_grads,
+    return (jnp.roll(y, 1, axis=0), _on_stages(jnp.roll(dx, -1, axis=0), STATE_AXES), inputs, grads, rest_grads,
             total, stats_sums), None
 
-  carry = (state, jnp.zeros_like(state), kept, zeros(params), zeros(rest), total, zeros(stats_shape))
+  carry = (state, jnp.zeros_like(state), inputs, zeros(params), zeros(rest), total, zeros(stats_shape))
   (*_, grads, rest_grads, total, stats_sums), _ = jax.lax.scan(iteration, carry,
                                                                jnp.arange(count + 2 * stages - 2))
   (layer_grads,) = to_stored(grads)
