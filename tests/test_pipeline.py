@@ -41,13 +41,11 @@ CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
     "circular pp2 r2 fsdp4 m2": ("gemma2", (_PP2, "ici_fsdp_parallelism=4", "num_pipeline_repeats=2")),
     "1f1b pp4 tensor2 m4": ("gemma2", (_PP4, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=1",
                                        "pipeline_schedule=1f1b", "num_pipeline_microbatches=4")),
-    "1f1b pp2 tensor4 m16": ("llama", (_PP2, "ici_tensor_parallelism=4", "ici_fsdp_parallelism=1",
-                                       "pipeline_schedule=1f1b", "num_pipeline_microbatches=16")),
-    "1f1b pp2 fsdp4, accumulation 2, 4 tiles, interval 2": (
-        "llama", (_PP2, "ici_fsdp_parallelism=4", "pipeline_schedule=1f1b", "gradient_accumulation_steps=2",
-                  "per_device_batch_size=1", "num_vocab_tiling=4", "remat_layer_interval=2")),
-    "1f1b pp2 context2 fsdp2": ("llama", (_PP2, "ici_fsdp_parallelism=2", "ici_context_parallelism=2",
-                                          "pipeline_schedule=1f1b", "attention=chunked", "attention_chunk_size=4")),
+    "1f1b pp2 context2 fsdp2 m4, accumulation 2, 4 tiles, interval 2": (
+        "llama", (_PP2, "ici_fsdp_parallelism=2", "ici_context_parallelism=2", "pipeline_schedule=1f1b",
+                  "num_pipeline_microbatches=4", "attention=chunked", "attention_chunk_size=4",
+                  "gradient_accumulation_steps=2", "per_device_batch_size=1", "num_vocab_tiling=4",
+                  "remat_layer_interval=2")),
     "moe gpipe pp2 expert2 tensor2 m4": ("moe", (_PP2, "ici_expert_parallelism=2", "ici_tensor_parallelism=2",
                                                  "ici_fsdp_parallelism=1", "num_pipeline_microbatches=4")),
     "moe 1f1b pp4 fsdp2 m4": ("moe", (_PP4, "ici_fsdp_parallelism=2", "pipeline_schedule=1f1b",
