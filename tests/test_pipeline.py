@@ -39,8 +39,8 @@ CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
     "gpipe pp2 fsdp2 data2 m4": ("llama", (_PP2, "ici_fsdp_parallelism=2", "ici_data_parallelism=2",
                                            "num_pipeline_microbatches=4")),
     "circular pp2 r2 fsdp4 m2": ("gemma2", (_PP2, "ici_fsdp_parallelism=4", "num_pipeline_repeats=2")),
-    "1f1b pp4 tensor2 m4": ("gemma2", (_PP4, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=1",
-                                       "pipeline_schedule=1f1b", "num_pipeline_microbatches=4")),
+    "1f1b pp4 tensor2 m16": ("gemma2", (_PP4, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=1",
+                                        "pipeline_schedule=1f1b", "num_pipeline_microbatches=16")),
     "1f1b pp2 context2 fsdp2 m4, accumulation 2, 4 tiles, interval 2": (
         "llama", (_PP2, "ici_fsdp_parallelism=2", "ici_context_parallelism=2", "pipeline_schedule=1f1b",
                   "num_pipeline_microbatches=4", "attention=chunked", "attention_chunk_size=4",
