@@ -5,8 +5,8 @@ viewed as [S stages, R repeats, L / (S R) layers]: stage s runs the layer groups
 2S + s, ... (circular with num_pipeline_repeats R > 1; with R = 1 a stage's layers are the
 contiguous ones its shard of the stored axis already holds, so nothing moves). All stages run
 in each iteration, each on its own microbatch, as one program vmapped over the stage axis
-(spmd_axis_name="pipeline"), and their outputs move one stage on by a roll of that axis, which
-the partitioner turns into a collective permute: only activations cross between stages.
+(spmd_axis_name="pipeline"), and their outputs move one stage on by a shift along that axis,
+which the partitioner turns into a collective permute: only activations cross between stages.
 
 Microbatch m at repeat r enters stage s in iteration r M + m + s (M microbatches). Stage 0 reads
 from a buffer of the M microbatches: their embeddings for repeat 0, and for later repeats the
@@ -106,6 +106,13 @@ def _pick(x, i):
   return _at(jnp.broadcast_to(x[None], (i.shape[0], *x.shape)), i)
 
 
+def _shift(x, by: int):
+  """x [S, ...] moved `by` (+1 or -1) stages along, the emptied end zero: stage s sends to s + by
+  alone (a collective permute without the pair that a roll's wrap-around would add)."""
+  pad = [(max(by, 0), max(-by, 0))] + [(0, 0)] * (x.ndim - 1)
+  return jnp.pad(x[:-1] if by > 0 else x[1:], pad)
+
+
 def stage_layers(cfg, layers):
   """The stored [L, ...] -> [S, R, L / (S R), ...], the stage axis on `pipeline`."""
   stages, repeats = cfg.pipeline_stages, cfg.num_pipeline_repeats
@@ -164,7 +171,7 @@ def forward(cfg, stage: Stage, layers, x, positions, segment_ids):
     # Each stage's statistics at [its microbatch, its repeat, the stage].
     hits = ((jnp.arange(count)[:, None, None] == m) & (jnp.arange(repeats)[None, :, None] == repeat) & ran)
     stats = {k: jnp.where(hits.reshape(*hits.shape, *(1,) * (v.ndim - 1)), v, stats[k]) for k, v in new.items()}
-    return (_on_stages(jnp.roll(out, 1, axis=0), STATE_AXES), buffer, stats), None
+    return (_on_stages(_shift(out, 1), STATE_AXES), buffer, stats), None
 
   buffer = _on_stages(buffer, BUFFER_AXES)
   state = _on_stages(jnp.zeros((stages, *buffer.shape[1:]), buffer.dtype), STATE_AXES)
@@ -214,6 +221,17 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   total = (jnp.zeros((), head_shape[0].dtype), zeros({**head_shape[1], **per_stage_sums}))
   mask = lambda live, x: jnp.where(live.reshape(-1, *(1,) * (x.ndim - 1)), x, 0)
 
+  def head_one(y, microbatch, scored):
+    out, vjp = jax.vjp(lambda r, y: head(r, y, microbatch), rest, y)
+    d_rest, dy = vjp((jnp.where(scored, 1.0, 0.0).astype(out[0].dtype), zeros(out[1])))
+    return out, d_rest, dy
+
+  def embed_one(microbatch, dx):
+    return jax.vjp(lambda r: embed(r, microbatch), rest)[1](dx)[0]
+
+  heads = jax.vmap(head_one, spmd_axis_name="pipeline")
+  embeds = jax.vmap(embed_one, spmd_axis_name="pipeline")
+
   def iteration(carry, t):
     state, cotangent, inputs, grads, rest_grads, total, stats_sums = carry
     # Forward: stage s runs microbatch t - s; the first stage's input is embedded here.
@@ -229,16 +247,18 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
     inputs = _put(inputs, slot_f, state)
     stats_sums = jax.tree.map(lambda a, b: a + mask(ran, b), stats_sums, stats)
     loss, sums = jax.tree.map(lambda x: jnp.sum(mask(ran, x), axis=0), reported(forward, stats))
-    # The loss of the microbatch the last stage just finished, and its gradient.
+    # The loss of the microbatch the last stage just finished, and its gradient: computed by every
+    # stage on its own output and kept by the last, so that no stage's output crosses to another.
     m_l = t - stages + 1
-    scored = (m_l >= 0) & (m_l < count)
-    out, head_vjp = jax.vjp(lambda r, y: head(r, y, take(m_l)), rest, y[-1])
-    d_rest, dy = head_vjp((jnp.where(scored, 1.0, 0.0).astype(out[0].dtype), zeros(out[1])))
-    total = (total[0] + loss + jnp.where(scored, out[0], 0),
-             {k: v + sums.get(k, 0) + jnp.where(scored, out[1].get(k, 0), 0) for k, v in total[1].items()})
+    scored = (index == stages - 1) & (m_l >= 0) & (m_l < count)
+    out, d_rest, dy = heads(y, per_stage(jnp.full((stages,), m_l)), scored)
+    total = (total[0] + loss + jnp.sum(mask(scored, out[0])),
+             {k: v + sums.get(k, 0) + jnp.sum(mask(scored, out[1][k])) if k in out[1] else v + sums.get(k, 0)
+              for k, v in total[1].items()})
     # Backward: stage s runs microbatch t - 2S + 2 + s, its cotangent from stage s + 1 (the
     # last stage's from the loss above).
-    cotangent = _on_stages(_put(cotangent, stages - 1, dy), STATE_AXES)
+    cotangent = _on_stages(jnp.where((index == stages - 1).reshape(-1, *(1,) * (dy.ndim - 1)), dy, cotangent),
+                           STATE_AXES)
     m_b = t - 2 * stages + 2 + index
     live = (m_b >= 0) & (m_b < count)
     backward = per_stage(m_b)
@@ -247,16 +267,17 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
                            params, _at(inputs, m_b % slots))
     d_params, dx = stage_vjp((cotangent, d_stats))
     grads = jax.tree.map(lambda g, d: g + mask(live, d), grads, d_params)
-    # The first stage's input gradient reaches the embedding.
-    m_0 = t - 2 * stages + 2
-    _, embed_vjp = jax.vjp(lambda r: embed(r, take(m_0)), rest)
-    (d_embed,) = embed_vjp(jnp.where(live[0], dx[0], 0))
+    # The first stage's input gradient reaches the embedding, on the first stage's devices.
+    d_embed = embeds(backward, mask(live & (index == 0), dx))
     rest_grads = jax.tree.map(lambda g, a, b: g + a + b, rest_grads, d_rest, d_embed)
-    return (jnp.roll(y, 1, axis=0), _on_stages(jnp.roll(dx, -1, axis=0), STATE_AXES), inputs, grads, rest_grads,
+    return (_on_stages(_shift(y, 1), STATE_AXES), _on_stages(_shift(dx, -1), STATE_AXES), inputs, grads, rest_grads,
             total, stats_sums), None
 
-  carry = (state, jnp.zeros_like(state), inputs, zeros(params), zeros(rest), total, zeros(stats_shape))
+  # The gradients of `rest`, one per stage (each stage's head and embedding), summed once at the end.
+  rest_grads = jax.tree.map(lambda a: _on_stages(jnp.zeros((stages, *a.shape), a.dtype)), rest)
+  carry = (state, jnp.zeros_like(state), inputs, zeros(params), rest_grads, total, zeros(stats_shape))
   (*_, grads, rest_grads, total, stats_sums), _ = jax.lax.scan(iteration, carry,
                                                                jnp.arange(count + 2 * stages - 2))
   (layer_grads,) = to_stored(grads)
+  rest_grads = jax.tree.map(lambda g: jnp.sum(g, axis=0), rest_grads)
   return total, (layer_grads, rest_grads), {k: v.reshape(-1, *v.shape[2:]) for k, v in stats_sums.items()}
