@@ -682,6 +682,7 @@ class Mesh:
        ["exp_fsdp", ["expert", "fsdp", "context"]], ["embed", ["fsdp", "context", "expert"]],
        ["embed", ["fsdp", "context"]], ["vocab", ["tensor"]], ["q_heads", ["tensor"]], ["kv_heads", ["tensor"]],
        ["heads", ["tensor"]], ["mlp", ["tensor"]], ["kv", []], ["norm", []], ["layers", ["pipeline"]],
+       ["unstaged_layers", []],
        ["q_lora", ["fsdp", "context", "expert"]], ["kv_lora", ["fsdp", "context", "expert"]], ["q_lora_up_proj", []],
        ["kv_lora_up_proj", []], ["kv_head_dim", []]],
       "model axis name -> mesh axes, first unused match wins (flax semantics)",
@@ -689,7 +690,8 @@ class Mesh:
           "experts' weights where the experts divide over those axes (moe.py), and the second `embed` rule serves "
           "the experts' weights whose `exp` axis took `expert`. attention_type=mla's latent features (q_lora, "
           "kv_lora: the inputs of wq_b and wkv_b) shard as `embed` does. The stacked layers' `layers` axis is "
-          "split over the pipeline stages.")
+          "split over the pipeline stages; `unstaged_layers` is that of the layers before the stages (DeepSeek's "
+          "dense first layers).")
 
   @staticmethod
   def axis_rules(rules: list) -> list:

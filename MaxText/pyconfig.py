@@ -286,14 +286,14 @@ def _derive_pipeline(v: dict) -> None:
   and what a pipeline needs of the layers and the batch."""
   axis = sharding.MESH_AXES.index("pipeline")
   stages = v["pipeline_stages"] = v["mesh_shape"][axis] * v["dcn_mesh_shape"][axis]
-  layers = v["base_num_decoder_layers"]
+  # The stages split the layers after the dense first ones, which run before them.
+  layers = v["base_num_decoder_layers"] - v["first_num_dense_layers"]
   if v["num_pipeline_microbatches"] == -1:
     v["num_pipeline_microbatches"] = stages
   if stages == 1:
     v["num_pipeline_repeats"] = 1
     return
-  for key in ("first_num_dense_layers", "mtp_num_layers"):
-    _require(not v[key], key, f"must be 0 with pipeline stages ({stages}): a pipeline runs one stack of layers", v)
+  _require(not v["mtp_num_layers"], "mtp_num_layers", f"must be 0 with pipeline stages ({stages})", v)
   per_stage = v["num_layers_per_pipeline_stage"] or layers // stages
   repeats = layers // (stages * per_stage) if per_stage else 0
   if v["num_pipeline_repeats"] != -1:
@@ -302,8 +302,9 @@ def _derive_pipeline(v: dict) -> None:
              f"{repeats} repeats", v)
     repeats = v["num_pipeline_repeats"]
   _require(repeats >= 1 and layers % (stages * repeats) == 0, "base_num_decoder_layers",
-           f"must be divisible by pipeline stages x repeats = {stages} x {repeats} "
-           "(ici_/dcn_pipeline_parallelism, num_pipeline_repeats or num_layers_per_pipeline_stage)", v)
+           (f"less first_num_dense_layers ({layers} layers) " if v["first_num_dense_layers"] else "")
+           + f"must be divisible by pipeline stages x repeats = {stages} x {repeats} (ici_/dcn_pipeline_parallelism, "
+           "num_pipeline_repeats or num_layers_per_pipeline_stage)", v)
   v["num_pipeline_repeats"] = repeats
   count = v["num_pipeline_microbatches"]
   _require(count % stages == 0, "num_pipeline_microbatches", f"must be a multiple of the {stages} pipeline stages", v)

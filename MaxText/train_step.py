@@ -121,11 +121,16 @@ def one_f_one_b(model, config, params, batch):
   1F1B pipeline (pipeline_schedule=1f1b): the stack's layers in stages, the embedding and the
   head, its final norm and the loss of each microbatch inside the loop."""
   batch = context_parallel.load_balance(config, batch)
-  (stack,) = decoders.stacks(config)
+  *before, stack = decoders.stacks(config)
   rest = {**params, "decoder": {k: v for k, v in params["decoder"].items() if k != stack.name}}
 
   def embed(rest, microbatch):
-    return model.apply({"params": rest}, microbatch["inputs"], method="embed")
+    """The first stage's input: the embedding, then the layers before the stages."""
+    x = model.apply({"params": rest}, microbatch["inputs"], method="embed")
+    for dense in before:
+      x = decoders.apply_stack(config, dense, rest["decoder"][dense.name], x, microbatch["inputs_position"],
+                               microbatch["inputs_segmentation"])
+    return x
 
   def head_sums(rest, y, microbatch):
     hidden = rms_norm_with(config, rest["decoder"]["decoder_norm"]["scale"], y)

@@ -31,9 +31,14 @@ MODELS = {
     "moe": ("base_num_decoder_layers=4", "decoder_block=qwen3_moe", "num_experts=4", "num_experts_per_tok=2",
             "base_moe_mlp_dim=24", "load_balance_loss_weight=0.1", "router_z_loss_weight=0.01",
             "routed_score_func=sigmoid", "routed_bias=true"),
+    # DeepSeek's layout: a dense first layer (before the stages, on every device), then 4 MoE layers.
+    "dense first": ("base_num_decoder_layers=5", "first_num_dense_layers=1", "decoder_block=qwen3_moe",
+                    "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=24", "load_balance_loss_weight=0.1",
+                    "shared_experts=1"),
 }
 # The one-device reference's own overrides.
-REFERENCE = {"moe": ("gradient_accumulation_steps=4", "per_device_batch_size=4")}
+REFERENCE = {"moe": ("gradient_accumulation_steps=4", "per_device_batch_size=4"),
+             "dense first": ("gradient_accumulation_steps=4", "per_device_batch_size=4")}
 _PP2, _PP4 = "ici_pipeline_parallelism=2", "ici_pipeline_parallelism=4"
 CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
     "gpipe pp2 fsdp2 data2 m4": ("llama", (_PP2, "ici_fsdp_parallelism=2", "ici_data_parallelism=2",
@@ -50,6 +55,10 @@ CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
                                                  "ici_fsdp_parallelism=1", "num_pipeline_microbatches=4")),
     "moe 1f1b pp4 fsdp2 m4": ("moe", (_PP4, "ici_fsdp_parallelism=2", "pipeline_schedule=1f1b",
                                       "num_pipeline_microbatches=4")),
+    "dense first gpipe pp2 fsdp2 tensor2 m4": ("dense first", (
+        _PP2, "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "num_pipeline_microbatches=4")),
+    "dense first 1f1b pp4 fsdp2 m4": ("dense first", (_PP4, "ici_fsdp_parallelism=2", "pipeline_schedule=1f1b",
+                                                      "num_pipeline_microbatches=4")),
 }
 
 
@@ -150,8 +159,8 @@ def test_bubble_counts_the_idle_stage_iterations(schedule, stages, repeats, coun
     ((_PP2, "ici_fsdp_parallelism=4", "num_pipeline_microbatches=4"), r"num_pipeline_microbatches=4: must split"),
     ((_PP2, "num_pipeline_repeats=2", "pipeline_schedule=1f1b"), r"pipeline_schedule='1f1b': 1f1b is not circular"),
     ((_PP2, "num_layers_per_pipeline_stage=1", "num_pipeline_repeats=1"), r"num_pipeline_repeats=1: disagrees"),
-    ((_PP2, "decoder_block=qwen3_moe", "num_experts=4", "first_num_dense_layers=2"),
-     r"first_num_dense_layers=2: must be 0 with pipeline stages"),
+    ((_PP4, "decoder_block=qwen3_moe", "num_experts=4", "first_num_dense_layers=2"),
+     r"base_num_decoder_layers=4: less first_num_dense_layers \(2 layers\) must be divisible by pipeline stages"),
 ])
 def test_bad_pipeline_settings_are_config_errors(overrides, message):
   with on_devices(8), pytest.raises(errors.ConfigError, match=message):

@@ -83,13 +83,13 @@ class DecoderBlock(nn.Module):
     return x, None  # (carry, per-step output) as nn.scan expects
 
 
-def scanned(module, cfg, length: int, *args, name: str):
-  """nn.scan of module(cfg, *args) over `length` steps: parameters stacked on a `layers`
-  axis, the carry x, positions and segment ids broadcast, one index per step scanned. What the
-  layers sow (the MoE router's statistics) is stacked the same way."""
+def scanned(module, cfg, length: int, *args, name: str, axis: str = "layers"):
+  """nn.scan of module(cfg, *args) over `length` steps: parameters stacked on an axis with the
+  logical name `axis`, the carry x, positions and segment ids broadcast, one index per step
+  scanned. What the layers sow (the MoE router's statistics) is stacked the same way."""
   return nn.scan(module, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
                  in_axes=(nn.broadcast, nn.broadcast, 0), length=length,
-                 metadata_params={nn.PARTITION_NAME: "layers"})(cfg, *args, name=name)
+                 metadata_params={nn.PARTITION_NAME: axis})(cfg, *args, name=name)
 
 
 class Stack(NamedTuple):
@@ -167,6 +167,12 @@ def regroup(cfg, depth: int, layers):
   return grouped
 
 
+def apply_stack(cfg, stack: Stack, layers, x, positions, segment_ids):
+  """A stack's layers from its stored parameters, outside the Decoder (1F1B's first stage input)."""
+  return LayerStack(cfg, stack, parent=None).apply({"params": regroup(cfg, stack.depth, layers)}, x, positions,
+                                                   segment_ids, stack.first)
+
+
 def pipeline_stage(cfg, stack: Stack) -> pipeline.Stage:
   """The stack's layers as a pipeline stage runs them: L / (S R) consecutive layers, regrouped
   and run as LayerStack runs a stack of that depth, with their MoE layers' router statistics
@@ -201,9 +207,8 @@ def layer_stats(cfg, stack: Stack, grouped) -> dict:
 def expert_loads(cfg, intermediates) -> dict:
   """{stack name: [depth, E]} the load per expert of each MoE layer (moe.EXPERT_LOAD) in the
   stored layer order, from model.apply's intermediates (pipelined: summed over the microbatches)."""
-  if cfg.pipeline_stages > 1:
-    (stack,) = stacks(cfg)
-    return {stack.name: jnp.sum(intermediates["decoder"][PIPELINE_STATS][0][moe.EXPERT_LOAD], axis=0)}
+  if cfg.pipeline_stages > 1:  # the pipelined stack is the one MoE stack
+    return {stacks(cfg)[-1].name: jnp.sum(intermediates["decoder"][PIPELINE_STATS][0][moe.EXPERT_LOAD], axis=0)}
   return {stack.name: layer_stats(cfg, stack, intermediates["decoder"][stack.name])[moe.EXPERT_LOAD]
           for stack in stacks(cfg) if stack.moe}
 
@@ -220,8 +225,9 @@ class Decoder(nn.Module):
   entry of `stacks`, created by one scan over its layers, so their values depend only on the
   shape keys and the seed. Applying regroups them for the stack remat_layer_interval and
   scan_layers ask for, so a checkpoint saved under any of these settings resumes under any other.
-  With pipeline stages the stack runs pipelined (GPipe's forward, `pipeline.forward`) from the
-  same stored parameters, whose layers axis the stages shard.
+  With pipeline stages the last stack runs pipelined (GPipe's forward, `pipeline.forward`) from
+  the same stored parameters, whose layers axis the stages shard; a stack before it (DeepSeek's
+  dense first layers) runs on every device before the stages.
 
   Returns the final-normed hidden states and those before the final norm (multi-token
   prediction's input).
@@ -232,11 +238,14 @@ class Decoder(nn.Module):
   @nn.compact
   def __call__(self, x, positions, segment_ids):
     cfg = self.config
-    for stack in stacks(cfg):
+    *before, last = every = stacks(cfg)
+    for stack in every:
       if self.is_initializing():
-        x, _ = scanned(ScannedDecoderLayer, cfg, stack.depth, stack.moe, name=stack.name)(
+        # The stages split the last stack's layers; the layers before it run on every device.
+        x, _ = scanned(ScannedDecoderLayer, cfg, stack.depth, stack.moe, name=stack.name,
+                       axis="layers" if stack is last else "unstaged_layers")(
             x, positions, segment_ids, stack.first + jnp.arange(stack.depth))
-      elif cfg.pipeline_stages > 1:
+      elif cfg.pipeline_stages > 1 and stack is last:
         x, stats = pipeline.forward(cfg, pipeline_stage(cfg, stack), self.variables["params"][stack.name], x,
                                     positions, segment_ids)
         if stats:
