@@ -190,18 +190,15 @@ def pipeline_stage(cfg, stack: Stack) -> pipeline.Stage:
 
 def layer_stats(cfg, stack: Stack, grouped) -> dict:
   """{name: [depth, ...]} what each of the stack's MoE layers sowed (the router's statistics,
-  moe.AUX_NAMES, and its load per expert, moe.EXPERT_LOAD), back in the stored layer order
-  (regroup's inverse), from a LayerStack's intermediates; {} for dense layers."""
+  moe.AUX_NAMES, and its load per expert, moe.EXPERT_LOAD, those the intermediates hold), back in
+  the stored layer order (regroup's inverse), from a LayerStack's intermediates; {} for dense
+  layers."""
   if not stack.moe:
     return {}
-  stats = {}
-  for name in (*moe.AUX_NAMES, moe.EXPERT_LOAD):
-    per_layer = []
-    for path, step in _layer_order(cfg, stack.depth):
-      value = functools.reduce(lambda tree, key: tree[key], path, grouped)["moe_block"][name][0]
-      per_layer.append(value if step is None else value[step])
-    stats[name] = jnp.stack(per_layer)
-  return stats
+  sown = [(functools.reduce(lambda tree, key: tree[key], path, grouped)["moe_block"], step)
+          for path, step in _layer_order(cfg, stack.depth)]
+  return {name: jnp.stack([values[name][0] if step is None else values[name][0][step] for values, step in sown])
+          for name in sown[0][0]}
 
 
 def expert_loads(cfg, intermediates) -> dict:
