@@ -7,11 +7,12 @@ what
     compile_topology_num_slices=2 dataset_type=synthetic max_target_length=8192 num_vocab_tiling=8 \\
     remat_policy=full attention=flash ici_fsdp_parallelism=-1 per_device_batch_size=B [mesh and pipeline keys]
 prints: memory per chip, the bytes each chip sends across the slices and within its slice per
-step (every collective of the compiled program at its loop trip counts, costs.network_bytes), and
-the pipeline's bubble. Two tables: the slices joined by data, FSDP or pipeline stages (one
-microbatch per stage, and circular with one layer per stage as MaxText runs it by default); and
-GPipe against 1F1B at 4, 8 and 16 microbatches of the same size (one row per chip each, so the
-batch grows with them).
+step (every collective of the compiled program at its loop trip counts, costs.network_bytes), the
+pipeline's bubble, and the step's FLOPs as traced over the model's (the bubble's idle work,
+recomputation and the causal mask's half of attention included). Two tables: the slices joined
+by data, FSDP or pipeline stages (one microbatch per stage, and circular with one layer per
+stage as MaxText runs it by default); and GPipe against 1F1B at 4, 8 and 16 microbatches of the
+same size (one row per chip each, so the batch grows with them).
 """
 
 import argparse
@@ -39,6 +40,11 @@ SLICES = {
 }
 SCHEDULES = {f"{schedule}, {count} microbatches": (schedule, count) for schedule in ("gpipe", "1f1b")
              for count in (4, 8, 16)}
+# MaxText 0.2.5's own train_compile with dcn_pipeline_parallelism=2 and these microbatches (its
+# default schedule: circular, one layer per stage), GiB per chip or the temporaries its compiler
+# refused.
+MAXTEXT_MICROBATCHES = {2: "30.42", 4: "90.75", 8: "does not fit (compiler: temp 111.08G > 95.73G)",
+                        16: "does not fit (compiler: temp 215.58G > 95.73G)"}
 
 
 def _temp_gib(r: dict) -> float | None:
@@ -51,11 +57,12 @@ def _temp_gib(r: dict) -> float | None:
 
 def _row(name: str, r: dict) -> list:
   if "error" in r:
-    return [name, "", "", common.gib_or_refusal(r, "total_bytes"), "", "", ""]
+    return [name, "", "", common.gib_or_refusal(r, "total_bytes"), "", "", "", ""]
   network = r["network_bytes_per_device"]
   return [name, reports.gib(r["argument_bytes"]), reports.gib(r["temp_bytes"]), reports.gib(r["total_bytes"]),
           f"{network['dcn'] / 2**30:.3f}", f"{network['ici'] / 2**30:.1f}",
-          f"{r['pipeline_bubble']:.1%}" if "pipeline_bubble" in r else ""]
+          f"{r['pipeline_bubble']:.1%}" if "pipeline_bubble" in r else "",
+          f"{r['traced_flops_per_step'] / r['model_flops_per_step']:.2f}"]
 
 
 def main():
@@ -65,7 +72,7 @@ def main():
   args = parser.parse_args()
   wanted = lambda name: not args.only or any(word in name for word in args.only)
   header = ["cell", "params+opt GiB", "temp GiB", "total GiB/chip", "GiB/chip/step across slices",
-            "GiB/chip/step within a slice", "bubble"]
+            "GiB/chip/step within a slice", "bubble", "traced FLOPs / model FLOPs"]
   results, slice_rows, schedule_rows = {}, [], []
   for name, (overrides, maxtext) in SLICES.items():
     if wanted(name):
@@ -77,13 +84,15 @@ def main():
       r = results[name] = common.compiled_memory_on(None, *STEP, *PIPELINE, f"pipeline_schedule={schedule}",
                                                     f"num_pipeline_microbatches={count}",
                                                     f"per_device_batch_size={count // 2}")
-      schedule_rows.append(_row(name, r))
+      schedule_rows.append([*_row(name, r), MAXTEXT_MICROBATCHES[count]])
       print(schedule_rows[-1], flush=True)
   markdown = ("## llama3-70b over 2 x v5p-128: the slices joined by data, FSDP or pipeline stages (TPU compiler, "
               "compile only, 8,192 tokens per chip)\n\n"
               + reports.markdown_table([*header, "MaxText 0.2.5 GiB/chip"], slice_rows)
               + "\n\n## dcn_pipeline_parallelism=2: GPipe and 1F1B at 4, 8 and 16 microbatches of one row per chip "
-                "(per_device_batch_size = microbatches / 2)\n\n" + reports.markdown_table(header, schedule_rows))
+                "(per_device_batch_size = microbatches / 2)\n\n"
+              + reports.markdown_table([*header, "MaxText 0.2.5 GiB/chip (circular, 1 layer per stage)"],
+                                       schedule_rows))
   print(markdown)
   figure = Figure(figsize=(12, 4.5))
   bars, lines = figure.subplots(1, 2)
