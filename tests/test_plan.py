@@ -326,9 +326,9 @@ def test_the_speed_bound_with_the_compiled_bytes_is_the_roofline():
 
 
 def test_the_pipeline_degree_microbatches_and_schedule_are_searched():
-  """On the 8 simulated devices: no pipeline, and 2 stages with 2 or 8 microbatches under each
-  schedule (the microbatches and schedule only where there are stages), each compiled and named;
-  with 8 microbatches 1F1B holds fewer of them than GPipe."""
+  """On the 8 simulated devices: the chains are no pipeline, and 2 stages with 2 or 8 microbatches
+  under each schedule (the microbatches and schedule only where there are stages), each named in
+  its candidates; compiled, 1F1B with 8 microbatches holds fewer of them than GPipe."""
   argv = [BASE_YML, *TINY, "base_num_decoder_layers=4", "per_device_batch_size=4", "ici_fsdp_parallelism=-1",
           "plan_remat_policies=[full]", "plan_remat_layer_intervals=[1]", "plan_per_device_batch_sizes=[4]",
           "plan_num_vocab_tiling=[1]", "plan_pipeline_parallelism=[1,2]", "plan_num_pipeline_microbatches=[2,8]",
@@ -336,9 +336,12 @@ def test_the_pipeline_degree_microbatches_and_schedule_are_searched():
   with on_devices(8):
     config = pyconfig.initialize(argv)
     space = plan.search_space(config, set(plan.PIPELINE_KEYS))
-    records = plan.search(config, space, 2**40, plan.roofline_rates(sharding.run_devices("", 1)[0]), workers=1)
-  temp = {tuple(r["settings"][k] for k in plan.PIPELINE_KEYS): r["temp_bytes"] for r in records}
-  assert set(temp) == {(1, 2, "gpipe"), (2, 2, "gpipe"), (2, 2, "1f1b"), (2, 8, "gpipe"), (2, 8, "1f1b")}
-  assert temp[2, 8, "1f1b"] < temp[2, 8, "gpipe"]
-  pipelined = next(r for r in records if r["settings"]["ici_pipeline_parallelism"] == 2)
-  assert "ici_pipeline_parallelism=2 num_pipeline_microbatches=" in plan.describe(pipelined["settings"])
+    chains = [tuple(s[k] for k in plan.PIPELINE_KEYS) for s in plan._settings(space)]
+    assert chains == [(1, 2, "gpipe"), (2, 2, "gpipe"), (2, 2, "1f1b"), (2, 8, "gpipe"), (2, 8, "1f1b")]
+    rates = plan.roofline_rates(sharding.run_devices("", 1)[0])
+    temp = {schedule: plan.evaluate(config, {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8,
+                                             "pipeline_schedule": schedule}, rates)["temp_bytes"]
+            for schedule in ("gpipe", "1f1b")}
+  assert temp["1f1b"] < temp["gpipe"]
+  assert "ici_pipeline_parallelism=2 num_pipeline_microbatches=8 pipeline_schedule=1f1b" in plan.describe(
+      dict(zip(plan.PIPELINE_KEYS, chains[-1])))

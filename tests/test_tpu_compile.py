@@ -112,7 +112,7 @@ def test_the_flash_kernels_flops_are_counted_by_hand(mesh):
 def test_dcn_axes_span_the_slices_of_a_multi_slice_compile():
   config = tiny_config("compile_topology=v5p-8", "compile_topology_num_slices=2", "dcn_data_parallelism=2")
   mesh = sharding.create_mesh(config)
-  assert config.mesh_shape == (1, 4, 1, 1, 1) and config.dcn_mesh_shape == (2, 1, 1, 1, 1)
+  assert config.mesh_shape == (1, 1, 4, 1, 1, 1) and config.dcn_mesh_shape == (2, 1, 1, 1, 1, 1)
   # The data axis crosses slices; every other axis stays inside one.
   assert [{d.slice_index for d in mesh.devices[i].flat} for i in range(2)] == [{0}, {1}]
   stats = costs.memory_stats(train_step.compile_train_step(train_step.build(config, mesh), config))
@@ -126,7 +126,7 @@ def test_a_mesh_axis_no_product_of_the_physical_axes_splits_one():
                        "decoder_block=qwen3_moe", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=16",
                        "base_emb_dim=64")
   mesh = sharding.create_mesh(config)
-  assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1, "context": 1, "expert": 8}
+  assert dict(mesh.shape) == {"data": 1, "pipeline": 1, "fsdp": 8, "tensor": 1, "context": 1, "expert": 8}
   assert len({d.id for d in mesh.devices.flat}) == 64
 
 
