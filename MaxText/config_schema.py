@@ -22,7 +22,7 @@ from MaxText.errors import ConfigError
 from MaxText.families import FAMILIES
 from MaxText.input_pipeline import mixture
 from MaxText.input_pipeline.input_pipeline import DATASET_TYPES
-from MaxText.layers.attentions import ATTENTION_TYPES, ATTENTIONS
+from MaxText.layers.attentions import ATTENTION_TYPES, ATTENTIONS, FLASH_KERNELS
 from MaxText.layers.context_parallel import STRATEGIES
 from MaxText.layers.embeddings import ROPE_TYPES
 
@@ -247,6 +247,14 @@ class Execution:
           "backward (exact, memory linear in T); flash: a fused kernel, Pallas splash attention on TPU, Pallas "
           "(Triton) flash attention on GPU, none on CPU (max_target_length a multiple of 128, and of 512 above 512); "
           "with a context axis, splash attention per context shard on TPU with context_parallel_strategy=all_gather.")
+  flash_kernel: one_of(FLASH_KERNELS) | None = key(
+      None, "attention=flash's kernel (layers/attentions.FLASH_KERNELS): splash (TPU), cudnn or triton (GPU); unset: "
+            "the platform's fastest (splash on TPU, cudnn on GPU)",
+      doc="cudnn: cuDNN's fused attention, GQA, MLA widths and sliding windows, packed documents as offsets (at most "
+          "max_segments_per_seq a row); triton: JAX's Pallas Triton kernel, which takes segment ids as they are, no "
+          "window. Neither GPU kernel has a soft cap.")
+  max_segments_per_seq: int = key(32, "flash_kernel=cudnn: the most documents (runs of one segment id) a row may "
+                                      "hold; a batch with more stops the run with an error naming this key")
   attention_chunk_size: int = key(512, "queries per chunk for attention=chunked (with a context axis, keys per block "
                                        "too); must divide max_target_length")
   mlp_chunks: int = key(
@@ -264,7 +272,7 @@ class Execution:
                                 "loop")
 
   def check(self):
-    at_least(self, 1, "attention_chunk_size", "mlp_chunks", "attention_head_chunks")
+    at_least(self, 1, "attention_chunk_size", "mlp_chunks", "attention_head_chunks", "max_segments_per_seq")
 
 
 @section("Mixture of experts")

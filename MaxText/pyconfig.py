@@ -23,7 +23,7 @@ from MaxText import config_schema, remat, sharding
 from MaxText.errors import ConfigError, first_line
 from MaxText.families import FAMILIES
 from MaxText.layers import moe
-from MaxText.layers.attentions import FLASH_KERNELS
+from MaxText.layers.attentions import DEFAULT_FLASH_KERNEL, FLASH_KERNELS
 from MaxText.layers.context_parallel import ROW_KERNELS, kernels_for
 
 # The keys that fix the parameters' shapes and meaning. Saved with a checkpoint (the converters'
@@ -316,6 +316,23 @@ def _derive_pipeline(v: dict) -> None:
            f"1f1b is not circular: num_pipeline_repeats must be 1, not {repeats}", v)
 
 
+def _derive_flash_kernel(v: dict) -> None:
+  """attention=flash: the kernel asked for (flash_kernel), else the platform's fastest, and what
+  the model asks of it that it must take."""
+  platform = v["platform"]
+  if v["flash_kernel"] is None:
+    if platform not in DEFAULT_FLASH_KERNEL:
+      raise ConfigError(f"attention='flash': its kernels run on {' and '.join(sorted(DEFAULT_FLASH_KERNEL))}, not "
+                        f"on {platform}; use attention=chunked (or dot_product)")
+    v["flash_kernel"] = DEFAULT_FLASH_KERNEL[platform]
+  kernel = FLASH_KERNELS[v["flash_kernel"]]
+  _require(kernel.platform == platform, "flash_kernel", f"runs on {kernel.platform}, not on "
+           f"{platform}", v)
+  for key, taken in (("attn_logits_soft_cap", kernel.soft_cap), ("sliding_window_size", kernel.window)):
+    _require(taken or not v[key], key, f"must be 0 for attention=flash with flash_kernel={v['flash_kernel']} (the "
+             "kernel has none); use attention=chunked or another flash_kernel", v)
+
+
 def _check_context(v: dict) -> None:
   """What context parallelism needs of the length and the attention, once the mesh is known."""
   axis = sharding.MESH_AXES.index("context")
@@ -438,13 +455,8 @@ def for_devices(values: dict, num_devices: int | None = None, memory_kinds: Sequ
   num_devices = num_devices or len(run_devices)
   memory_kinds = memory_kinds or [m.kind for m in run_devices[0].addressable_memories()]
   values["platform"] = run_devices[0].platform
-  if values["attention"] == "flash" and values["platform"] not in FLASH_KERNELS:
-    raise ConfigError(f"attention='flash': its kernels run on {' and '.join(sorted(FLASH_KERNELS))}, not on "
-                      f"{values['platform']}; use attention=chunked (or dot_product)")
-  if values["attention"] == "flash" and values["platform"] == "gpu":
-    for key in ("attn_logits_soft_cap", "sliding_window_size"):
-      _require(not values[key], key, "must be 0 for attention=flash on GPU (the Triton kernel has neither "
-               "soft cap nor window); use attention=chunked", values)
+  if values["attention"] == "flash":
+    _derive_flash_kernel(values)
   policy = values["remat_policy"]
   if policy != "none" and remat.saved_names(policy, values)[1]:
     if "pinned_host" not in memory_kinds:

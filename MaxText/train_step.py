@@ -15,7 +15,7 @@ from flax.training.train_state import TrainState
 
 from MaxText import head, losses, optimizers, sharding
 from MaxText.errors import UserError, first_line
-from MaxText.layers import context_parallel, decoders, moe, multi_token_prediction, pipeline
+from MaxText.layers import attentions, context_parallel, decoders, moe, multi_token_prediction, pipeline
 from MaxText.layers.models import Transformer
 from MaxText.layers.multi_token_prediction import shifted
 from MaxText.layers.normalizations import rms_norm_with
@@ -277,6 +277,8 @@ def trace_train_step(trainer: Trainer, config):
 
 
 def device_batch(trainer: Trainer, local_batch: dict) -> dict:
-  """This process's rows -> global arrays laid out by the batch sharding."""
+  """This process's rows -> global arrays laid out by the batch sharding, once the attention
+  kernel has seen that it takes their documents."""
+  attentions.check_documents(trainer.model.config, local_batch["inputs_segmentation"])
   return {k: jax.make_array_from_process_local_data(trainer.batch_sharding[k], local_batch[k])
           for k in BATCH_KEYS}

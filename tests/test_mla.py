@@ -134,7 +134,7 @@ def test_flash_kernel_takes_values_of_their_own_width():
     out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, segments, scale=0.2), q, k, v)
     return out, vjp(jax.numpy.cos(out))
 
-  got = values_and_grads(functools.partial(flash_attention, platform="tpu", interpret=True))
+  got = values_and_grads(functools.partial(flash_attention, kernel_name="splash", interpret=True))
   want = values_and_grads(dot_product_attention)
   assert got[0].shape == (2, 128, 2, 16)
   assert_trees_close(got, want, rtol=1e-5)

@@ -205,11 +205,11 @@ def test_chunked_attention_is_exact(chunk_size):
   assert_trees_close(grads, want_grads, rtol=1e-5)
 
 
-@pytest.mark.parametrize("platform, length, under_mesh, gemma2",
-                         [("tpu", 256, False, False), ("tpu", 1024, True, False), ("tpu", 1024, False, True),
-                          ("gpu", 256, False, False), ("gpu", 256, True, False)])
-def test_flash_attention_is_exact_in_the_pallas_interpreter(platform, length, under_mesh, gemma2):
-  """Each platform's kernel run by Pallas's interpreter, against dot_product attention:
+@pytest.mark.parametrize("kernel, length, under_mesh, gemma2",
+                         [("splash", 256, False, False), ("splash", 1024, True, False), ("splash", 1024, False, True),
+                          ("triton", 256, False, False), ("triton", 256, True, False)])
+def test_flash_attention_is_exact_in_the_pallas_interpreter(kernel, length, under_mesh, gemma2):
+  """Each Pallas kernel (TPU's splash, GPU's Triton) run by Pallas's interpreter, against dot_product attention:
   values and gradients, float32, GQA, three packed documents whose boundaries fall inside
   kernel blocks; on TPU at 1024 tokens two 512-blocks, the upper one skipped by the causal
   mask (the GPU kernel's blocks are 128 forward, 128 x 64 and 64 x 128 backward). With Gemma 2's options the
@@ -229,7 +229,7 @@ def test_flash_attention_is_exact_in_the_pallas_interpreter(platform, length, un
     return out, vjp(jnp.cos(out))  # the gradients of sum(sin(out))
 
   def flash(*args, **kwargs):
-    return flash_attention(*args, platform=platform, sliding=jnp.asarray(True), interpret=True, **kwargs)
+    return flash_attention(*args, kernel_name=kernel, sliding=jnp.asarray(True), interpret=True, **kwargs)
 
   want = loss_and_grads(dot_product_attention)
   if under_mesh:  # through shard_map over a mesh and the logical rules, as in the model
@@ -240,3 +240,42 @@ def test_flash_attention_is_exact_in_the_pallas_interpreter(platform, length, un
     got = loss_and_grads(flash)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
   assert_trees_close(got[1], want[1], rtol=1e-5)
+
+
+def test_cudnn_document_offsets_give_the_segment_mask():
+  """cuDNN takes packed documents as per-row lengths and starts: the causal mask those imply
+  (token t in document j when starts[j] <= t < starts[j] + lengths[j]) is the segment-id mask
+  of the other kernels, for rows of several documents, one, and trailing padding (id 0), up to
+  exactly max_segments runs; a host batch with a row of more stops with the key named."""
+  import types
+
+  from MaxText import errors
+  from MaxText.layers.attentions import attention_mask, check_documents, document_offsets, documents_per_row
+  length, max_segments = 24, 5
+  rows = np.array([[1] * 5 + [2] * 9 + [3] * 3 + [4] * 2 + [5] * 5,
+                   [1] * length,
+                   [1] * 7 + [2] * 11 + [0] * 6,
+                   [1] * 23 + [2]], np.int32)
+  lengths, starts = (np.asarray(x) for x in document_offsets(jnp.asarray(rows), max_segments))
+  assert lengths.shape == (4, max_segments) and starts.shape == (4, max_segments + 1)
+  document = np.full(rows.shape, -1)
+  for b in range(len(rows)):
+    for j in range(max_segments):
+      if lengths[b, j] >= 0:
+        assert document[b, starts[b, j]:starts[b, j] + lengths[b, j]].max() == -1  # runs do not overlap
+        document[b, starts[b, j]:starts[b, j] + lengths[b, j]] = j
+      else:
+        assert starts[b, j] == -1
+  assert (document >= 0).all() and (starts[:, -1] == -1).all()
+  causal = np.tril(np.ones((length, length), bool))
+  implied = (document[:, :, None] == document[:, None, :]) & causal
+  np.testing.assert_array_equal(implied, np.asarray(attention_mask(jnp.arange(length), jnp.asarray(rows)))[:, 0])
+  np.testing.assert_array_equal(documents_per_row(rows), (lengths >= 0).sum(1))
+
+  cfg = types.SimpleNamespace(attention="flash", flash_kernel="cudnn", max_segments_per_seq=max_segments)
+  check_documents(cfg, rows)
+  too_many = rows.copy()
+  too_many[0, -1] = 6
+  with pytest.raises(errors.ConfigError, match="max_segments_per_seq=5: a batch has a row of 6 documents"):
+    check_documents(cfg, too_many)
+  check_documents(types.SimpleNamespace(**{**vars(cfg), "flash_kernel": "triton"}), too_many)

@@ -159,6 +159,8 @@ def test_slices_joined_by_no_dcn_axis_are_a_config_error():
     ("train_compile", ("compile_topology=v5p-8", "dcn_data_parallelism=2"), "slices/processes"),
     ("train", ("compile_topology=v5p-8",), "only MaxText.train_compile compiles for a topology"),
     ("train", ("attention=flash", "max_target_length=128"), "kernels run on gpu and tpu, not on cpu"),
+    ("train_compile", ("attention=flash", "flash_kernel=cudnn", "compile_topology=v5p-8", "max_target_length=128"),
+     "flash_kernel='cudnn': runs on gpu, not on tpu"),
     ("train_compile", ("attention=flash", "compile_topology=v5p-8", "max_target_length=200"),
      "must be a multiple of 128"),
 ])

@@ -1,20 +1,25 @@
 """Attention kernels on one GPU: python -m MaxText.benchmarks.gpu_attention
 
 Forward plus backward of causal attention at llama3.2-1b's shapes (32 query heads, 8 key/value
-heads of 64, bfloat16), 4 x 8,192 and 1 x 65,536 tokens, one document per row:
-- `attention=flash` as the model runs it (`attentions.flash_attention`, JAX's Pallas Triton
-  kernel with this project's block sizes);
-- the same kernel with JAX's default block sizes (32 x 32 in the backward);
-- cuDNN's fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`), which the
-  model does not use: its packed documents are offsets, not segment ids.
-TFLOP/s counts the causal half of the score matrix: 2 matmuls forward, 5 backward.
+heads of 64, bfloat16), 4 x 8,192 and 1 x 65,536 tokens, with one document per row and with
+DOCUMENTS packed documents of unequal lengths per row:
+- `attention=flash` as the model runs it (`attentions.flash_attention`) with each GPU
+  `flash_kernel`: cudnn (cuDNN's fused attention, documents as offsets) and triton (JAX's
+  Pallas Triton kernel with this project's block sizes, documents as segment ids);
+- with one document: the Triton kernel with JAX's default block sizes (32 x 32 in the
+  backward), and cuDNN through `jax.nn.dot_product_attention` (no documents: the cost of the
+  offsets).
+TFLOP/s counts the causal half of each document's score matrix: 2 matmuls forward, 5 backward.
 Results go to attention_gpu.{md,json,png}.
 """
 
+import functools
+import itertools
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from matplotlib.figure import Figure
 
 from MaxText import reports, runtime
@@ -23,21 +28,66 @@ from MaxText.layers import attentions
 
 SHAPES = ((4, 8192), (1, 65536))  # (rows, tokens)
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 64
+DOCUMENTS = 8
 
 
-def kernels(segment_ids):
+def segment_ids(rows: int, tokens: int, documents: int) -> np.ndarray:
+  """Documents of unequal lengths whose boundaries fall inside kernel blocks."""
+  bounds = (tokens * (np.arange(1, documents) / documents) ** 1.5).astype(int) + 37
+  return np.tile(np.searchsorted(bounds, np.arange(tokens), side="right") + 1, (rows, 1)).astype(np.int32)
+
+
+def kernels(segments, documents):
   from jax.experimental.pallas.ops.gpu import attention as triton  # noqa: PLC0415 (GPU kernels)
 
   def triton_default_blocks(q, k, v):
     k, v = (jnp.repeat(x, HEADS // KV_HEADS, axis=2) for x in (k, v))
-    return triton.mha(q, k, v, segment_ids, sm_scale=HEAD_DIM**-0.5, causal=True)
+    return triton.mha(q, k, v, segments, sm_scale=HEAD_DIM**-0.5, causal=True)
 
-  return {
-      "attention=flash (Triton, our blocks)": lambda q, k, v: attentions.flash_attention(q, k, v, segment_ids, "gpu"),
-      "Triton, JAX's default blocks": triton_default_blocks,
-      "cuDNN (no segment ids)": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                                               implementation="cudnn"),
-  }
+  ours = {f"attention=flash, flash_kernel={name}": functools.partial(
+      attentions.flash_attention, segment_ids=segments, kernel_name=name, max_segments=documents)
+      for name in ("cudnn", "triton")}
+  if documents > 1:
+    return ours
+  return {**ours, "Triton, JAX's default blocks": triton_default_blocks,
+          "cuDNN through jax.nn (no documents)": lambda q, k, v: jax.nn.dot_product_attention(
+              q, k, v, is_causal=True, implementation="cudnn")}
+
+
+# (name, flash_attention's options, value width): the cases each GPU kernel is checked on.
+CHECKS = (("GQA", {}, HEAD_DIM), ("GQA, window 300", {"window": 300}, HEAD_DIM), ("MLA widths 192 / 128", {}, 128))
+
+
+def _values_and_grads(attend, inputs, cotangent, dtype):
+  out, vjp = jax.vjp(lambda *x: attend(*x).astype(jnp.float32), *(x.astype(dtype) for x in inputs))
+  return [out, *vjp(cotangent)]
+
+
+def errors_against_float32(kernel: str) -> dict:
+  """The kernel in bfloat16 against dot_product attention in float32 on the same inputs, 2 x 2,048
+  tokens of DOCUMENTS documents and a padding run: the largest error of the context and of each
+  gradient over that tensor's largest magnitude. A mask wrong by one token shows as an error
+  near 1, bfloat16's rounding as about 1e-2."""
+  segments = segment_ids(2, 2048, DOCUMENTS)
+  segments[:, -100:] = 0
+  segments = jnp.asarray(segments)
+  results = {}
+  for name, options, v_width in CHECKS:
+    if kernel == "triton" and options:
+      continue  # the Triton kernel has no window
+    width = HEAD_DIM if v_width == HEAD_DIM else 192
+    keys = jax.random.split(jax.random.key(1), 4)
+    inputs = (jax.random.normal(keys[0], (2, 2048, 8, width), jnp.bfloat16),
+              jax.random.normal(keys[1], (2, 2048, 2, width), jnp.bfloat16),
+              jax.random.normal(keys[2], (2, 2048, 2, v_width), jnp.bfloat16))
+    cotangent = jax.random.normal(keys[3], (2, 2048, 8, v_width), jnp.float32)
+    reference = functools.partial(attentions.dot_product_attention, segment_ids=segments, **options)
+    fused = functools.partial(attentions.flash_attention, segment_ids=segments, kernel_name=kernel,
+                              max_segments=DOCUMENTS + 1, **options)
+    want = jax.jit(_values_and_grads, static_argnums=(0, 3))(reference, inputs, cotangent, jnp.float32)
+    got = jax.jit(_values_and_grads, static_argnums=(0, 3))(fused, inputs, cotangent, jnp.bfloat16)
+    results[name] = max(float(jnp.abs(g - w).max() / jnp.abs(w).max()) for g, w in zip(got, want))
+  return results
 
 
 def seconds(f, q, k, v, reps):
@@ -52,29 +102,39 @@ def seconds(f, q, k, v, reps):
 
 def main():
   args = common.parse_args(__doc__, steps=5)
+  errors = {kernel: errors_against_float32(kernel) for kernel in ("cudnn", "triton")}
+  print("largest error against float32:", errors, flush=True)
   results = {}
-  for rows, tokens in SHAPES:
+  for (rows, tokens), documents in itertools.product(SHAPES, (1, DOCUMENTS)):
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (rows, tokens, HEADS, HEAD_DIM), jnp.bfloat16)
     k, v = (jax.random.normal(key, (rows, tokens, KV_HEADS, HEAD_DIM), jnp.bfloat16) for key in keys[1:])
-    flops = 7 * 2 * rows * tokens * tokens * HEADS * HEAD_DIM / 2
-    for name, f in kernels(jnp.ones((rows, tokens), jnp.int32)).items():
+    segments = segment_ids(rows, tokens, documents)
+    pairs = sum(n * n / 2 for n in np.unique(segments[0], return_counts=True)[1])
+    flops = 7 * 2 * rows * pairs * HEADS * HEAD_DIM
+    for name, f in kernels(jnp.asarray(segments), documents).items():
+      label = f"{rows} x {tokens:,}, {documents} document{'s' * (documents > 1)}: {name}"
       s = seconds(f, q, k, v, args.steps)
-      results[f"{rows} x {tokens:,}: {name}"] = {"seconds": s, "tflops": flops / s / 1e12,
-                                                 "device_kind": jax.devices()[0].device_kind}
-      print(name, rows, tokens, results[f"{rows} x {tokens:,}: {name}"], flush=True)
+      results[label] = {"seconds": s, "tflops": flops / s / 1e12, "device_kind": jax.devices()[0].device_kind}
+      print(label, results[label], flush=True)
   kind = jax.devices()[0].device_kind
   rows = [[name, f"{r['seconds'] * 1e3:,.1f}", f"{r['tflops']:.0f}"] for name, r in results.items()]
+  checks = [[f"flash_kernel={kernel}: {name}", f"{error:.1e}"] for kernel, cases in errors.items()
+            for name, error in cases.items()]
   markdown = (f"# Attention kernels, forward + backward, on one {kind}\n\n"
               f"`python -m MaxText.benchmarks.gpu_attention`; {HEADS} query heads, {KV_HEADS} key/value heads of "
-              f"{HEAD_DIM}, bfloat16, causal\n\n"
-              + reports.markdown_table(["kernel", "ms", "TFLOP/s"], rows))
+              f"{HEAD_DIM}, bfloat16, causal within each document; TFLOP/s over the causal half of each "
+              "document's scores\n\n"
+              + reports.markdown_table(["kernel", "ms", "TFLOP/s"], rows)
+              + "\n\nbfloat16 kernels against float32 dot_product attention, 2 x 2,048 tokens of "
+              f"{DOCUMENTS} documents and padding: the largest error of the context and its gradients over that "
+              "tensor's largest magnitude\n\n" + reports.markdown_table(["kernel: case", "error"], checks))
   figure = Figure(figsize=(9, 0.5 * len(results) + 1.5))
   axis = figure.subplots()
   axis.barh(list(results), [r["tflops"] for r in results.values()])
   axis.set_xlabel("TFLOP/s (causal half, forward + backward)")
   axis.invert_yaxis()
-  provenance.save(args.output_dir, "attention_gpu", markdown, {"results": results}, figure)
+  provenance.save(args.output_dir, "attention_gpu", markdown, {"results": results, "errors": errors}, figure)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Training throughput on this machine: python -m MaxText.benchmarks.throughput [--target gpu|gpu_long|cpu]
+"""Training throughput on this machine: python -m MaxText.benchmarks.throughput [--target gpu|gpu_long|gpu_kernels|cpu]
 
 Each setting trains in a fresh process (`MaxText.train`: synthetic batches, no checkpoints, no
 evaluation), so it has the device to itself and its own peak. Reported per device: the medians
@@ -13,6 +13,8 @@ width (qwen3-30b-a3b cut to 2 of its 48 layers, to fit one GPU with its optimize
 --target gpu_long: the same model with one sequence of 65,536 or 131,072 tokens per step (one
 GPU: no context parallelism), with and without `mlp_chunks`, beside the 8,192-token setting run
 again on the same device.
+--target gpu_kernels: the same model at 8,192 x 4 and 65,536 x 1 tokens per step with each GPU
+flash_kernel, cudnn and triton, on the same device.
 --target cpu: a small Llama on this machine's CPU, chunked attention in place of the flash kernel
 the CPU lacks.
 Results go to throughput_<target>.{md,json,png}, rewritten after every setting.
@@ -37,6 +39,7 @@ RUN = ("dataset_type=synthetic", "enable_checkpointing=false", "enable_tensorboa
 MODELS = {
     "gpu": ("model_name=llama3.2-1b", "max_target_length=8192", "per_device_batch_size=4"),
     "gpu_long": ("model_name=llama3.2-1b", "attention=flash", "remat_policy=full"),
+    "gpu_kernels": ("model_name=llama3.2-1b", "attention=flash", "remat_policy=full"),
     "cpu": ("base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=1024",
             "base_num_decoder_layers=4", "head_dim=64", "vocab_size=32768", "max_target_length=1024",
             "per_device_batch_size=2"),
@@ -66,6 +69,10 @@ SETTINGS = {
                                                  "num_vocab_tiling=16", "mlp_chunks=8")),
         ("65,536 x 1, 16 tiles", ("max_target_length=65536", "per_device_batch_size=1", "num_vocab_tiling=16")),
     ),
+    "gpu_kernels": tuple(
+        (f"{length:,} x {rows}, {kernel}", (f"max_target_length={length}", f"per_device_batch_size={rows}",
+                                            f"num_vocab_tiling={tiles}", f"flash_kernel={kernel}"))
+        for length, rows, tiles in ((8192, 4, 8), (65536, 1, 16)) for kernel in ("cudnn", "triton")),
     "cpu": (
         ("chunked 256, 8 tiles, full", ("attention=chunked", "attention_chunk_size=256", "num_vocab_tiling=8",
                                         "remat_policy=full")),

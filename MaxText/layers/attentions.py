@@ -13,6 +13,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import costs, head, sharding
+from MaxText.errors import ConfigError
 from MaxText.layers import context_parallel
 from MaxText.layers.embeddings import apply_rope, rope_attention_factor, rope_timescales, yarn_mscale
 from MaxText.layers.linears import kernel, kernel_run, sum_of_slices, weights_as
@@ -149,21 +150,19 @@ def splash_rows(kernel, q, k, v, q_segments, k_segments, scale):
   return jnp.swapaxes(out, 1, 2)[..., :v_width]
 
 
-def _splash_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret):
+def _splash_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret, max_segments):
   """TPU: Pallas splash attention on one device's whole rows, [B, T, N, H] in and out; the
   window's blocks beyond it are skipped like those above the diagonal."""
   kernel = splash_kernel(np.arange(q.shape[1]), soft_cap, window, interpret=interpret)
   return splash_rows(kernel, q, k, v, segment_ids, segment_ids, scale)
 
 
-def _triton_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret):
-  """GPU: JAX's Pallas (Triton) flash attention, the one fused kernel in JAX that takes
-  segment ids (cuDNN's wants packed documents as offsets). It has no GQA, so each device
-  repeats its key and value heads; their gradients sum back over the repeats. It has no
-  soft cap and no window either (pyconfig refuses those with it)."""
+def _triton_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret, max_segments):
+  """GPU: JAX's Pallas (Triton) flash attention, which takes segment ids as they are. It has no
+  GQA, so each device repeats its key and value heads; their gradients sum back over the
+  repeats. It has no soft cap and no window either (FLASH_KERNELS says so; pyconfig refuses
+  them)."""
   from jax.experimental.pallas.ops.gpu import attention as triton  # noqa: PLC0415 (GPU kernels)
-  if soft_cap or window:
-    raise ValueError("the Triton flash attention kernel has no soft cap and no sliding window")
   groups, v_width = q.shape[2] // k.shape[2], v.shape[3]
   q, k, v = _one_width(q, *(jnp.repeat(x, groups, axis=2) for x in (k, v)))
   # JAX's default backward blocks (32 x 32) ran llama3.2-1b's attention at 126 TFLOP/s on an
@@ -175,8 +174,57 @@ def _triton_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret):
                     interpret=interpret)[..., :v_width]
 
 
-# attention=flash: per platform, a kernel over one device's whole rows [B, T, N, H]
-FLASH_KERNELS = {"tpu": _splash_attention, "gpu": _triton_attention}
+def document_offsets(segment_ids, max_segments: int):
+  """Packed documents as cuDNN takes them: each row's runs of equal segment ids (its documents,
+  and padding as one more) as (lengths [B, max_segments], starts [B, max_segments + 1]), the
+  entries past a row's last run -1. A row of more runs than max_segments would lose its last
+  ones: batches are checked on the host first (check_documents)."""
+  length = segment_ids.shape[1]
+  boundary = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]],
+                             axis=1)
+  starts = jax.vmap(lambda row: jnp.nonzero(row, size=max_segments, fill_value=length)[0])(boundary)
+  starts = starts.astype(jnp.int32)
+  ends = jnp.concatenate([starts[:, 1:], jnp.full_like(starts[:, :1], length)], axis=1)
+  present = starts < length
+  lengths = jnp.where(present, ends - starts, -1)
+  offsets = jnp.concatenate([jnp.where(present, starts, -1), jnp.full_like(starts[:, :1], -1)], axis=1)
+  return lengths, offsets
+
+
+def documents_per_row(segment_ids: np.ndarray) -> np.ndarray:
+  """Runs of equal segment ids in each row of a host batch [B, T]: what document_offsets takes."""
+  return 1 + np.count_nonzero(segment_ids[:, 1:] != segment_ids[:, :-1], axis=1)
+
+
+def _cudnn_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret, max_segments):
+  """GPU: cuDNN's fused flash attention (about twice the Triton kernel's speed on an H200), with
+  GQA, values of another width (MLA) and a sliding window of its own. Packed documents go in as
+  offsets and lengths (document_offsets): each document is its own causal sequence, which is
+  the segment-id mask of the other kernels."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415 (GPU kernels; jax.nn's
+  # dot_product_attention does not take the offsets)
+  lengths, offsets = document_offsets(segment_ids, max_segments)
+  return cudnn.dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
+                                     kv_offsets=offsets, scale=scale, mask_type=cudnn.MaskType.CAUSAL,
+                                     sliding_window_length=window)
+
+
+class FlashKernel(NamedTuple):
+  """A fused kernel over one device's whole rows [B, T, N, H]: (q, k, v, segment_ids, scale,
+  soft_cap, window, interpret, max_segments) -> context; the platform it runs on and whether it
+  takes a soft cap and a sliding window."""
+
+  platform: str
+  run: Callable
+  soft_cap: bool
+  window: bool
+
+
+# flash_kernel= -> its FlashKernel; unset, each platform's fastest (DEFAULT_FLASH_KERNEL).
+FLASH_KERNELS = {"splash": FlashKernel("tpu", _splash_attention, soft_cap=True, window=True),
+                 "cudnn": FlashKernel("gpu", _cudnn_attention, soft_cap=False, window=True),
+                 "triton": FlashKernel("gpu", _triton_attention, soft_cap=False, window=False)}
+DEFAULT_FLASH_KERNEL = {"tpu": "splash", "gpu": "cudnn"}
 # ... and under context parallelism, per context shard (its q_seq_shards part of the mask).
 context_parallel.ROW_KERNELS["flash"] = {"tpu": context_parallel.RowKernel(
     splash_kernel, lambda kernel: kernel.manual_sharding_spec(jax.sharding.NamedSharding(
@@ -184,19 +232,29 @@ context_parallel.ROW_KERNELS["flash"] = {"tpu": context_parallel.RowKernel(
     splash_rows)}
 
 
-def flash_attention(q, k, v, segment_ids, platform, scale=None, soft_cap=0.0, window=None, sliding=True,
-                    interpret=False):
+def check_documents(cfg, segment_ids: np.ndarray) -> None:
+  """A host batch's rows against the configured kernel's static bound on documents per row."""
+  if cfg.attention == "flash" and cfg.flash_kernel == "cudnn":
+    most = int(documents_per_row(segment_ids).max(initial=0))
+    if most > cfg.max_segments_per_seq:
+      raise ConfigError(f"max_segments_per_seq={cfg.max_segments_per_seq}: a batch has a row of {most} documents "
+                        "(flash_kernel=cudnn takes at most this many; raise it)")
+
+
+def flash_attention(q, k, v, segment_ids, kernel_name, scale=None, soft_cap=0.0, window=None, sliding=True,
+                    interpret=False, max_segments=1):
   """Fused attention, causal within each packed document: blocks of queries against blocks
   of keys, never a whole [T, T] score matrix; blocks the causal mask empties are skipped.
-  Under a mesh the platform's kernel runs per device in shard_map, on its rows (batch over
+  Under a mesh the kernel (a FLASH_KERNELS name) runs per device in shard_map, on its rows (batch over
   data/fsdp) and heads (tensor). Queries, keys and values are whole rows there: under
   sequence parallelism the queries are gathered too and every sequence shard computes its
   rows' whole attention (correct, but that work is repeated; chunked attention splits it).
   A kernel's mask is static, so with a window and `sliding` a traced flag (the layer's, in
   a scan) both kernels are built and lax.cond picks one.
-  `interpret` runs the kernel in Pallas's interpreter (any backend, slowly: for tests)."""
-  kernel = functools.partial(FLASH_KERNELS[platform], scale=q.shape[3]**-0.5 if scale is None else scale,
-                             soft_cap=soft_cap, interpret=interpret)
+  `interpret` runs a Pallas kernel in Pallas's interpreter (any backend, slowly: for tests);
+  `max_segments` bounds the documents of a row for cuDNN (document_offsets)."""
+  kernel = functools.partial(FLASH_KERNELS[kernel_name].run, scale=q.shape[3]**-0.5 if scale is None else scale,
+                             soft_cap=soft_cap, interpret=interpret, max_segments=max_segments)
 
   def attend_rows(q, k, v, segment_ids):
     if not window:
@@ -279,7 +337,8 @@ ATTENTIONS = {
         q, k, v, segment_ids, cfg.max_target_length // cfg.attention_chunk_size, scale, soft_cap,
         _layer_window(window, sliding, q.shape[1])),
     "flash": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding: flash_attention(
-        q, k, v, segment_ids, cfg.platform, scale, soft_cap, window, sliding),
+        q, k, v, segment_ids, cfg.flash_kernel, scale, soft_cap, window, sliding,
+        max_segments=cfg.max_segments_per_seq),
 }
 
 
