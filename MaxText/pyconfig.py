@@ -328,6 +328,8 @@ def _derive_flash_kernel(v: dict) -> None:
   kernel = FLASH_KERNELS[v["flash_kernel"]]
   _require(kernel.platform == platform, "flash_kernel", f"runs on {kernel.platform}, not on "
            f"{platform}", v)
+  _require(v["flash_kernel"] != "cudnn" or v["dtype"] in ("bfloat16", "float16"), "dtype",
+           "must be bfloat16 or float16 for flash_kernel=cudnn (cuDNN's fused attention takes no float32)", v)
   for key, taken in (("attn_logits_soft_cap", kernel.soft_cap), ("sliding_window_size", kernel.window)):
     _require(taken or not v[key], key, f"must be 0 for attention=flash with flash_kernel={v['flash_kernel']} (the "
              "kernel has none); use attention=chunked or another flash_kernel", v)
