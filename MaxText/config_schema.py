@@ -27,9 +27,23 @@ from MaxText.layers.context_parallel import STRATEGIES
 from MaxText.layers.embeddings import ROPE_TYPES
 
 
+class _Names:
+  """A registry's names, read when a value is checked; hashable (by identity, where the registry
+  is a dict), so that a key may be `one_of(...) | None` on every Python the project supports."""
+
+  def __init__(self, registry):
+    self.registry = registry
+
+  def __contains__(self, name) -> bool:
+    return name in self.registry
+
+  def __iter__(self):
+    return iter(self.registry)
+
+
 def one_of(registry) -> type:
   """A name in `registry`, read when a value is checked: an entry registered after import counts."""
-  return typing.Annotated[str, registry]
+  return typing.Annotated[str, _Names(registry)]
 
 
 AUTO = "auto"
