@@ -267,8 +267,12 @@ class Execution:
       doc="cudnn: cuDNN's fused attention, GQA, MLA widths and sliding windows, packed documents as offsets (at most "
           "max_segments_per_seq a row); triton: JAX's Pallas Triton kernel, which takes segment ids as they are, no "
           "window. Neither GPU kernel has a soft cap.")
-  max_segments_per_seq: int = key(32, "flash_kernel=cudnn: the most documents (runs of one segment id) a row may "
-                                      "hold; a batch with more stops the run with an error naming this key")
+  max_segments_per_seq: int = key(
+      8, "flash_kernel=cudnn: the most documents (runs of one segment id) a row may hold; a batch with more stops "
+         "the run with an error naming this key",
+      doc="cuDNN sizes its backward's workspace for this many documents of a whole row each: about 8 bytes per "
+          "document slot, token on the device and query feature (llama3.2-1b at 4 x 8,192 tokens per GPU: 0.5 GiB a "
+          "slot). Rows of many short documents: raise it, or use flash_kernel=triton, whose memory does not grow.")
   attention_chunk_size: int = key(512, "queries per chunk for attention=chunked (with a context axis, keys per block "
                                        "too); must divide max_target_length")
   mlp_chunks: int = key(

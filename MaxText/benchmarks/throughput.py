@@ -14,7 +14,8 @@ width (qwen3-30b-a3b cut to 2 of its 48 layers, to fit one GPU with its optimize
 GPU: no context parallelism), with and without `mlp_chunks`, beside the 8,192-token setting run
 again on the same device.
 --target gpu_kernels: the same model at 8,192 x 4 and 65,536 x 1 tokens per step with each GPU
-flash_kernel, cudnn and triton, on the same device.
+flash_kernel, cudnn (with 32 and with 8 document slots, max_segments_per_seq) and triton, on the
+same device.
 --target cpu: a small Llama on this machine's CPU, chunked attention in place of the flash kernel
 the CPU lacks.
 Results go to throughput_<target>.{md,json,png}, rewritten after every setting.
@@ -71,8 +72,11 @@ SETTINGS = {
     ),
     "gpu_kernels": tuple(
         (f"{length:,} x {rows}, {kernel}", (f"max_target_length={length}", f"per_device_batch_size={rows}",
-                                            f"num_vocab_tiling={tiles}", f"flash_kernel={kernel}"))
-        for length, rows, tiles in ((8192, 4, 8), (65536, 1, 16)) for kernel in ("cudnn", "triton")),
+                                            f"num_vocab_tiling={tiles}", *options))
+        for length, rows, tiles in ((8192, 4, 8), (65536, 1, 16))
+        for kernel, options in (("cudnn, 32 document slots", ("flash_kernel=cudnn", "max_segments_per_seq=32")),
+                                ("triton", ("flash_kernel=triton",)),
+                                ("cudnn, 8 document slots", ("flash_kernel=cudnn", "max_segments_per_seq=8")))),
     "cpu": (
         ("chunked 256, 8 tiles, full", ("attention=chunked", "attention_chunk_size=256", "num_vocab_tiling=8",
                                         "remat_policy=full")),

@@ -238,7 +238,7 @@ def check_documents(cfg, segment_ids: np.ndarray) -> None:
     most = int(documents_per_row(segment_ids).max(initial=0))
     if most > cfg.max_segments_per_seq:
       raise ConfigError(f"max_segments_per_seq={cfg.max_segments_per_seq}: a batch has a row of {most} documents "
-                        "(flash_kernel=cudnn takes at most this many; raise it)")
+                        "(flash_kernel=cudnn takes at most this many: raise it, or use flash_kernel=triton)")
 
 
 def flash_attention(q, k, v, segment_ids, kernel_name, scale=None, soft_cap=0.0, window=None, sliding=True,
