@@ -23,6 +23,9 @@ from MaxText import accelerators
 
 # pallas_call name prefix -> its FLOPs (eqn -> float), registered by the module that calls it.
 KERNEL_FLOPS: dict[str, Callable] = {}
+# A fused kernel that is a primitive of its own (cuDNN's attention) -> its FLOPs (eqn -> float),
+# likewise registered.
+PRIMITIVE_FLOPS: dict[str, Callable] = {}
 # attention_type -> (config -> (multiply-adds per token of a layer's attention projections, per
 # (query, key) pair of its scores and context, all heads)), registered by layers/attentions.
 ATTENTION_MACS: dict[str, Callable] = {}
@@ -63,6 +66,8 @@ def training_flops_per_step(config) -> float:
 
 
 def _dot_flops(eqn) -> float:
+  if eqn.primitive.name in PRIMITIVE_FLOPS:
+    return PRIMITIVE_FLOPS[eqn.primitive.name](eqn)
   if eqn.primitive.name == "pallas_call":
     return _kernel_flops(eqn)
   if eqn.primitive.name == "ragged_dot_general":
@@ -120,7 +125,7 @@ def _executed(jaxpr, cost, axis_sizes=None) -> float:
 
 def _products(cost):
   """cost restricted to the matrix products."""
-  return lambda eqn, _: cost(eqn) if eqn.primitive.name in _PRODUCTS else None
+  return lambda eqn, _: cost(eqn) if eqn.primitive.name in _PRODUCTS or eqn.primitive.name in PRIMITIVE_FLOPS else None
 
 
 def matmul_flops(jaxpr) -> float:
@@ -130,8 +135,9 @@ def matmul_flops(jaxpr) -> float:
 
 
 def kernel_flops(jaxpr) -> float:
-  """The part of matmul_flops in Pallas kernels."""
-  return _executed(jaxpr, _products(lambda eqn: _dot_flops(eqn) if eqn.primitive.name == "pallas_call" else 0.0))
+  """The part of matmul_flops in fused kernels (Pallas's and PRIMITIVE_FLOPS')."""
+  fused = lambda eqn: eqn.primitive.name == "pallas_call" or eqn.primitive.name in PRIMITIVE_FLOPS
+  return _executed(jaxpr, _products(lambda eqn: _dot_flops(eqn) if fused(eqn) else 0.0))
 
 
 def matmul_bytes(jaxpr) -> float:

@@ -279,3 +279,27 @@ def test_cudnn_document_offsets_give_the_segment_mask():
   with pytest.raises(errors.ConfigError, match="max_segments_per_seq=5: a batch has a row of 6 documents"):
     check_documents(cfg, too_many)
   check_documents(types.SimpleNamespace(**{**vars(cfg), "flash_kernel": "triton"}), too_many)
+
+
+def test_cudnn_attention_flops_are_counted(monkeypatch):
+  """cuDNN's attention is a primitive of its own, invisible to a count of dot_generals: the traced
+  FLOPs of its forward and backward (traced here with cuDNN's device checks stubbed, as nothing
+  runs) are the hand count, 2 + 5 matmuls over the row's causal half of (query, key) pairs."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+  from MaxText import costs
+  from MaxText.layers.attentions import flash_attention
+  monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91900)
+  monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
+  rows, length, heads, kv_heads, width = 2, 256, 4, 2, 64
+  q = jnp.zeros((rows, length, heads, width), jnp.bfloat16)
+  kv = jnp.zeros((rows, length, kv_heads, width), jnp.bfloat16)
+  segments = jnp.ones((rows, length), jnp.int32)
+
+  def loss(q, k, v):
+    return flash_attention(q, k, v, segments, "cudnn", max_segments=4).astype(jnp.float32).sum()
+
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv)
+  want = (2 + 5) * 2 * rows * heads * width * length * (length + 1) / 2
+  assert costs.matmul_flops(jaxpr) == want
+  assert costs.kernel_flops(jaxpr) == want

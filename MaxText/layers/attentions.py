@@ -321,6 +321,11 @@ def flash_kernel_flops(kind: tuple, eqn) -> float:
 
 costs.KERNEL_FLOPS.update({name: functools.partial(flash_kernel_flops, kind)
                            for name, kind in FLASH_KERNEL_MATMULS.items()})
+# cuDNN's attention is two primitives of JAX's, its forward (2 matmuls) and its backward (scores,
+# dP, dV, dQ, dK: 5), on [B, T, N, H] rows. Its skipped blocks are not known from the trace (they
+# depend on the documents): each counts the row's exact causal half, as for one document.
+costs.PRIMITIVE_FLOPS.update({"dot_product_attention_fwd_wrapper": functools.partial(flash_kernel_flops, (2, 1, None)),
+                              "dot_product_attention_bwd_wrapper": functools.partial(flash_kernel_flops, (5, 1, None))})
 
 
 def _layer_window(window, sliding, length):
