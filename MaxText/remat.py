@@ -12,6 +12,11 @@ import jax
 TENSOR_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "attention_out",
                 "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
 ACTIONS = ("remat", "device", "offload")
+# The attention kernels' forward residuals, the context and its logsumexp (splash attention's
+# residual_checkpoint_name, and layers/context_parallel's blocks tag them): no policy keeps them
+# across a layer, but an attention slice's checkpoint (linears.sum_of_slices) does, so the
+# slice's backward runs the kernel's backward without running its forward a third time.
+KERNEL_RESIDUALS = "attention_kernel_residuals"
 
 _QKV = ("query_proj", "key_proj", "value_proj")
 _PROJECTIONS = _QKV + ("out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
@@ -48,11 +53,14 @@ def saved_names(policy: str, actions: Mapping[str, str]) -> tuple[tuple[str, ...
   return POLICIES[policy]
 
 
-def checkpoint_policy(config, keep_input: bool = False):
-  """The jax.checkpoint policy for config.remat_policy, any but `none`. keep_input: the layer
-  input is kept on the device too where the policy does not offload it (for a region around
-  checkpointed layers, so that it recomputes what is between them and not the layers)."""
-  device, offload = saved_names(config.remat_policy, config.to_dict())
+def checkpoint_policy(config, keep_input: bool = False, keep: tuple = ()):
+  """The jax.checkpoint policy for config.remat_policy (`none`: nothing but `keep`). keep_input:
+  the layer input is kept on the device too where the policy does not offload it (for a region
+  around checkpointed layers, so that it recomputes what is between them and not the layers);
+  keep: more names kept on the device."""
+  device, offload = ((), ()) if config.remat_policy == "none" else saved_names(config.remat_policy,
+                                                                                config.to_dict())
+  device = (*device, *keep)
   if keep_input and "decoder_layer_input" not in offload:
     device = (*device, "decoder_layer_input")
   if offload:

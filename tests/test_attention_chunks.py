@@ -4,9 +4,11 @@ meshes (tensor-sharded heads, context parallelism with both strategies), with le
 
 import jax
 import pytest
-from conftest import assert_mesh_gradients_equal_one_device, fixed_batch, tiny_config, trainer_and_state
+from conftest import assert_mesh_gradients_equal_one_device, fixed_batch, on_devices, tiny_config, trainer_and_state
 from test_mlp_chunks import VARIANTS as MLP_VARIANTS
 from test_mlp_chunks import assert_setting_changes_nothing, compiled_loss_and_grads
+
+from MaxText import costs, sharding, train_step
 
 # TINY has 4 query and 2 key/value heads: 2 slices of one key/value head and its 2 query heads.
 # The MLP tests' variants, Gemma 2 with a window shorter than the rows, and three more.
@@ -55,3 +57,24 @@ MESHES = {"fsdp2_context4_ring": ("ici_fsdp_parallelism=2", "ici_context_paralle
 def test_slices_under_sharded_meshes_give_one_devices_gradients():
   """8 simulated devices, 2 slices of the attention, against one device without slices."""
   assert_mesh_gradients_equal_one_device(MESHES, "attention_head_chunks=2")
+
+
+def test_a_slice_keeps_its_kernels_residuals_so_attention_runs_forward_twice_not_three_times():
+  """Under remat_policy=full a layer's forward runs again in its backward, and each slice's own
+  checkpoint would run it a third time; the slice keeps its attention's context and logsumexp
+  instead (remat.KERNEL_RESIDUALS), so its backward recomputes the q, k and v projections only:
+  the traced FLOPs of 2 slices exceed the unsliced step's by exactly those projections' forward.
+  Context 2, whose attention blocks are XLA dots the count sees."""
+  def traced(*more):
+    config = tiny_config("ici_context_parallelism=2", "attention=chunked", "attention_chunk_size=8",
+                         "remat_policy=full", *more)
+    jaxpr = train_step.trace_train_step(train_step.build(config, sharding.create_mesh(config)), config).jaxpr
+    return costs.matmul_flops(jaxpr), config
+
+  with on_devices(8):
+    whole, config = traced()
+    sliced, _ = traced("attention_head_chunks=2")
+  tokens = config.global_batch_size_to_train_on * config.max_target_length
+  qkv_forward = (2 * tokens * config.base_emb_dim * (config.base_num_query_heads + 2 * config.base_num_kv_heads)
+                 * config.head_dim * config.base_num_decoder_layers)
+  assert sliced - whole == qkv_forward

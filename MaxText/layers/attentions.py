@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from MaxText import costs, head, sharding
+from MaxText import costs, head, remat, sharding
 from MaxText.errors import ConfigError
 from MaxText.layers import context_parallel
 from MaxText.layers.embeddings import apply_rope, rope_attention_factor, rope_timescales, yarn_mscale
@@ -126,7 +126,7 @@ def splash_kernel(token_index, soft_cap, window, num_shards=1, chunk=None, inter
   q_block, kv_block = math.gcd(FLASH_BLOCK, chunk or length // num_shards), min(FLASH_BLOCK, length)
   return splash.make_splash_mha(
       mask=splash.MultiHeadMask([splash_mask(token_index, window)]), head_shards=1, q_seq_shards=num_shards,
-      interpret=interpret, attn_logits_soft_cap=soft_cap or None,
+      interpret=interpret, attn_logits_soft_cap=soft_cap or None, residual_checkpoint_name=remat.KERNEL_RESIDUALS,
       block_sizes=splash.BlockSizes(block_q=q_block, block_kv=kv_block, block_kv_compute=kv_block,
                                     block_q_dkv=q_block, block_kv_dkv=kv_block, block_kv_dkv_compute=kv_block,
                                     block_q_dq=q_block, block_kv_dq=kv_block))

@@ -23,7 +23,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
+
+from MaxText import remat
 
 AXIS = "context"
 _MASKED = -1e30  # finite, so a block whose keys a row cannot see gives weight 0, not NaN
@@ -199,7 +202,7 @@ def _with_flash_backward(forward, backward):
     return forward(q, k, v, q_index, segments, window)[0].astype(q.dtype)
 
   def attend_fwd(q, k, v, q_index, segments, window):
-    out, lse = forward(q, k, v, q_index, segments, window)
+    out, lse = (checkpoint_name(x, remat.KERNEL_RESIDUALS) for x in forward(q, k, v, q_index, segments, window))
     return out.astype(q.dtype), (q, k, v, q_index, segments, window, out, lse)
 
   def attend_bwd(residuals, d_out):

@@ -90,8 +90,9 @@ def sum_of_slices(cfg, x, chunks: int, out_of_slice):
   x = x.astype(jnp.float32)
   total = nn.with_logical_constraint(jnp.zeros(x.shape, jnp.float32), BATCH_LENGTH_EMBED)
   # Each slice keeps what remat_policy keeps of its named tensors (nothing under `none`, which
-  # checkpoints no layer), the rest recomputed; inside a loop, as in decoders.layer_class.
-  policy = None if cfg.remat_policy == "none" else remat.checkpoint_policy(cfg)
+  # checkpoints no layer) and its attention kernel's residuals, the rest recomputed; inside a
+  # loop, as in decoders.layer_class.
+  policy = remat.checkpoint_policy(cfg, keep=(remat.KERNEL_RESIDUALS,))
   add_slice = jax.checkpoint(add_slice, policy=policy, prevent_cse=False)
   total, _ = jax.lax.scan(add_slice, total, jnp.arange(chunks))
   return total.astype(dtype)
