@@ -62,11 +62,19 @@ def mesh_results(tmp_path_factory):
   embedding_grad_elements: {"<mesh> tiles=<n>": largest scatter-add into the embedding table};
   grads: {("<mesh> tiles=<n>", tied): the loss's gradients for the initial parameters}."""
   out = tmp_path_factory.mktemp("meshes")
+  compiled_steps = []  # each run's own compiled train step: the HLO checks read it, no second compile
+  compile_train_step = train_step.compile_train_step
+
+  def compile_and_keep(*args):
+    compiled_steps.append(compile_train_step(*args))
+    return compiled_steps[-1]
 
   def run(name, *overrides):
     metrics_file = out / f"{name.replace(' ', '_')}.jsonl"
-    train.train(tiny_config(*SHARDED, "per_device_batch_size=1", f"base_output_directory={out}",
-                            f"run_name={name.replace(' ', '_')}", f"metrics_file={metrics_file}", *overrides))
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(train_step, "compile_train_step", compile_and_keep)
+      train.train(tiny_config(*SHARDED, "per_device_batch_size=1", f"base_output_directory={out}",
+                              f"run_name={name.replace(' ', '_')}", f"metrics_file={metrics_file}", *overrides))
     return metrics_losses(metrics_file)
 
   results = {"losses": {}, "logits_tokens": {}, "kernel_grad_elements": {}, "embedding_grad_elements": {},
@@ -76,8 +84,7 @@ def mesh_results(tmp_path_factory):
       for tiles in (1, 4):
         key = f"{mesh} tiles={tiles}"
         results["losses"][key] = run(key, *overrides, f"num_vocab_tiling={tiles}")
-        config = tiny_config(*SHARDED, "per_device_batch_size=1", *overrides, f"num_vocab_tiling={tiles}")
-        hlo = train_step.compile_train_step(train_step.build(config, sharding.create_mesh(config)), config).as_text()
+        hlo = compiled_steps[-1].as_text()
         results["logits_tokens"][key] = logits_tokens(hlo, {1000, 500}, {48, 24, 12, 6})
         arrays = hlo_arrays(hlo)
         results["kernel_grad_elements"][key] = largest(arrays, lambda s, op, name: "btd,btv->dv" in name)
