@@ -135,7 +135,9 @@ def test_auto_contradicting_custom_actions_is_one_line_exit_2(tmp_path):
 
 
 def test_auto_trains_exactly_as_the_setting_it_chose_given_explicitly(tmp_path, caplog):
-  common = (*SEARCH, "plan_num_vocab_tiling=[1]", "steps=3", f"base_output_directory={tmp_path}")
+  # One batch size, and not TINY's 4: a choice not applied would train at 4 and differ.
+  common = (*SEARCH, "plan_num_vocab_tiling=[1]", "plan_per_device_batch_sizes=[2]", "steps=3",
+            f"base_output_directory={tmp_path}")
   caplog.set_level("INFO")
   auto_argv = _argv(*common, "num_vocab_tiling=auto", "remat_policy=auto", "per_device_batch_size=auto",
                     "run_name=auto", f"metrics_file={tmp_path}/auto.jsonl")
