@@ -212,11 +212,13 @@ def assert_mesh_gradients_equal_one_device(meshes, *overrides, model=()):
     assert_trees_close(got, want, rtol=1e-5, what=name)
 
 
-# The files that take longest (minutes on 2 cores), first. pytest-xdist hands each free worker the
-# next file in collection order, so one of these collected last, as the alphabet puts test_sharding
-# and test_tpu_compile, would run alone at the end while the other worker idles.
+# The files that take longest (minutes on 2 cores), first. pytest-xdist (with
+# --no-loadscope-reorder, see pyproject.toml) hands each free worker the next file in collection
+# order, so one of these collected last, as the alphabet puts test_sharding and test_tpu_compile,
+# would run alone at the end while the other worker idles.
 LONGEST_FIRST = ("test_plan.py", "test_checkpointing.py", "test_tpu_compile.py", "test_sharding.py", "test_moe.py",
-                 "test_remat.py", "test_context_parallel.py", "test_hf_checkpoint.py", "test_multiprocess.py")
+                 "test_pipeline.py", "test_remat.py", "test_context_parallel.py", "test_hf_checkpoint.py",
+                 "test_multiprocess.py")
 
 
 def pytest_collection_modifyitems(items):
