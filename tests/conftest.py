@@ -173,18 +173,24 @@ def metrics_losses(path):
     return {r["step"]: r["learning/loss"] for r in map(json.loads, f)}
 
 
-def loss_gradients(config, batch=None):
+def loss_gradients(config, batch=None, params=None):
   """{parameter path: gradient, and "loss": the summed training loss} at config's initial
-  parameters on `batch` (default fixed_batch), computed on config's mesh and gathered."""
+  parameters (or at `params`, laid out on config's mesh: no initialisation compiled) on `batch`
+  (default fixed_batch), computed on config's mesh and gathered."""
   import jax
   import numpy as np
 
   from MaxText import sharding, train_step
-  trainer, state = trainer_and_state(config)
+  if params is None:
+    trainer, state = trainer_and_state(config)
+    params = state.params
+  else:
+    trainer = train_step.build(config, sharding.create_mesh(config))
+    params = jax.device_put(params, trainer.state_sharding.params)
   loss = lambda params, batch: train_step.batch_sums(trainer.model, config, params, batch)[0]
   batch = fixed_batch(config) if batch is None else batch
   with sharding.activate(trainer.mesh, config):
-    value, grads = jax.jit(jax.value_and_grad(loss))(state.params, train_step.device_batch(trainer, batch))
+    value, grads = jax.jit(jax.value_and_grad(loss))(params, train_step.device_batch(trainer, batch))
   leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(grads))
   return {"loss": np.asarray(value), **{jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}}
 
@@ -212,11 +218,13 @@ def assert_mesh_gradients_equal_one_device(meshes, *overrides, model=()):
     assert_trees_close(got, want, rtol=1e-5, what=name)
 
 
-# The files that take longest (minutes on 2 cores), first. pytest-xdist hands each free worker the
-# next file in collection order, so one of these collected last, as the alphabet puts test_sharding
-# and test_tpu_compile, would run alone at the end while the other worker idles.
+# The files that take longest (minutes on 2 cores), first. pytest-xdist (with
+# --no-loadscope-reorder, see pyproject.toml) hands each free worker the next file in collection
+# order, so one of these collected last, as the alphabet puts test_sharding and test_tpu_compile,
+# would run alone at the end while the other worker idles.
 LONGEST_FIRST = ("test_plan.py", "test_checkpointing.py", "test_tpu_compile.py", "test_sharding.py", "test_moe.py",
-                 "test_remat.py", "test_context_parallel.py", "test_hf_checkpoint.py", "test_multiprocess.py")
+                 "test_pipeline.py", "test_remat.py", "test_context_parallel.py", "test_hf_checkpoint.py",
+                 "test_multiprocess.py")
 
 
 def pytest_collection_modifyitems(items):
