@@ -9,9 +9,10 @@ chunked and flash (splash attention per shard). Each cell is what
     dataset_type=synthetic per_device_batch_size=0.0625 ici_fsdp_parallelism=4 ici_context_parallelism=16 \\
     num_vocab_tiling=16 attention=A attention_chunk_size=512 mlp_chunks=16 attention_head_chunks=8 \\
     max_target_length=L context_parallel_strategy=S remat_policy=P
-prints: GiB per chip on device and on host, the step at the chip's peak and the MFU bound from
-the traced FLOPs, and the bytes each chip sends in the context axis's collectives and in all those
-called in shard_map (the sharded vocabulary arrays' gathers over every batch axis among them).
+prints: GiB per chip on device and on host, the traced FLOPs (recomputation and each kernel's
+blocks as it runs them) over the model's, the step at the chip's peak and the MFU bound from
+them, and the bytes each chip sends in the context axis's collectives and in all those called in
+shard_map (the sharded vocabulary arrays' gathers over every batch axis among them).
 
 CPU (long_context_cpu.*, measured): the default model at 1024 tokens per sequence on 4 simulated
 devices, 4 sequences per step: each device holding whole sequences (fsdp 4, attention not split)
@@ -64,11 +65,11 @@ def tpu_table(output_dir: str) -> None:
                                                   f"attention={attention}")
     if "error" in r:
       rows.append([f"{length:,}", strategy, policy, attention, common.gib_or_refusal(r, "total_bytes"), "", "", "", "",
-                   ""])
+                   "", ""])
     else:
       seconds = r["traced_flops_per_step"] / 64 / peak
       rows.append([f"{length:,}", strategy, policy, attention, reports.gib(r["total_bytes"]),
-                   reports.gib(r["host_bytes"]),
+                   f"{r['traced_flops_per_step'] / r['model_flops_per_step']:.2f}x", reports.gib(r["host_bytes"]),
                    f"{seconds:.3g} s", f"{r['model_flops_per_step'] / r['traced_flops_per_step']:.1%}",
                    reports.gib(int(r["collective_bytes_per_device"].get("context", 0))),
                    reports.gib(int(sum(r["collective_bytes_per_device"].values())))])
@@ -76,7 +77,7 @@ def tpu_table(output_dir: str) -> None:
   markdown = ("## llama3-8b on v5p-128, fsdp 4 x context 16, 16 tiles, mlp_chunks 16, attention_head_chunks 8 "
               "(TPU compiler, compile only)\n\n"
               + reports.markdown_table(["tokens per sequence", "strategy", "remat_policy", "attention per shard",
-                                        "device GiB/chip",
+                                        "device GiB/chip", "traced / model FLOPs",
                                         "host GiB/chip", "step at peak", "MFU bound",
                                         "context-axis collectives GiB/chip", "all shard_map collectives GiB/chip"],
                                        rows))
