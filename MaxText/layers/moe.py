@@ -10,6 +10,10 @@ capacity_factor > 0 (MaxText's dropping rule): per sequence, each expert keeps t
 C = int(max(ceil(T * k / E) * capacity_factor, capacity_factor)) copies routed to it, in order
 of position and then of choice; the rest are dropped (they add nothing to the token's output).
 The kept copies fill a fixed [E, rows * C, D] buffer, multiplied with the stacked weights.
+Either way the experts' output rows are weighted and added into their tokens' rows where they
+lie (`_combine`): no [tokens * k, D] buffer of every copy in token order exists, which under
+capacity routing is the layer's largest value (DeepSeek-V3, capacity_factor=1.25 on 8 expert
+devices: 8 rows per token where the slots are 1.25).
 
 The routing runs inside a shard_map over the mesh axes that shard the tokens, so each device
 sorts only its own tokens. The expert weights arrive gathered along `embed` (FSDP, as for the
