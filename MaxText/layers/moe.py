@@ -10,6 +10,10 @@ capacity_factor > 0 (MaxText's dropping rule): per sequence, each expert keeps t
 C = int(max(ceil(T * k / E) * capacity_factor, capacity_factor)) copies routed to it, in order
 of position and then of choice; the rest are dropped (they add nothing to the token's output).
 The kept copies fill a fixed [E, rows * C, D] buffer, multiplied with the stacked weights.
+Either way the experts' output rows are weighted and added into their tokens' rows where they
+lie (`_combine`): no [tokens * k, D] buffer of every copy in token order exists, which under
+capacity routing is the layer's largest value (DeepSeek-V3, capacity_factor=1.25 on 8 expert
+devices: 8 rows per token where the slots are 1.25).
 
 The routing runs inside a shard_map over the mesh axes that shard the tokens, so each device
 sorts only its own tokens. The expert weights arrive gathered along `embed` (FSDP, as for the
@@ -165,16 +169,16 @@ def _grouped_swiglu(rows, group_sizes, wi_0, wi_1, wo, cfg):
 
 
 def _dropless_copies(x, experts, wi_0, wi_1, wo, cfg):
-  """Every copy's expert output [N * k, D], in (token, choice) order: sorted by expert, grouped
-  matmuls, unsorted. `experts` are this shard's expert indices; a copy outside [0, local
-  experts) belongs to another shard's experts, sorts last and gets zero."""
+  """(rows [N * k, D], copies [N * k]): the expert outputs of every copy, sorted by expert, and
+  each row's copy (its index in (token, choice) order). `experts` are this shard's expert
+  indices; a copy outside [0, local experts) belongs to another shard's experts, sorts last and
+  gets zero."""
   k, num_experts = experts.shape[-1], wi_0.shape[0]
   flat = experts.reshape(-1)
   flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
   order = jnp.argsort(flat, stable=True)
   group_sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-  out = _grouped_swiglu(jnp.take(x, order // k, axis=0), group_sizes, wi_0, wi_1, wo, cfg)
-  return jnp.take(out, jnp.argsort(order), axis=0)
+  return _grouped_swiglu(jnp.take(x, order // k, axis=0), group_sizes, wi_0, wi_1, wo, cfg), order
 
 
 def _ragged_all_to_all_by_gather(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
@@ -199,10 +203,10 @@ RAGGED_ALL_TO_ALL = {"cpu": _ragged_all_to_all_by_gather}
 
 
 def _all_to_all_copies(x, experts, wi_0, wi_1, wo, cfg, axes: tuple):
-  """Every copy's expert output [N * k, D], in (token, choice) order, from the devices holding
-  the experts: this device's copies, sorted by (global) expert, go to their experts' devices in
-  one ragged all-to-all over `axes`, each device runs its experts on the copies it received
-  (grouped by expert, then by sender), and a second ragged all-to-all returns the outputs."""
+  """(rows [N * k, D], copies [N * k]) as _dropless_copies, from the devices holding the experts:
+  this device's copies, sorted by (global) expert, go to their experts' devices in one ragged
+  all-to-all over `axes`, each device runs its experts on the copies it received (grouped by
+  expert, then by sender), and a second ragged all-to-all returns the outputs."""
   k, local = experts.shape[-1], wi_0.shape[0]
   flat = experts.reshape(-1)
   order = jnp.argsort(flat, stable=True)
@@ -224,12 +228,13 @@ def _all_to_all_copies(x, experts, wi_0, wi_1, wo, cfg, axes: tuple):
   returned = exchange(out, jnp.zeros((flat.size, x.shape[-1]), out.dtype),
                       (mine(expert_start)[None] + mine(sender_start)).reshape(-1), received_sizes,
                       mine(exclusive(every, 1)).reshape(-1), counts)
-  return jnp.take(returned, jnp.argsort(order), axis=0)
+  return returned, order
 
 
 def _dropping_copies(x, experts, wi_0, wi_1, wo, cfg, rows: int):
-  """Every copy's expert output [N * k, D] under capacity_factor > 0: zero for dropped copies
-  (and, as in _dropless_copies, for copies of other shards' experts)."""
+  """(rows [slots, D], copies [slots]) under capacity_factor > 0: each expert's capacity slots
+  per row and the copy filling each (N * k, a zero row, for an empty slot). A dropped copy, and
+  as in _dropless_copies a copy of another shard's experts, has no slot."""
   k, num_experts = experts.shape[-1], wi_0.shape[0]
   copies = experts.size
   cap = capacity(copies // (rows * k), k, cfg.num_experts, cfg.capacity_factor)
@@ -246,13 +251,23 @@ def _dropping_copies(x, experts, wi_0, wi_1, wo, cfg, rows: int):
   rank = jnp.zeros(copies, jnp.int32).at[order].set(jnp.arange(copies, dtype=jnp.int32) - starts[group[order]])
   slots = num_experts * rows * cap
   slot = jnp.where(local & (rank < cap), (flat * rows + row) * cap + rank, slots)  # the last slot: dropped
-  # Which copy fills each slot (`copies`, a zero row, where none): gathers both ways, no scatter of activations.
+  # Which copy fills each slot (`copies` where none): the slots read their tokens straight from
+  # x, never from a [N * k, D] copy of it (8 times the tokens for DeepSeek-V3, where the slots
+  # are 1.25 times them).
   source = jnp.full(slots + 1, copies, jnp.int32).at[slot].set(jnp.arange(copies, dtype=jnp.int32))[:slots]
-  padded = jnp.concatenate([jnp.repeat(x, k, axis=0), jnp.zeros((1, x.shape[-1]), x.dtype)])
-  buffer = jnp.take(padded, source, axis=0).reshape(num_experts, rows * cap, -1)
-  out = _swiglu(buffer, wi_0, wi_1, wo, _einsum, cfg.mlp_activation)
-  out = jnp.concatenate([out.reshape(slots, -1), jnp.zeros((1, out.shape[-1]), out.dtype)])
-  return jnp.take(out, slot, axis=0)
+  buffer = jnp.take(x, source // k, axis=0, mode="fill", fill_value=0).reshape(num_experts, rows * cap, -1)
+  return _swiglu(buffer, wi_0, wi_1, wo, _einsum, cfg.mlp_activation).reshape(slots, -1), source
+
+
+def _combine(out, copies, weights, k: int):
+  """Each token's output [N, D]: the sum of its copies' rows out [M, D] times their weights [N * k]
+  (copies [M]: each row's copy, N * k for a row of none), added into the tokens' rows in float32.
+  The rows stay in the experts' order: putting them back in (token, choice) order first would
+  hold a [N * k, D] buffer, and its cotangent, that the capacity's slots need not have."""
+  tokens = weights.shape[0] // k
+  weight = jnp.take(weights, copies, mode="fill", fill_value=0)
+  summed = jax.ops.segment_sum(out.astype(jnp.float32) * weight[:, None], copies // k, num_segments=tokens)
+  return summed.astype(out.dtype)
 
 
 def _router_stats(logits, bias, cfg, token_axes: tuple) -> dict:
@@ -294,15 +309,15 @@ def _local_moe(x, logits, bias, wi_0, wi_1, wo, cfg, token_axes: tuple, expert_a
   _, weights, experts = route(logits, bias, cfg)
   flat_x = x.reshape(-1, width)
   if all_to_all:
-    copies = _all_to_all_copies(flat_x, experts, wi_0, wi_1, wo, cfg, expert_axes)
+    out, copies = _all_to_all_copies(flat_x, experts, wi_0, wi_1, wo, cfg, expert_axes)
   else:
     if expert_axes:  # this device's experts are [first, first + local experts)
       experts = experts - jax.lax.axis_index(expert_axes) * wi_0.shape[0]
     if dropless(cfg.capacity_factor):
-      copies = _dropless_copies(flat_x, experts, wi_0, wi_1, wo, cfg)
+      out, copies = _dropless_copies(flat_x, experts, wi_0, wi_1, wo, cfg)
     else:
-      copies = _dropping_copies(flat_x, experts, wi_0, wi_1, wo, cfg, rows)
-  out = jnp.einsum("nkd,nk->nd", copies.reshape(-1, k, width), weights.reshape(-1, k).astype(copies.dtype))
+      out, copies = _dropping_copies(flat_x, experts, wi_0, wi_1, wo, cfg, rows)
+  out = _combine(out, copies, weights.reshape(-1), k)
   out = out.reshape(rows, length, width)
   # Partial sums: over the experts held elsewhere, and over slices of every expert's hidden units.
   summed = (() if all_to_all else tuple(a for a in expert_axes if a not in exchanged)) + mlp_axes
