@@ -13,6 +13,7 @@ from conftest import (
   on_devices,
   run_command,
   tiny_config,
+  trainer_and_state,
 )
 from jax.sharding import PartitionSpec as P
 
@@ -66,23 +67,31 @@ CONTEXT_VARIANTS = {  # name -> (model, overrides)
 
 
 @pytest.fixture(scope="module")
-def context_results():
-  """{variant: the summed loss and its gradients at the initial parameters on packed_batch} on 8 devices."""
+def initial_params():
+  """{model: its initial parameters on this process's single device}: the meshes start from them
+  (a model initialised on a context mesh is tested in test_sharding)."""
+  return {model: jax.device_get(trainer_and_state(tiny_config(*overrides, "per_device_batch_size=2"))[1].params)
+          for model, overrides in CONTEXT_MODELS.items()}
+
+
+@pytest.fixture(scope="module")
+def context_results(initial_params):
+  """{variant: the summed loss and its gradients at initial_params on packed_batch} on 8 devices."""
   results = {}
   with on_devices(8):
     for name, (model, overrides) in CONTEXT_VARIANTS.items():
       config = tiny_config(*CONTEXT_MODELS[model], "per_device_batch_size=0.25", *overrides)
-      results[name] = loss_gradients(config, packed_batch(config))
+      results[name] = loss_gradients(config, packed_batch(config), params=initial_params[model])
   return results
 
 
 @pytest.fixture(scope="module")
-def one_device():
+def one_device(initial_params):
   """{model: loss and gradients} on this process's single device, the same two rows."""
   results = {}
   for model, overrides in CONTEXT_MODELS.items():
     config = tiny_config(*overrides, "per_device_batch_size=2")
-    results[model] = loss_gradients(config, packed_batch(config))
+    results[model] = loss_gradients(config, packed_batch(config), params=initial_params[model])
   return results
 
 

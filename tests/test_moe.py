@@ -279,10 +279,22 @@ TOKAMAX_MESHES = {
 }
 
 
+def _model(overrides) -> tuple:
+  """The overrides that change the model (its parameters or routing), not the mesh."""
+  return tuple(o for o in overrides if o.startswith(("capacity_factor", "num_experts")))
+
+
+@functools.cache
+def one_device_params(*model):
+  """The initial parameters on this process's single device: the meshes start from them (a
+  model initialised on an expert mesh is tested in test_pipeline's mixture-of-experts case)."""
+  return jax.device_get(trainer_and_state(tiny_config(*EXPERTS_8, "per_device_batch_size=8", *model))[1].params)
+
+
 @pytest.fixture(scope="module")
 def expert_mesh_results():
-  """{mesh: (the summed training loss and its gradients at the initial parameters on fixed_batch,
-  how many ragged all-to-alls the model traced)} on 8 devices."""
+  """{mesh: (the summed training loss and its gradients at one device's initial parameters on
+  fixed_batch, how many ragged all-to-alls the model traced)} on 8 devices."""
   exchanges = []  # XLA:CPU's stand-in for the ragged all-to-all, counted
   ragged_all_to_all = moe.RAGGED_ALL_TO_ALL["cpu"]
   results = {}
@@ -293,22 +305,21 @@ def expert_mesh_results():
       if name in TOKAMAX_MESHES:  # the last ones
         patch.setitem(moe.RAGGED_DOT_GENERAL, "cpu", moe._tokamax_ragged_dot_general)
       exchanges.clear()
-      results[name] = loss_gradients(tiny_config(*EXPERTS_8, "per_device_batch_size=1", *overrides)), len(exchanges)
+      results[name] = loss_gradients(tiny_config(*EXPERTS_8, "per_device_batch_size=1", *overrides),
+                                     params=one_device_params(*_model(overrides))), len(exchanges)
   return results
 
 
 @functools.cache
-def one_device_loss_and_gradients_of(*overrides):
-  return loss_gradients(tiny_config(*EXPERTS_8, "per_device_batch_size=8", *overrides))
+def one_device_loss_and_gradients_of(*model):
+  return loss_gradients(tiny_config(*EXPERTS_8, "per_device_batch_size=8", *model), params=one_device_params(*model))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [*EXPERT_MESHES, *TOKAMAX_MESHES])
 def test_expert_parallel_meshes_equal_one_device(expert_mesh_results, mesh):
-  overrides = {**EXPERT_MESHES, **TOKAMAX_MESHES}[mesh]
-  model = [o for o in overrides if o.startswith(("capacity_factor", "num_experts"))]
   got, ragged_all_to_alls = expert_mesh_results[mesh]
-  want = one_device_loss_and_gradients_of(*model)
+  want = one_device_loss_and_gradients_of(*_model({**EXPERT_MESHES, **TOKAMAX_MESHES}[mesh]))
   assert (ragged_all_to_alls > 0) == ("all-to-all" in mesh), mesh
   np.testing.assert_allclose(got["loss"], want["loss"], rtol=RTOL, err_msg=mesh)
   assert_trees_close(got, want, RTOL, mesh)
