@@ -173,6 +173,25 @@ def test_a_mixture_of_experts_is_planned_by_its_active_flops_and_trains_as_its_c
   assert metrics_losses(tmp_path / "auto.jsonl") == metrics_losses(tmp_path / "explicit.jsonl")
 
 
+def test_deepseeks_layout_is_planned_by_the_flops_it_executes():
+  """DeepSeek-V3's layers in a tiny model, searched like any other: multi-head latent attention, a
+  dense first layer, then routed experts (sigmoid scores, correction bias, groups) beside a shared
+  expert. The model FLOPs count each kind as it runs: without recomputation the step's traced
+  FLOPs exceed them by attention's masked half alone, never fall below; full remat adds more."""
+  deepseek = ("decoder_block=deepseek", "attention_type=mla", "base_num_kv_heads=4", "q_lora_rank=12",
+              "kv_lora_rank=16", "qk_nope_head_dim=6", "qk_rope_head_dim=4", "v_head_dim=5", "num_experts=8",
+              "num_experts_per_tok=2", "base_moe_mlp_dim=16", "routed_score_func=sigmoid", "routed_bias=true",
+              "n_routing_groups=4", "topk_routing_group=2", "shared_experts=1", "first_num_dense_layers=1",
+              "base_num_decoder_layers=3")
+  search = ("plan_remat_policies=[none,full]", "plan_remat_layer_intervals=[1]", "plan_per_device_batch_sizes=[2]",
+            "plan_num_vocab_tiling=[1]")
+  config = pyconfig.initialize(_argv(*deepseek, *search))
+  records = plan.search(config, plan.search_space(config, {"remat_policy"}), 2**40,
+                        plan.roofline_rates(sharding.run_devices("", 1)[0]), workers=1)
+  by_policy = {r["settings"]["remat_policy"]: r["recompute_ratio"] for r in records}
+  assert by_policy["full"] > by_policy["none"] >= 1.0
+
+
 @pytest.mark.slow
 def test_the_context_degree_and_strategy_are_searched():
   """On a v5p-8 (4 chips) at 1024 tokens: every context degree x strategy is compiled (one
