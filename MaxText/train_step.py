@@ -33,6 +33,14 @@ def _head_sums(config, hidden, kernel, targets, weights, z_loss_multiplier):
                            z_loss_multiplier)
 
 
+def _scored_sums(config, hidden, kernel, batch):
+  """(the loss summed over the batch's scored tokens, {weights, z_loss, correct}) of the head on
+  hidden states: batch_sums' main terms, and each 1F1B microbatch's."""
+  weights = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+  loss, z_loss, correct = _head_sums(config, hidden, kernel, batch["targets"], weights, config.z_loss_multiplier)
+  return loss, {"weights": jnp.sum(weights), "z_loss": z_loss, "correct": correct}
+
+
 def mtp_weights(batch, k: int):
   """Which positions i multi-token prediction's k-th layer is scored at: those whose target
   t[i + k + 1] (targets[i + k]) is scored, within the row and in position i's document."""
@@ -66,20 +74,18 @@ def batch_sums(model, config, params, batch, train=True):
   scored tokens; the loss adds mtp_loss_scaling_factor times mtp_loss when `train` (evaluation
   reports the main loss)."""
   batch = context_parallel.load_balance(config, batch)
-  weights = (batch["targets_segmentation"] != 0).astype(jnp.float32)
   inputs = (batch["inputs"], batch["inputs_position"], batch["inputs_segmentation"])
-  targets = batch["targets"]
   (hidden, kernel, mtp_hidden), state = model.apply({"params": params}, *inputs, return_hidden=True,
                                                     mutable="intermediates")
-  loss, z_loss, correct = _head_sums(config, hidden, kernel, targets, weights, config.z_loss_multiplier)
-  total = jnp.sum(weights)
-  sums = {"weights": total, "z_loss": z_loss, "correct": correct}
+  loss, sums = _scored_sums(config, hidden, kernel, batch)
+  total = sums["weights"]
   intermediates = state.get("intermediates", {})
   if config.pipeline_stages > 1 and config.moe:
     # Each pipeline microbatch's statistics, as gradient accumulation's microbatches have theirs.
     stats = intermediates["decoder"][decoders.PIPELINE_STATS][0]
     router = {name: jnp.mean(stats[name], axis=1) for name in moe.AUX_NAMES}
-    totals = jnp.sum(pipeline.microbatches(weights, config.num_pipeline_microbatches), axis=(1, 2))
+    scored = (batch["targets_segmentation"] != 0).astype(jnp.float32)
+    totals = jnp.sum(pipeline.microbatches(scored, config.num_pipeline_microbatches), axis=(1, 2))
   else:
     router, totals = moe.aux_means(intermediates), total
   if router:
@@ -92,7 +98,7 @@ def batch_sums(model, config, params, batch, train=True):
     means = []
     for k, h in enumerate(mtp_hidden, 1):
       mtp_weight = mtp_weights(batch, k)
-      cross_entropy = _head_sums(config, h, kernel, shifted(targets, k), mtp_weight, 0.0)[0]
+      cross_entropy = _head_sums(config, h, kernel, shifted(batch["targets"], k), mtp_weight, 0.0)[0]
       means.append(cross_entropy / jnp.maximum(jnp.sum(mtp_weight), 1.0))
     mtp_loss = total * sum(means) / len(means)
     if train:
@@ -134,11 +140,7 @@ def one_f_one_b(model, config, params, batch):
 
   def head_sums(rest, y, microbatch):
     hidden = rms_norm_with(config, rest["decoder"]["decoder_norm"]["scale"], y)
-    kernel = model.apply({"params": rest}, method="output_kernel")
-    weights = (microbatch["targets_segmentation"] != 0).astype(jnp.float32)
-    loss, z_loss, correct = _head_sums(config, hidden, kernel, microbatch["targets"], weights,
-                                       config.z_loss_multiplier)
-    return loss, {"weights": jnp.sum(weights), "z_loss": z_loss, "correct": correct}
+    return _scored_sums(config, hidden, model.apply({"params": rest}, method="output_kernel"), microbatch)
 
   def router(microbatch, stats):
     """A stage's share of batch_sums' router terms: its layers' statistics over all the layers."""
