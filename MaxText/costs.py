@@ -123,9 +123,13 @@ def _executed(jaxpr, cost, axis_sizes=None) -> float:
   return total
 
 
+def _fused(eqn) -> bool:
+  return eqn.primitive.name == "pallas_call" or eqn.primitive.name in PRIMITIVE_FLOPS
+
+
 def _products(cost):
   """cost restricted to the matrix products."""
-  return lambda eqn, _: cost(eqn) if eqn.primitive.name in _PRODUCTS or eqn.primitive.name in PRIMITIVE_FLOPS else None
+  return lambda eqn, _: cost(eqn) if eqn.primitive.name in _PRODUCTS or _fused(eqn) else None
 
 
 def matmul_flops(jaxpr) -> float:
@@ -136,8 +140,7 @@ def matmul_flops(jaxpr) -> float:
 
 def kernel_flops(jaxpr) -> float:
   """The part of matmul_flops in fused kernels (Pallas's and PRIMITIVE_FLOPS')."""
-  fused = lambda eqn: eqn.primitive.name == "pallas_call" or eqn.primitive.name in PRIMITIVE_FLOPS
-  return _executed(jaxpr, _products(lambda eqn: _dot_flops(eqn) if fused(eqn) else 0.0))
+  return _executed(jaxpr, _products(lambda eqn: _dot_flops(eqn) if _fused(eqn) else 0.0))
 
 
 def matmul_bytes(jaxpr) -> float:

@@ -160,8 +160,8 @@ def _splash_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret, 
 def _triton_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret, max_segments):
   """GPU: JAX's Pallas (Triton) flash attention, which takes segment ids as they are. It has no
   GQA, so each device repeats its key and value heads; their gradients sum back over the
-  repeats. It has no soft cap and no window either (FLASH_KERNELS says so; pyconfig refuses
-  them)."""
+  repeats. It has no soft cap and no window either (FLASH_KERNELS says so: pyconfig refuses
+  them, flash_attention too)."""
   from jax.experimental.pallas.ops.gpu import attention as triton  # noqa: PLC0415 (GPU kernels)
   groups, v_width = q.shape[2] // k.shape[2], v.shape[3]
   q, k, v = _one_width(q, *(jnp.repeat(x, groups, axis=2) for x in (k, v)))
@@ -253,8 +253,12 @@ def flash_attention(q, k, v, segment_ids, kernel_name, scale=None, soft_cap=0.0,
   a scan) both kernels are built and lax.cond picks one.
   `interpret` runs a Pallas kernel in Pallas's interpreter (any backend, slowly: for tests);
   `max_segments` bounds the documents of a row for cuDNN (document_offsets)."""
-  kernel = functools.partial(FLASH_KERNELS[kernel_name].run, scale=q.shape[3]**-0.5 if scale is None else scale,
-                             soft_cap=soft_cap, interpret=interpret, max_segments=max_segments)
+  flash = FLASH_KERNELS[kernel_name]
+  if (soft_cap and not flash.soft_cap) or (window and not flash.window):
+    raise ValueError(f"flash_kernel={kernel_name} takes soft_cap={soft_cap} and window={window}: it has "
+                     f"{'a' if flash.soft_cap else 'no'} soft cap and {'a' if flash.window else 'no'} window")
+  kernel = functools.partial(flash.run, scale=q.shape[3]**-0.5 if scale is None else scale, soft_cap=soft_cap,
+                             interpret=interpret, max_segments=max_segments)
 
   def attend_rows(q, k, v, segment_ids):
     if not window:
