@@ -390,7 +390,9 @@ class Remat:
           "save_qkv_proj, save_out_proj: subsets of those; full: only the layer input; qkv_proj_offloaded, "
           "minimal_offloaded: those projections moved to host memory (pinned_host); input_offloaded: full with the "
           "layer input (the scan carry) in host memory; save_out_proj_input_offloaded: save_out_proj with the layer "
-          "input in host memory and nothing else offloaded; custom: the per-tensor keys below decide.")
+          "input in host memory and nothing else offloaded; attention_out_input_offloaded: input_offloaded with "
+          "attention's context in host memory too, so attention's forward is not recomputed (long context); custom: "
+          "the per-tensor keys below decide.")
   remat_layer_interval: int = key(
       1, "apply remat_policy to one layer in every N (1: every layer; the depth: only the first)",
       doc="Layers 0, N, 2N, ... are checkpointed and all other layers keep everything. With scan_layers=true the "
@@ -402,7 +404,7 @@ class Remat:
   query_proj: _Action = key("remat", "query projection")
   key_proj: _Action = key("remat", "key projection")
   value_proj: _Action = key("remat", "value projection")
-  attention_out: _Action = key("remat", "attention context before the output projection")
+  attention_out: _Action = key("remat", "attention context before the output projection, with its kernel's logsumexp")
   out_proj: _Action = key("remat", "attention output projection")
   mlpwi_0: _Action = key("remat", "MLP gate projection")
   mlpwi_1: _Action = key("remat", "MLP up projection")

@@ -276,6 +276,14 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
            "shard (base_num_kv_heads / the shards of kv_heads)", v)
   _require(v["attention_head_chunks"] == 1 or sharding.logical_shards(v, "q_heads") == kv_shards,
            "attention_head_chunks", "needs the query heads sharded as the key/value heads (logical_axis_rules)", v)
+  # libtpu fails to place splash attention's residuals, stacked over the slices, in host memory
+  # (an internal error); the context-parallel blocks' residuals offload.
+  offloads_context = (v["remat_policy"] in remat.POLICY_NAMES and v["remat_policy"] != "none"
+                      and "attention_out" in remat.saved_names(v["remat_policy"], v)[1])
+  _require(v["attention_head_chunks"] == 1 or v["attention"] != "flash" or v["platform"] != "tpu"
+           or not offloads_context, "attention_head_chunks",
+           f"must be 1 for attention=flash on TPU with remat_policy={v['remat_policy']}, which offloads "
+           "attention_out (libtpu cannot offload splash's residuals from the slices); drop slices or offload", v)
   v["learning_rate_schedule_steps"] = v["learning_rate_schedule_steps"] or v["steps"]
   v["run_dir"] = os.path.join(v["base_output_directory"], v["run_name"])
   v["dataset_cache_dir"] = v["dataset_cache_dir"] or os.path.join(v["base_output_directory"], "cache")

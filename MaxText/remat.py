@@ -13,9 +13,11 @@ TENSOR_NAMES = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "
                 "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo")
 ACTIONS = ("remat", "device", "offload")
 # The attention kernels' forward residuals, the context and its logsumexp (splash attention's
-# residual_checkpoint_name, and layers/context_parallel's blocks tag them): no policy keeps them
-# across a layer, but an attention slice's checkpoint (linears.sum_of_slices) does, so the
-# slice's backward runs the kernel's backward without running its forward a third time.
+# residual_checkpoint_name, and layers/context_parallel's blocks tag them). A policy that keeps
+# attention_out keeps them with it, where it keeps attention_out: the context alone would not
+# spare the kernel's forward, whose backward needs the logsumexp too. An attention slice's
+# checkpoint (linears.sum_of_slices) always keeps them, so the slice's backward runs the kernel's
+# backward without running its forward a third time.
 KERNEL_RESIDUALS = "attention_kernel_residuals"
 
 _QKV = ("query_proj", "key_proj", "value_proj")
@@ -34,6 +36,9 @@ POLICIES = {
     # the stack of carries never lives on the device.
     "save_out_proj_input_offloaded": (("out_proj",), ("decoder_layer_input",)),
     "full": ((), ()),
+    # full, with attention's context (and its kernel's logsumexp) off the device as well: the
+    # backward runs attention's backward, never its forward again.
+    "attention_out_input_offloaded": ((), ("attention_out", "decoder_layer_input")),
     "input_offloaded": ((), ("decoder_layer_input",)),
 }
 # What the planner and remat_policy=auto choose from; `custom` needs per-tensor choices of its own.
@@ -60,7 +65,8 @@ def checkpoint_policy(config, keep_input: bool = False, keep: tuple = ()):
   keep: more names kept on the device."""
   device, offload = ((), ()) if config.remat_policy == "none" else saved_names(config.remat_policy,
                                                                                 config.to_dict())
-  device = (*device, *keep)
+  device, offload = (names + (KERNEL_RESIDUALS,) * ("attention_out" in names) for names in (device, offload))
+  device, offload = (*device, *keep), tuple(name for name in offload if name not in keep)
   if keep_input and "decoder_layer_input" not in offload:
     device = (*device, "decoder_layer_input")
   if offload:

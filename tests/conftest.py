@@ -173,10 +173,11 @@ def metrics_losses(path):
     return {r["step"]: r["learning/loss"] for r in map(json.loads, f)}
 
 
-def loss_gradients(config, batch=None, params=None):
+def loss_gradients(config, batch=None, params=None, hlo=None):
   """{parameter path: gradient, and "loss": the summed training loss} at config's initial
   parameters (or at `params`, laid out on config's mesh: no initialisation compiled) on `batch`
-  (default fixed_batch), computed on config's mesh and gathered."""
+  (default fixed_batch), computed on config's mesh and gathered; the compiled HLO's text is
+  appended to the list `hlo` where one is given."""
   import jax
   import numpy as np
 
@@ -190,7 +191,11 @@ def loss_gradients(config, batch=None, params=None):
   loss = lambda params, batch: train_step.batch_sums(trainer.model, config, params, batch)[0]
   batch = fixed_batch(config) if batch is None else batch
   with sharding.activate(trainer.mesh, config):
-    value, grads = jax.jit(jax.value_and_grad(loss))(params, train_step.device_batch(trainer, batch))
+    batch = train_step.device_batch(trainer, batch)
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, batch).compile()
+    value, grads = compiled(params, batch)
+  if hlo is not None:
+    hlo.append(compiled.as_text())
   leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(grads))
   return {"loss": np.asarray(value), **{jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}}
 

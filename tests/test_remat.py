@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from conftest import assert_trees_close, fixed_batch, tiny_config, trainer_and_state
+from conftest import assert_trees_close, fixed_batch, on_devices, tiny_config, trainer_and_state
 
 from MaxText import costs, remat, sharding, train_step
 
@@ -100,3 +100,17 @@ def test_offloading_the_layer_input_changes_no_loss_or_gradient(gradients, offlo
   _, loss, grads = gradients[offloaded]
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=offloaded)
   assert_trees_close(grads, want_grads, rtol=1e-5, what=offloaded)
+
+
+def test_keeping_attention_out_keeps_its_kernel_residuals_so_no_matmul_is_recomputed():
+  """A custom policy that keeps every named tensor recomputes no matmul, the attention kernel's
+  forward included (its backward needs the logsumexp beside the context, remat.KERNEL_RESIDUALS):
+  the traced FLOPs equal `none`'s. Context 2, whose attention blocks are XLA dots the count sees."""
+  def traced(*policy):
+    config = tiny_config("ici_context_parallelism=2", "attention=chunked", "attention_chunk_size=8", *policy)
+    return costs.matmul_flops(train_step.trace_train_step(train_step.build(config, sharding.create_mesh(config)),
+                                                          config).jaxpr)
+
+  with on_devices(2):
+    kept = traced("remat_policy=custom", *(f"{name}=device" for name in remat.TENSOR_NAMES))
+    assert kept == traced("remat_policy=none")

@@ -16,7 +16,7 @@ from conftest import (
   trainer_and_state,
 )
 
-from MaxText import costs, sharding, train, train_step
+from MaxText import costs, sharding, train
 
 MESHES = {
     "fsdp=8": ("ici_fsdp_parallelism=8",),
@@ -54,51 +54,53 @@ def largest(arrays, keep):
   return max([n for shape, op, name in arrays if keep(shape, op, name) for n in [int(np.prod(shape))]] or [0])
 
 
-@pytest.fixture(scope="module")
-def mesh_results(tmp_path_factory, tied_params):
-  """The SHARDED model on 8 devices under every test mesh, with and without tiling:
-  losses: {"<mesh> tiles=<n>": {step: loss}} of 5 training steps;
-  cross_mesh: {step: loss} of a run saved at step 3 under fsdp=8 and resumed under tensor=4 data=2;
-  logits_tokens: {"<mesh> tiles=<n>": most tokens any one device holds logits for};
-  kernel_grad_elements: {"<mesh> tiles=<n>": largest array of the head's kernel-gradient contraction};
-  embedding_grad_elements: {"<mesh> tiles=<n>": largest scatter-add into the embedding table};
-  grads: {("<mesh> tiles=<n>", tied): the loss's gradients for the initial parameters}."""
-  out = tmp_path_factory.mktemp("meshes")
-  compiled_steps = []  # each run's own compiled train step: the HLO checks read it, no second compile
-  compile_train_step = train_step.compile_train_step
+# Each mesh trains with one tiling, the other mesh's next; every mesh's gradients are compared with both.
+TRAINED_TILES = {"fsdp=8": 1, "data=2 fsdp=2 tensor=2": 4, "fsdp=2 context=4": 1, "tensor=4 data=2": 4}
 
-  def compile_and_keep(*args):
-    compiled_steps.append(compile_train_step(*args))
-    return compiled_steps[-1]
+
+@pytest.fixture(scope="module")
+def one_device_params():
+  """{tied: the initial parameters of SHARDED on one device}, logits_via_embedding=tied."""
+  return {tied: jax.device_get(trainer_and_state(tiny_config(*SHARDED, "per_device_batch_size=8",
+                                                             f"logits_via_embedding={tied}"))[1].params)
+          for tied in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def mesh_results(tmp_path_factory, one_device_params):
+  """The SHARDED model on 8 devices under every test mesh:
+  losses: {mesh: {step: loss}} of 5 training steps with TRAINED_TILES[mesh] tiles;
+  cross_mesh: {step: loss} of a run saved at step 3 under fsdp=8 and resumed under tensor=4 data=2;
+  grads: {("<mesh> tiles=<n>", tied): the loss's gradients at one device's initial parameters};
+  and from the untied gradients' compiled HLO, for each "<mesh> tiles=<n>":
+  logits_tokens: most tokens any one device holds logits for;
+  kernel_grad_elements: largest array of the head's kernel-gradient contraction;
+  embedding_grad_elements: largest scatter-add into the embedding table."""
+  out = tmp_path_factory.mktemp("meshes")
 
   def run(name, *overrides):
     metrics_file = out / f"{name.replace(' ', '_')}.jsonl"
-    with pytest.MonkeyPatch.context() as patch:
-      patch.setattr(train_step, "compile_train_step", compile_and_keep)
-      train.train(tiny_config(*SHARDED, "per_device_batch_size=1", f"base_output_directory={out}",
-                              f"run_name={name.replace(' ', '_')}", f"metrics_file={metrics_file}", *overrides))
+    train.train(tiny_config(*SHARDED, "per_device_batch_size=1", f"base_output_directory={out}",
+                            f"run_name={name.replace(' ', '_')}", f"metrics_file={metrics_file}", *overrides))
     return metrics_losses(metrics_file)
 
   results = {"losses": {}, "logits_tokens": {}, "kernel_grad_elements": {}, "embedding_grad_elements": {},
              "grads": {}}
   with on_devices(8):
     for mesh, overrides in MESHES.items():
+      results["losses"][mesh] = run(mesh, *overrides, f"num_vocab_tiling={TRAINED_TILES[mesh]}")
       for tiles in (1, 4):
         key = f"{mesh} tiles={tiles}"
-        results["losses"][key] = run(key, *overrides, f"num_vocab_tiling={tiles}")
-        hlo = compiled_steps[-1].as_text()
-        results["logits_tokens"][key] = logits_tokens(hlo, {1000, 500}, {48, 24, 12, 6})
-        arrays = hlo_arrays(hlo)
+        for tied in (False, True):
+          hlo = []
+          results["grads"][key, tied] = loss_gradients(tiny_config(
+              *SHARDED, "per_device_batch_size=1", *overrides, f"num_vocab_tiling={tiles}",
+              f"logits_via_embedding={tied}"), params=one_device_params[tied], hlo=hlo)
+        results["logits_tokens"][key] = logits_tokens(hlo[0], {1000, 500}, {48, 24, 12, 6})
+        arrays = hlo_arrays(hlo[0])
         results["kernel_grad_elements"][key] = largest(arrays, lambda s, op, name: "btd,btv->dv" in name)
         results["embedding_grad_elements"][key] = largest(
             arrays, lambda s, op, name: op == "scatter" and "token_embedder" in name)
-        for tied in (False, True):
-          # Tied, at one device's initial parameters: the untied run above initialised these
-          # same embedding and layers on this mesh, and compiling that again without the head's
-          # kernel would prove nothing more.
-          results["grads"][key, tied] = loss_gradients(tiny_config(
-              *SHARDED, "per_device_batch_size=1", *overrides, f"num_vocab_tiling={tiles}",
-              f"logits_via_embedding={tied}"), params=tied_params if tied else None)
     checkpointed = ("enable_checkpointing=true", "checkpoint_period=3", "learning_rate_schedule_steps=5")
     run("cross mesh", *MESHES["fsdp=8"], *checkpointed, "steps=3")
     results["cross_mesh"] = run("cross mesh", *MESHES["tensor=4 data=2"], *checkpointed)
@@ -120,10 +122,9 @@ def one_device(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("tiles", [1, 4])
-def test_mesh_losses_equal_one_device(mesh_results, one_device, mesh, tiles):
-  got = mesh_results["losses"][f"{mesh} tiles={tiles}"]
-  want = one_device[tiles]
+def test_mesh_losses_equal_one_device(mesh_results, one_device, mesh):
+  got = mesh_results["losses"][mesh]
+  want = one_device[TRAINED_TILES[mesh]]
   assert sorted(got) == [1, 2, 3, 4, 5]
   np.testing.assert_allclose([got[s] for s in range(1, 6)], [want[s] for s in range(1, 6)], rtol=1e-5)
 
@@ -146,16 +147,9 @@ def test_no_device_ever_holds_more_than_its_share_of_a_tile(mesh_results, mesh, 
 
 
 @pytest.fixture(scope="module")
-def tied_params():
-  """The initial parameters of SHARDED with logits_via_embedding on one device."""
-  return jax.device_get(trainer_and_state(tiny_config(*SHARDED, "per_device_batch_size=8",
-                                                      "logits_via_embedding=true"))[1].params)
-
-
-@pytest.fixture(scope="module")
-def one_device_gradients():
+def one_device_gradients(one_device_params):
   return {(tiles, tied): loss_gradients(tiny_config(*SHARDED, "per_device_batch_size=8", f"num_vocab_tiling={tiles}",
-                                                    f"logits_via_embedding={tied}"))
+                                                    f"logits_via_embedding={tied}"), params=one_device_params[tied])
           for tiles in (1, 4) for tied in (False, True)}
 
 

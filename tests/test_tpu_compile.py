@@ -70,6 +70,21 @@ def test_offloading_the_layer_inputs_moves_them_off_the_device():
   assert stats["input_offloaded"]["total_bytes"] < stats["full"]["total_bytes"]
 
 
+@pytest.mark.parametrize("policy", [("remat_policy=attention_out_input_offloaded",),
+                                    ("remat_policy=custom", "attention_out=offload")])
+def test_splash_attention_slices_with_an_offloaded_context_are_refused_on_tpu(policy):
+  """libtpu fails with an internal error placing splash's residuals from the slices in host
+  memory: a config error naming the key instead. Kept on the device, with the chunked kernel,
+  or on CPU, the two go together."""
+  flash = ("compile_topology=v5p-8", "attention=flash", "max_target_length=128", "attention_head_chunks=2")
+  with pytest.raises(errors.ConfigError, match="attention_head_chunks=2: must be 1 for attention=flash on TPU"):
+    tiny_config(*flash, *policy)
+  assert tiny_config(*flash, "remat_policy=custom", "attention_out=device")
+  assert tiny_config("compile_topology=v5p-8", "attention=chunked", "attention_chunk_size=8", "attention_head_chunks=2",
+                     *policy)
+  assert tiny_config("attention_head_chunks=2", *policy)
+
+
 GEMMA2_ATTENTION = ("decoder_block=gemma2", "sliding_window_size=512", "attn_logits_soft_cap=50",
                     "query_pre_attn_scalar=16")
 
@@ -93,18 +108,21 @@ def test_flash_attention_compiles_for_tpu_without_the_score_matrix(mesh):
 
 @pytest.mark.parametrize("mesh", [(), ("ici_fsdp_parallelism=1", "ici_context_parallelism=4")],
                          ids=["fsdp", "context"])
-def test_the_flash_kernels_flops_are_counted_by_hand(mesh):
+@pytest.mark.parametrize("policy, forwards", [("full", 2), ("attention_out_input_offloaded", 1)])
+def test_the_flash_kernels_flops_are_counted_by_hand(mesh, policy, forwards):
   """Splash attention's pallas_calls are custom calls, not dots: counted from the kernels' shapes.
   Per context shard (load-balanced) a kernel of 256 queries, chunks i and 7 - i of 128 tokens,
-  in 128 x 512 blocks: 1 + 2 blocks are not skipped, 4 shards together the whole row's 3 x 512^2."""
+  in 128 x 512 blocks: 1 + 2 blocks are not skipped, 4 shards together the whole row's 3 x 512^2.
+  The forward kernel runs twice under `full` (the step's, and the recomputation in the backward),
+  once where the policy keeps its residuals with attention_out."""
   config = tiny_config("attention=flash", "compile_topology=v5p-8", "max_target_length=1024",
-                       "per_device_batch_size=1", "remat_policy=full", *mesh)
+                       "per_device_batch_size=1", f"remat_policy={policy}", *mesh)
   jaxpr = train_step.trace_train_step(train_step.build(config, sharding.create_mesh(config)), config).jaxpr
-  # Per layer, row and head: the forward kernel twice (the step's, and remat's recomputation in
-  # the backward, 2 matmuls each), the dq kernel (3) and the dk/dv kernel (4); of the 2 x 2
-  # (query, key) blocks of 512 the causal mask keeps 3 whole, 2 FLOPs per multiply-add.
+  # Per layer, row and head: the forward kernel (2 matmuls each run), the dq kernel (3) and the
+  # dk/dv kernel (4); of the 2 x 2 (query, key) blocks of 512 the causal mask keeps 3 whole, 2
+  # FLOPs per multiply-add.
   per_kernel_matmul = 2 * 3 * 512 * 512 * config.head_dim
-  hand = config.base_num_decoder_layers * 4 * config.base_num_query_heads * per_kernel_matmul * (2 + 2 + 3 + 4)
+  hand = config.base_num_decoder_layers * 4 * config.base_num_query_heads * per_kernel_matmul * (2 * forwards + 3 + 4)
   assert costs.kernel_flops(jaxpr) == hand
   assert costs.matmul_flops(jaxpr) > hand
 

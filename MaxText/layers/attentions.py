@@ -211,17 +211,19 @@ def _cudnn_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret, m
 
 class FlashKernel(NamedTuple):
   """A fused kernel over one device's whole rows [B, T, N, H]: (q, k, v, segment_ids, scale,
-  soft_cap, window, interpret, max_segments) -> context; the platform it runs on and whether it
-  takes a soft cap and a sliding window."""
+  soft_cap, window, interpret, max_segments) -> context; the platform it runs on, whether it
+  takes a soft cap and a sliding window, and whether its forward names its residuals (the
+  context and its logsumexp) remat.KERNEL_RESIDUALS."""
 
   platform: str
   run: Callable
   soft_cap: bool
   window: bool
+  names_residuals: bool = False
 
 
 # flash_kernel= -> its FlashKernel; unset, each platform's fastest (DEFAULT_FLASH_KERNEL).
-FLASH_KERNELS = {"splash": FlashKernel("tpu", _splash_attention, soft_cap=True, window=True),
+FLASH_KERNELS = {"splash": FlashKernel("tpu", _splash_attention, soft_cap=True, window=True, names_residuals=True),
                  "cudnn": FlashKernel("gpu", _cudnn_attention, soft_cap=False, window=True),
                  "triton": FlashKernel("gpu", _triton_attention, soft_cap=False, window=False)}
 DEFAULT_FLASH_KERNEL = {"tpu": "splash", "gpu": "cudnn"}
@@ -500,4 +502,10 @@ def attend_heads(cfg, q, k, v, segment_ids, layer_index, scale):
                                          _layer_window(window, sliding, q.shape[1]))
   else:
     context = ATTENTIONS[cfg.attention](q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding)
-  return checkpoint_name(nn.with_logical_constraint(context, BATCH_LENGTH_HEADS), "attention_out")
+  context = nn.with_logical_constraint(context, BATCH_LENGTH_HEADS)
+  # Where the kernel names its residuals (every context-parallel kernel), a policy that keeps
+  # attention_out keeps those (remat.checkpoint_policy): the context once, in the kernel's layout,
+  # with the logsumexp its backward needs. Naming this copy too would keep the context twice.
+  if split or (cfg.attention == "flash" and FLASH_KERNELS[cfg.flash_kernel].names_residuals):
+    return context
+  return checkpoint_name(context, "attention_out")
