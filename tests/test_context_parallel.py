@@ -17,7 +17,7 @@ from conftest import (
 )
 from jax.sharding import PartitionSpec as P
 
-from MaxText import costs, errors
+from MaxText import costs, errors, sharding, train_step
 from MaxText.layers import context_parallel
 
 
@@ -171,8 +171,8 @@ def test_key_blocks_merge_to_the_whole_block(block_size):
   assert_trees_close(context_parallel._over_key_blocks(kernel, block_size)(*args), kernel(*args), rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_chunks,block_size", [(1, 70), (2, 10), (5, 14), (2, 17)])
-def test_block_gradients_equal_autodiff_of_the_block_share(num_chunks, block_size):
+@pytest.mark.parametrize("chunk_size,block_size", [(10, 70), (5, 10), (2, 14), (5, 17)])
+def test_block_gradients_equal_autodiff_of_the_block_share(chunk_size, block_size):
   """The ring's backward per block (probabilities from the final logsumexp L, the flash
   backward), over query chunks and key blocks, equals jax.vjp of the block's share of the
   attention, exp(lse_b - L) x its context and exp(lse_b - L), with L held fixed: a soft cap,
@@ -193,5 +193,26 @@ def test_block_gradients_equal_autodiff_of_the_block_share(num_chunks, block_siz
 
   expected = jax.vjp(share, q, k, v)[1]((d_out, d_lse))
   grads = context_parallel._grads_in_blocks(functools.partial(context_parallel.dot_block_grads, **options),
-                                            num_chunks, block_size)
+                                            chunk_size, block_size)
   assert_trees_close(grads(q, k, v, *index, lse, d_out, d_lse), expected, rtol=1e-5)
+
+
+def test_the_balanced_ring_computes_the_causal_half_and_the_diagonal_blocks():
+  """Load-balanced, the ring computes of each step's block only what its queries see: its own
+  block's three quarters, and half of every other's. Summed over the C shards its (query, key)
+  pairs are T^2 (1/2 + 1/(4C)), where the all-gather (masking, not skipping) computes T^2: the
+  traced FLOPs differ by 7 matmuls (2 forward, 5 backward) over the pairs skipped, the rest of
+  the step the same."""
+  def traced(strategy):
+    config = tiny_config("max_target_length=32", "per_device_batch_size=0.25", *_C4F2, "remat_policy=none",
+                         f"context_parallel_strategy={strategy}")
+    jaxpr = train_step.trace_train_step(train_step.build(config, sharding.create_mesh(config)), config).jaxpr
+    return costs.matmul_flops(jaxpr), config
+
+  with on_devices(8):
+    ring, config = traced("ring")
+    all_gather, _ = traced("all_gather")
+  length, shards = config.max_target_length, 4
+  skipped = length**2 * (1 / 2 - 1 / (4 * shards)) * config.global_batch_size_to_train_on
+  per_pair = 7 * 2 * config.base_num_query_heads * config.head_dim * config.base_num_decoder_layers
+  assert all_gather - ring == skipped * per_pair

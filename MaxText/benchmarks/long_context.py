@@ -1,13 +1,15 @@
 """Long context: python -m MaxText.benchmarks.long_context [--output_dir DIR] [--target tpu|cpu|all]
 
 TPU (long_context_tpu.*, compile only): llama3-8b on a v5p-128 (64 chips), one sequence per 16
-chips (fsdp 4 x context 16), 16 vocabulary tiles, load-balanced, mlp_chunks 16,
-attention_head_chunks 8, at 64k to 1M tokens per sequence: the ring with remat_policy=full and
-with input_offloaded, chunked attention per context shard, and the all-gather with full at 64k,
-chunked and flash (splash attention per shard). Each cell is what
+chips (fsdp 4 x context 16), 16 vocabulary tiles, load-balanced, mlp_chunks 16, at 64k to 1M
+tokens per sequence: the ring with chunked attention per context shard, attention in 8 slices,
+and remat_policy full, input_offloaded and attention_out_input_offloaded; at 64k the all-gather
+with full (chunked, and flash: splash attention per shard) in 8 slices, and flash with
+attention_out_input_offloaded unsliced (libtpu does not offload splash's residuals from slices).
+Each cell is what
   python -m MaxText.train_compile configs/base.yml model_name=llama3-8b compile_topology=v5p-128 \\
     dataset_type=synthetic per_device_batch_size=0.0625 ici_fsdp_parallelism=4 ici_context_parallelism=16 \\
-    num_vocab_tiling=16 attention=A attention_chunk_size=512 mlp_chunks=16 attention_head_chunks=8 \\
+    num_vocab_tiling=16 attention=A attention_chunk_size=512 mlp_chunks=16 attention_head_chunks=N \\
     max_target_length=L context_parallel_strategy=S remat_policy=P
 prints: GiB per chip on device and on host, the traced FLOPs (recomputation and each kernel's
 blocks as it runs them) over the model's, the step at the chip's peak and the MFU bound from
@@ -34,10 +36,12 @@ from MaxText.benchmarks import common, provenance
 
 LLAMA3_8B = ("model_name=llama3-8b", "compile_topology=v5p-128", "dataset_type=synthetic",
              "per_device_batch_size=0.0625", "ici_fsdp_parallelism=4", "ici_context_parallelism=16",
-             "num_vocab_tiling=16", "attention_chunk_size=512", "mlp_chunks=16", "attention_head_chunks=8")
+             "num_vocab_tiling=16", "attention_chunk_size=512", "mlp_chunks=16")
 LENGTHS = (65536, 131072, 262144, 524288, 1048576)
-TPU_VARIANTS = (("ring", "full", "chunked"), ("ring", "input_offloaded", "chunked"), ("all_gather", "full", "chunked"),
-                ("all_gather", "full", "flash"))
+# (strategy, remat_policy, attention per shard, attention_head_chunks)
+TPU_VARIANTS = (("ring", "full", "chunked", 8), ("ring", "input_offloaded", "chunked", 8),
+                ("ring", "attention_out_input_offloaded", "chunked", 8), ("all_gather", "full", "chunked", 8),
+                ("all_gather", "full", "flash", 8), ("all_gather", "attention_out_input_offloaded", "flash", 1))
 ALL_GATHER_UP_TO = 65536  # beyond, every chip holds the whole sequence's keys and values per layer (11.7 GiB at 64k)
 CPU_DEVICES = 4
 CPU_MODEL = ("dataset_type=synthetic", "max_target_length=1024", "per_device_batch_size=1",
@@ -48,47 +52,47 @@ CPU_VARIANTS = {"fsdp 4 (whole sequences)": ("ici_fsdp_parallelism=4",),
                                    "context_parallel_strategy=ring")}
 
 
-def _cell(length, strategy, policy, attention) -> str:
+def _cell(length, strategy, policy, attention, slices) -> str:
   """A TPU cell's name in the JSON."""
-  return f"llama3-8b v5p-128 {length} {strategy} {policy} {attention}"
+  return f"llama3-8b v5p-128 {length} {strategy} {policy} {attention} {slices} slices"
 
 
 def tpu_table(output_dir: str) -> None:
   peak = accelerators.chip_of("TPU v5").peak_bf16_tflops * 1e12
   results, rows = {}, []
-  for length, (strategy, policy, attention) in itertools.product(LENGTHS, TPU_VARIANTS):
+  for length, (strategy, policy, attention, slices) in itertools.product(LENGTHS, TPU_VARIANTS):
     if strategy == "all_gather" and length > ALL_GATHER_UP_TO:
       continue
-    name = _cell(length, strategy, policy, attention)
+    name = _cell(length, strategy, policy, attention, slices)
     r = results[name] = common.compiled_memory_on(None, *LLAMA3_8B, f"max_target_length={length}",
                                                   f"context_parallel_strategy={strategy}", f"remat_policy={policy}",
-                                                  f"attention={attention}")
+                                                  f"attention={attention}", f"attention_head_chunks={slices}")
     if "error" in r:
-      rows.append([f"{length:,}", strategy, policy, attention, common.gib_or_refusal(r, "total_bytes"), "", "", "", "",
-                   "", ""])
+      rows.append([f"{length:,}", strategy, policy, attention, slices, common.gib_or_refusal(r, "total_bytes"), "", "",
+                   "", "", "", ""])
     else:
       seconds = r["traced_flops_per_step"] / 64 / peak
-      rows.append([f"{length:,}", strategy, policy, attention, reports.gib(r["total_bytes"]),
+      rows.append([f"{length:,}", strategy, policy, attention, slices, reports.gib(r["total_bytes"]),
                    f"{r['traced_flops_per_step'] / r['model_flops_per_step']:.2f}x", reports.gib(r["host_bytes"]),
                    f"{seconds:.3g} s", f"{r['model_flops_per_step'] / r['traced_flops_per_step']:.1%}",
                    reports.gib(int(r["collective_bytes_per_device"].get("context", 0))),
                    reports.gib(int(sum(r["collective_bytes_per_device"].values())))])
-    print(f"{name}: {rows[-1][4:]}", flush=True)
-  markdown = ("## llama3-8b on v5p-128, fsdp 4 x context 16, 16 tiles, mlp_chunks 16, attention_head_chunks 8 "
+    print(f"{name}: {rows[-1][5:]}", flush=True)
+  markdown = ("## llama3-8b on v5p-128, fsdp 4 x context 16, 16 tiles, mlp_chunks 16 "
               "(TPU compiler, compile only)\n\n"
               + reports.markdown_table(["tokens per sequence", "strategy", "remat_policy", "attention per shard",
-                                        "device GiB/chip", "traced / model FLOPs",
+                                        "attention_head_chunks", "device GiB/chip", "traced / model FLOPs",
                                         "host GiB/chip", "step at peak", "MFU bound",
                                         "context-axis collectives GiB/chip", "all shard_map collectives GiB/chip"],
                                        rows))
   print(markdown)
   figure = Figure(figsize=(8, 5))
   axis = figure.subplots()
-  for strategy, policy, attention in TPU_VARIANTS:
-    points = [(length, results[_cell(length, strategy, policy, attention)].get("total_bytes"))
-              for length in LENGTHS if _cell(length, strategy, policy, attention) in results]
+  for variant in TPU_VARIANTS:
+    points = [(length, results[_cell(length, *variant)].get("total_bytes"))
+              for length in LENGTHS if _cell(length, *variant) in results]
     points = [(x, y / 2**30) for x, y in points if y]
-    axis.plot(*zip(*points), marker="o", label=f"{strategy}, {policy}, {attention}")
+    axis.plot(*zip(*points), marker="o", label="{}, {}, {}, {} slices".format(*variant))
   axis.axhline(95, color="black", linestyle="--", label="v5p HBM (95 GiB)")
   axis.set_xscale("log", base=2)
   axis.set_xlabel("tokens per sequence")

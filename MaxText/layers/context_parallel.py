@@ -134,16 +134,16 @@ def _zeros(x):
   return jnp.zeros(x.shape, jnp.float32)
 
 
-def _in_chunks(kernel, num_chunks):
-  """kernel over the queries in num_chunks chunks, one at a time: one chunk's
-  [Tq / num_chunks, Tk] scores live at a time. Forward only (the strategies' backward is
+def _in_chunks(kernel, chunk_size):
+  """kernel over the queries in chunks of chunk_size (_blocks), one at a time: one chunk's
+  [chunk_size, Tk] scores live at a time. Forward only (the strategies' backward is
   ShardKernel.grads), yet each chunk is a jax.checkpoint, as each key block in
   _over_key_blocks: its optimization barrier keeps XLA from moving work across the loops, which
   would keep more than one chunk's scores live at once and undo the chunking."""
-  if num_chunks == 1:
-    return kernel
-
   def chunked(q, k, v, q_index, k_index, q_segments, k_segments, window):
+    num_chunks = _blocks(q, chunk_size)
+    if num_chunks == 1:
+      return kernel(q, k, v, q_index, k_index, q_segments, k_segments, window)
     step = jax.checkpoint(lambda args: kernel(args[0], k, v, args[1], k_index, args[2], k_segments, window))
     chunks = (_split(q, num_chunks), q_index.reshape(num_chunks, -1), _split(q_segments, num_chunks))
     out, lse = jax.lax.map(step, chunks)
@@ -159,10 +159,10 @@ def _merge(out, lse, block_out, block_lse):
   return out, new_lse
 
 
-def _key_blocks(k, block_size) -> int:
-  """How many blocks of block_size the keys k [B, Tk, ...] are taken in: 1 (at once) where
-  block_size does not divide Tk (a chunk longer than a shard)."""
-  return k.shape[1] // block_size if k.shape[1] % block_size == 0 else 1
+def _blocks(x, block_size) -> int:
+  """How many blocks of block_size the queries or keys x [B, T, ...] are taken in: 1 (at once)
+  where block_size does not divide T (a chunk longer than a shard, or than half of one)."""
+  return x.shape[1] // block_size if x.shape[1] % block_size == 0 else 1
 
 
 def _over_key_blocks(kernel, block_size):
@@ -171,7 +171,7 @@ def _over_key_blocks(kernel, block_size):
   sequence's for the all-gather). Forward only, as _in_chunks, and checkpointed as it is."""
 
   def blocked(q, k, v, q_index, k_index, q_segments, k_segments, window):
-    num_blocks = _key_blocks(k, block_size)
+    num_blocks = _blocks(k, block_size)
     if num_blocks == 1:
       return kernel(q, k, v, q_index, k_index, q_segments, k_segments, window)
     blocks = (_split(k, num_blocks), _split(v, num_blocks), k_index.reshape(num_blocks, -1),
@@ -201,21 +201,25 @@ def _with_flash_backward(forward, backward):
   def attend(q, k, v, q_index, segments, window):
     return forward(q, k, v, q_index, segments, window)[0].astype(q.dtype)
 
+  # The context is kept as returned, in q's dtype, as flash attention keeps it: one copy serves
+  # as the output and the residual, half a float32 one where activations are bfloat16.
   def attend_fwd(q, k, v, q_index, segments, window):
-    out, lse = (checkpoint_name(x, remat.KERNEL_RESIDUALS) for x in forward(q, k, v, q_index, segments, window))
-    return out.astype(q.dtype), (q, k, v, q_index, segments, window, out, lse)
+    out, lse = forward(q, k, v, q_index, segments, window)
+    out, lse = (checkpoint_name(x, remat.KERNEL_RESIDUALS) for x in (out.astype(q.dtype), lse))
+    return out, (q, k, v, q_index, segments, window, out, lse)
 
   def attend_bwd(residuals, d_out):
     q, k, v, q_index, segments, window, out, lse = residuals
     d_out = d_out.astype(jnp.float32)
-    dq, dk, dv = backward(q, k, v, q_index, segments, window, lse, d_out, -jnp.sum(d_out * out, axis=-1))
+    d_lse = -jnp.sum(d_out * out.astype(jnp.float32), axis=-1)
+    dq, dk, dv = backward(q, k, v, q_index, segments, window, lse, d_out, d_lse)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
   attend.defvjp(attend_fwd, attend_bwd)
   return attend
 
 
-def all_gather_attention(block, q, k, v, q_index, segments, window, num_shards):
+def all_gather_attention(block, q, k, v, q_index, segments, window, num_shards, balanced):
   """Each shard gathers every shard's keys, values, segment ids and token indices, then
   attends its own queries to them: simple, and the whole sequence's keys and values are on
   every chip for the layer. The backward gathers them again and reduce-scatters their
@@ -243,47 +247,106 @@ def all_gather_rows(attend, q, k, v, segments, num_shards, balanced):
   return attend(q, gather(k), gather(v), segments, gather(segments))
 
 
-def ring_attention(block, q, k, v, q_index, segments, window, num_shards):
+def _halves(x):
+  """[B, T, ...] (or [T]) -> its two halves along the sequence: a load-balanced shard's chunks i
+  and 2C - 1 - i."""
+  axis = 1 if x.ndim > 1 else 0
+  return jnp.split(x, 2, axis=axis)
+
+
+def _as_second_half(x, fill):
+  """[B, T / 2, ...] -> [B, T, ...]: x as the second half, `fill` before it."""
+  return jnp.concatenate([jnp.full_like(x, fill), x], axis=1)
+
+
+def _as_first_half(x, fill):
+  return jnp.concatenate([x, jnp.full_like(x, fill)], axis=1)
+
+
+def ring_attention(block, q, k, v, q_index, segments, window, num_shards, balanced):
   """Key/value blocks travel around the ring of context shards (C steps, C - 1 ppermutes);
   each shard merges its queries' attention to every block by logsumexp. The backward runs the
   ring again, each block's key/value gradient travelling with it back to its shard, so no
-  step's block is kept for it: only q, the own block, the output and its logsumexp are."""
+  step's block is kept for it: only q, the own block, the output and its logsumexp are.
+
+  Load-balanced (shard i holds chunks i and 2C - 1 - i of the sequence), a shard's queries see
+  of its own block its second chunk against both chunks and its first against its first; of a
+  block from an earlier shard only the first chunk, with all its queries; of a later shard's,
+  the whole block, with its second chunk's queries only. Each step computes just that: half a
+  block's scores (a cond between the two halves of equal cost), three quarters of its own, so
+  the ring's attention FLOPs are the causal mask's half plus the diagonal blocks. Contiguous
+  shards compute every block whole, masked."""
   shift = [(i, (i + 1) % num_shards) for i in range(num_shards)]
   rotate = lambda xs: jax.tree.map(lambda x: jax.lax.ppermute(x, AXIS, shift), xs)
+  first = lambda xs: jax.tree.map(lambda x: _halves(x)[0], xs)
+  second = lambda xs: jax.tree.map(lambda x: _halves(x)[1], xs)
+  # Whose block this shard holds at step s, and whether that shard comes before it. Everything
+  # traced is an argument of forward and backward: custom_vjp may not close over shard_map's values.
+  earlier = lambda s: (jax.lax.axis_index(AXIS) - s) % num_shards < jax.lax.axis_index(AXIS)
 
   def forward(q, k, v, q_index, segments, window):
-    out, lse = block.attend(q, k, v, q_index, q_index, segments, segments, window)
+    attend = lambda rows, kv: block.attend(rows[0], kv[0], kv[1], rows[1], kv[3], rows[2], kv[2], window)
+    rows = (q, q_index, segments)
 
-    def step(carry, _):
+    def own(kv):  # the first chunk's queries against the first chunk, the second's against both
+      (out_1, lse_1), (out_2, lse_2) = attend(first(rows), first(kv)), attend(second(rows), kv)
+      return jnp.concatenate([out_1, out_2], axis=1), jnp.concatenate([lse_1, lse_2], axis=1)
+
+    def later(kv):  # a later shard's block: the second chunk's queries see all of it
+      out, lse = attend(second(rows), kv)
+      return _as_second_half(out, 0.0), _as_second_half(lse, _MASKED)
+
+    other = lambda kv, s: jax.lax.cond(earlier(s), lambda kv: attend(rows, first(kv)), later, kv)
+    kv = (k, v, segments, q_index)
+    out, lse = own(kv) if balanced else attend(rows, kv)
+
+    def step(carry, s):
       out, lse, kv = carry
       kv = rotate(kv)
-      out, lse = _merge(out, lse, *block.attend(q, kv[0], kv[1], q_index, kv[3], segments, kv[2], window))
-      return (out, lse, kv), None
+      block_out, block_lse = other(kv, s) if balanced else attend(rows, kv)
+      return (*_merge(out, lse, block_out, block_lse), kv), None
 
-    (out, lse, _), _ = jax.lax.scan(step, (out, lse, (k, v, segments, q_index)), length=num_shards - 1)
+    (out, lse, _), _ = jax.lax.scan(step, (out, lse, kv), jnp.arange(1, num_shards))
     return out, lse
 
   def backward(q, k, v, q_index, segments, window, lse, d_out, d_lse):
-    def step(carry, _):
+    grads = lambda rows, kv: block.grads(rows[0], kv[0], kv[1], rows[1], kv[3], rows[2], kv[2], window, *rows[3:])
+    rows = (q, q_index, segments, lse, d_out, d_lse)
+    pad_keys = lambda dq, dk, dv: (dq, _as_first_half(dk, 0.0), _as_first_half(dv, 0.0))
+
+    def own(kv):
+      dq_1, dk_1, dv_1 = grads(first(rows), first(kv))
+      dq_2, dk, dv = grads(second(rows), kv)
+      return jnp.concatenate([dq_1, dq_2], axis=1), dk + _as_first_half(dk_1, 0.0), dv + _as_first_half(dv_1, 0.0)
+
+    def later(kv):
+      dq, dk, dv = grads(second(rows), kv)
+      return _as_second_half(dq, 0.0), dk, dv
+
+    other = lambda kv, s: jax.lax.cond(earlier(s), lambda kv: pad_keys(*grads(rows, first(kv))), later, kv)
+    kv = (k, v, segments, q_index)
+    dq, dk, dv = own(kv) if balanced else grads(rows, kv)
+    kv, dk, dv = rotate((kv, dk, dv))
+
+    def step(carry, s):
       dq, kv, dk, dv = carry
-      dq_b, dk_b, dv_b = block.grads(q, kv[0], kv[1], q_index, kv[3], segments, kv[2], window, lse, d_out, d_lse)
+      dq_b, dk_b, dv_b = other(kv, s) if balanced else grads(rows, kv)
       kv, dk, dv = rotate((kv, dk + dk_b, dv + dv_b))
       return (dq + dq_b, kv, dk, dv), None
 
-    (dq, _, dk, dv), _ = jax.lax.scan(step, (_zeros(q), (k, v, segments, q_index), _zeros(k), _zeros(v)),
-                                      length=num_shards)
+    (dq, _, dk, dv), _ = jax.lax.scan(step, (dq, kv, dk, dv), jnp.arange(1, num_shards))
     return dq, dk, dv
 
   return _with_flash_backward(forward, backward)(q, k, v, q_index, segments, window)
 
 
-def _grads_in_blocks(grads, num_chunks, block_size):
-  """grads (dot_block_grads') over the queries in num_chunks chunks and the keys in blocks of
+def _grads_in_blocks(grads, chunk_size, block_size):
+  """grads (dot_block_grads') over the queries in chunks of chunk_size and the keys in blocks of
   block_size, as _in_chunks(_over_key_blocks(...)) splits the forward: one
-  [Tq / num_chunks, block_size] score block live at a time."""
+  [chunk_size, block_size] score block live at a time."""
 
   def blocked(q, k, v, q_index, k_index, q_segments, k_segments, window, lse, d_out, d_lse):
-    num_blocks = _key_blocks(k, block_size)
+    num_chunks, num_blocks = _blocks(q, chunk_size), _blocks(k, block_size)
     blocks = (_split(k, num_blocks), _split(v, num_blocks), k_index.reshape(num_blocks, -1),
               _split(k_segments, num_blocks))
     chunks = (_split(q, num_chunks), q_index.reshape(num_chunks, -1), _split(q_segments, num_chunks),
@@ -314,21 +377,20 @@ class ShardKernel(NamedTuple):
   grads: Callable
 
 
-def _chunked(cfg, local_length, **options) -> ShardKernel:
+def _chunked(cfg, **options) -> ShardKernel:
   """attention=chunked: dot_block over attention_chunk_size queries and keys at a time."""
-  chunks = local_length // min(cfg.attention_chunk_size, local_length)
-  return ShardKernel(
-      _in_chunks(_over_key_blocks(functools.partial(dot_block, **options), cfg.attention_chunk_size), chunks),
-      _grads_in_blocks(functools.partial(dot_block_grads, **options), chunks, cfg.attention_chunk_size))
+  size = cfg.attention_chunk_size
+  return ShardKernel(_in_chunks(_over_key_blocks(functools.partial(dot_block, **options), size), size),
+                     _grads_in_blocks(functools.partial(dot_block_grads, **options), size, size))
 
 
-# attention= -> (config, this shard's tokens, scale=, cap=) -> its ShardKernel, on every
+# attention= -> (config, scale=, cap=) -> its ShardKernel, on every
 # platform. Both strategies need each block's logsumexp and a backward from the final one,
 # which neither Pallas kernel of attentions.FLASH_KERNELS gives (splash's save_residuals has
 # no VJP, and the Triton kernel takes no mask offsets): attention=flash is a whole-row kernel
 # (ROW_KERNELS) instead, for the strategies that take one.
 SHARD_KERNELS = {
-    "dot_product": lambda cfg, local_length, **options: ShardKernel(
+    "dot_product": lambda cfg, **options: ShardKernel(
         functools.partial(dot_block, **options), functools.partial(dot_block_grads, **options)),
     "chunked": _chunked,
 }
@@ -352,7 +414,7 @@ ROW_KERNELS: dict[str, dict[str, RowKernel]] = {}
 
 
 class Strategy(NamedTuple):
-  """blocks(ShardKernel, q, k, v, q_index, segment ids, window, shards) -> this shard's context;
+  """blocks(ShardKernel, q, k, v, q_index, segment ids, window, shards, balanced) -> this shard's context;
   rows(attend, q, k, v, segment ids, shards, balanced) -> the same through a whole-row kernel
   (all_gather_rows), or None where the strategy cannot run one."""
   blocks: Callable
@@ -397,9 +459,10 @@ def _blocks_per_shard(cfg, length, scale, cap):
   strategy = STRATEGIES[cfg.context_parallel_strategy].blocks
 
   def per_shard(_, q, k, v, segment_ids, *window):
-    kernel = SHARD_KERNELS[cfg.attention](cfg, length // num_shards, scale=scale, cap=cap)
-    q_index = _token_index(length, num_shards, cfg.context_parallel_load_balance)
-    return strategy(kernel, q, k, v, q_index, segment_ids, window[0] if window else None, num_shards)
+    kernel = SHARD_KERNELS[cfg.attention](cfg, scale=scale, cap=cap)
+    balanced = cfg.context_parallel_load_balance
+    q_index = _token_index(length, num_shards, balanced)
+    return strategy(kernel, q, k, v, q_index, segment_ids, window[0] if window else None, num_shards, balanced)
 
   return per_shard, (), ()
 
