@@ -254,49 +254,45 @@ def _halves(x):
   return jnp.split(x, 2, axis=axis)
 
 
-def _as_second_half(x, fill):
-  """[B, T / 2, ...] -> [B, T, ...]: x as the second half, `fill` before it."""
-  return jnp.concatenate([jnp.full_like(x, fill), x], axis=1)
-
-
-def _as_first_half(x, fill):
-  return jnp.concatenate([x, jnp.full_like(x, fill)], axis=1)
-
-
 def ring_attention(block, q, k, v, q_index, segments, window, num_shards, balanced):
   """Key/value blocks travel around the ring of context shards (C steps, C - 1 ppermutes);
   each shard merges its queries' attention to every block by logsumexp. The backward runs the
   ring again, each block's key/value gradient travelling with it back to its shard, so no
   step's block is kept for it: only q, the own block, the output and its logsumexp are.
 
-  Load-balanced (shard i holds chunks i and 2C - 1 - i of the sequence), a shard's queries see
-  of its own block its second chunk against both chunks and its first against its first; of a
-  block from an earlier shard only the first chunk, with all its queries; of a later shard's,
-  the whole block, with its second chunk's queries only. Each step computes just that: half a
-  block's scores (a cond between the two halves of equal cost), three quarters of its own, so
-  the ring's attention FLOPs are the causal mask's half plus the diagonal blocks. Contiguous
-  shards compute every block whole, masked."""
+  Load-balanced, shard i holds chunks i and 2C - 1 - i of the sequence, its halves 1 and 2.
+  Its own block's half 2 of the queries sees both halves of the keys and its half 1 the keys'
+  half 1 (half 1 against half 2 is above the diagonal). An earlier shard's block is seen only
+  in its half 1, by both halves of the queries; a later shard's whole, by the queries' half 2.
+  So every other block is two quarters: the queries' half 2 against the keys' half 1, always,
+  and half 1 against half 1 (earlier) or half 2 against half 2 (later), picked by the shard
+  index with selects, not a branch, so each step's work is static. The ring's attention is the
+  causal half plus the diagonal chunks. Contiguous shards compute every block whole, masked."""
   shift = [(i, (i + 1) % num_shards) for i in range(num_shards)]
   rotate = lambda xs: jax.tree.map(lambda x: jax.lax.ppermute(x, AXIS, shift), xs)
   first = lambda xs: jax.tree.map(lambda x: _halves(x)[0], xs)
   second = lambda xs: jax.tree.map(lambda x: _halves(x)[1], xs)
-  # Whose block this shard holds at step s, and whether that shard comes before it. Everything
-  # traced is an argument of forward and backward: custom_vjp may not close over shard_map's values.
+  pick = lambda flag, xs, ys: jax.tree.map(lambda x, y: jnp.where(flag, x, y), xs, ys)
+  join = lambda x_1, x_2: jnp.concatenate([x_1, x_2], axis=1)
+  # Whether the block this shard holds at step s comes from an earlier shard. Everything traced
+  # is an argument of forward and backward: custom_vjp may not close over shard_map's values.
   earlier = lambda s: (jax.lax.axis_index(AXIS) - s) % num_shards < jax.lax.axis_index(AXIS)
 
   def forward(q, k, v, q_index, segments, window):
     attend = lambda rows, kv: block.attend(rows[0], kv[0], kv[1], rows[1], kv[3], rows[2], kv[2], window)
     rows = (q, q_index, segments)
 
-    def own(kv):  # the first chunk's queries against the first chunk, the second's against both
+    def own(kv):
       (out_1, lse_1), (out_2, lse_2) = attend(first(rows), first(kv)), attend(second(rows), kv)
-      return jnp.concatenate([out_1, out_2], axis=1), jnp.concatenate([lse_1, lse_2], axis=1)
+      return join(out_1, out_2), join(lse_1, lse_2)
 
-    def later(kv):  # a later shard's block: the second chunk's queries see all of it
-      out, lse = attend(second(rows), kv)
-      return _as_second_half(out, 0.0), _as_second_half(lse, _MASKED)
+    def other(kv, s):
+      flag = earlier(s)
+      out_a, lse_a = attend(pick(flag, first(rows), second(rows)), pick(flag, first(kv), second(kv)))
+      out_b, lse_b = attend(second(rows), first(kv))
+      out_2, lse_2 = _merge(out_b, lse_b, out_a, jnp.where(flag, _MASKED, lse_a))
+      return join(out_a, out_2), join(jnp.where(flag, lse_a, _MASKED), lse_2)
 
-    other = lambda kv, s: jax.lax.cond(earlier(s), lambda kv: attend(rows, first(kv)), later, kv)
     kv = (k, v, segments, q_index)
     out, lse = own(kv) if balanced else attend(rows, kv)
 
@@ -312,18 +308,21 @@ def ring_attention(block, q, k, v, q_index, segments, window, num_shards, balanc
   def backward(q, k, v, q_index, segments, window, lse, d_out, d_lse):
     grads = lambda rows, kv: block.grads(rows[0], kv[0], kv[1], rows[1], kv[3], rows[2], kv[2], window, *rows[3:])
     rows = (q, q_index, segments, lse, d_out, d_lse)
-    pad_keys = lambda dq, dk, dv: (dq, _as_first_half(dk, 0.0), _as_first_half(dv, 0.0))
+    zero = lambda x: jnp.zeros_like(x)
 
     def own(kv):
       dq_1, dk_1, dv_1 = grads(first(rows), first(kv))
       dq_2, dk, dv = grads(second(rows), kv)
-      return jnp.concatenate([dq_1, dq_2], axis=1), dk + _as_first_half(dk_1, 0.0), dv + _as_first_half(dv_1, 0.0)
+      return join(dq_1, dq_2), dk + join(dk_1, zero(dk_1)), dv + join(dv_1, zero(dv_1))
 
-    def later(kv):
-      dq, dk, dv = grads(second(rows), kv)
-      return _as_second_half(dq, 0.0), dk, dv
+    def other(kv, s):
+      flag = earlier(s)
+      dq_a, dk_a, dv_a = grads(pick(flag, first(rows), second(rows)), pick(flag, first(kv), second(kv)))
+      dq_b, dk_b, dv_b = grads(second(rows), first(kv))
+      only = lambda when, x: jnp.where(when, x, 0.0)
+      return (join(only(flag, dq_a), dq_b + only(~flag, dq_a)), join(dk_b + only(flag, dk_a), only(~flag, dk_a)),
+              join(dv_b + only(flag, dv_a), only(~flag, dv_a)))
 
-    other = lambda kv, s: jax.lax.cond(earlier(s), lambda kv: pad_keys(*grads(rows, first(kv))), later, kv)
     kv = (k, v, segments, q_index)
     dq, dk, dv = own(kv) if balanced else grads(rows, kv)
     kv, dk, dv = rotate((kv, dk, dv))
