@@ -276,10 +276,13 @@ class Execution:
   attention_chunk_size: int = key(512, "queries per chunk for attention=chunked (with a context axis, keys per block "
                                        "too); must divide max_target_length")
   mlp_chunks: int = key(
-      1, "> 1: each layer's MLP runs in this many slices of its hidden units, one at a time (dense MLPs only)",
+      1, "> 1: each layer's MLP, or its experts, runs in this many slices of its hidden units, one at a time",
       doc="Slice k is the k-th of N runs of each tensor shard's units, recomputed in the backward, so one slice's "
           "[tokens, mlp / N] intermediate and one slice of each FSDP-gathered kernel are live instead of the whole; "
-          "the untiled MLP's result up to the order of its final sum. Must divide base_mlp_dim / its tensor shards.")
+          "the untiled MLP's result up to the order of its final sum. A mixture of experts slices every expert's "
+          "hidden units so (and its shared experts'), the experts' kernels gathered a slice at a time inside the "
+          "layer. Must divide base_mlp_dim (where dense MLPs exist) and base_moe_mlp_dim (mixtures of experts) / "
+          "their tensor shards.")
   attention_head_chunks: int = key(
       1, "> 1: each layer's attention, projections included, runs in this many slices of its key/value heads",
       doc="Each slice has its query heads (slice k: the k-th of N runs of each tensor shard's heads) and is "

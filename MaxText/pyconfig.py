@@ -222,10 +222,6 @@ def _validate(v: dict) -> None:
   if v["attention"] == "chunked":
     _require(v["max_target_length"] % v["attention_chunk_size"] == 0,
              "attention_chunk_size", f"must divide max_target_length={v['max_target_length']}", v)
-  # mlp_chunks slices a dense MLP's hidden units; slicing the experts' the same way, each slice
-  # gathered inside the MoE's shard_map, saved nothing measurable (docs/design/moe.md).
-  _require(v["mlp_chunks"] == 1 or not FAMILIES[v["decoder_block"]].moe, "mlp_chunks",
-           f"must be 1 for a mixture of experts (decoder_block={v['decoder_block']})", v)
   if FAMILIES[v["decoder_block"]].moe and v["capacity_factor"] is not None:
     slots = moe.capacity(v["max_target_length"], v["num_experts_per_tok"], v["num_experts"], v["capacity_factor"])
     _require(slots >= 1, "capacity_factor", f"gives each expert {slots} slots per sequence of "
@@ -267,9 +263,13 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   sharding.check_divisible(v)
   _check_context(v)
   _derive_pipeline(v)
-  units = v["base_mlp_dim"] // sharding.logical_shards(v, "mlp")
-  _require(units % v["mlp_chunks"] == 0, "mlp_chunks",
-           f"must divide the {units} hidden units per tensor shard (base_mlp_dim / the shards of mlp)", v)
+  moe_family = FAMILIES[v["decoder_block"]].moe
+  widths = (["base_mlp_dim"] if v["first_num_dense_layers"] or not moe_family else []) + (
+      ["base_moe_mlp_dim"] if moe_family else [])  # the dense MLPs', the experts' (and shared experts')
+  for name in widths:
+    units = v[name] // sharding.logical_shards(v, "mlp")
+    _require(units % v["mlp_chunks"] == 0, "mlp_chunks",
+             f"must divide the {units} hidden units per tensor shard ({name} / the shards of mlp)", v)
   kv_shards = sharding.logical_shards(v, "kv_heads")
   _require((v["base_num_kv_heads"] // kv_shards) % v["attention_head_chunks"] == 0,
            "attention_head_chunks", f"must divide the {v['base_num_kv_heads'] // kv_shards} key/value heads per tensor "

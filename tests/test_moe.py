@@ -5,6 +5,7 @@ numpy, memory settings that leave the model unchanged, bad input, and training e
 import functools
 import json
 import math
+import re
 
 import flax.linen as nn
 import jax
@@ -150,10 +151,11 @@ def test_router_losses_and_imbalance_match_numpy():
 # Router losses on, so their gradients are part of what must not change.
 WEIGHTED = (*MOE, "load_balance_loss_weight=0.1", "router_z_loss_weight=0.01")
 MEMORY_SETTINGS = {
-    "minimal, interval 2": ("remat_policy=minimal", "remat_layer_interval=2"),
+    "minimal, interval 2, mlp 2 slices": ("remat_policy=minimal", "remat_layer_interval=2", "mlp_chunks=2"),
     "save_dot_except_mlp, tiles 4, loop": ("remat_policy=save_dot_except_mlp", "num_vocab_tiling=4",
                                            "scan_layers=false"),
-    "full, tiles 4 recompute": ("remat_policy=full", "num_vocab_tiling=4", "vocab_tiling_mode=recompute"),
+    "full, tiles 4 recompute, mlp 3 slices": ("remat_policy=full", "num_vocab_tiling=4", "vocab_tiling_mode=recompute",
+                                              "mlp_chunks=3"),
 }
 
 
@@ -261,21 +263,24 @@ EXPERT_MESHES = {
     "expert=8, all-to-all": ("ici_expert_parallelism=8", "ici_fsdp_parallelism=1"),
     "expert=8, all-gather": ("ici_expert_parallelism=8", "ici_fsdp_parallelism=1", "expert_exchange=all_gather"),
     "expert=4 fsdp=2, all-to-all": ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"),
-    "expert=2 tensor=2 data=2, all-gather": ("ici_expert_parallelism=2", "ici_tensor_parallelism=2",
-                                             "ici_data_parallelism=2", "ici_fsdp_parallelism=1"),
-    "expert=2 context=2 fsdp=2, all-to-all": ("ici_expert_parallelism=2", "ici_context_parallelism=2",
-                                              "ici_fsdp_parallelism=2", "expert_exchange=all_to_all"),
+    "expert=2 tensor=2 data=2, all-gather, mlp 2 slices": ("ici_expert_parallelism=2", "ici_tensor_parallelism=2",
+                                                           "ici_data_parallelism=2", "ici_fsdp_parallelism=1",
+                                                           "mlp_chunks=2"),
+    "expert=2 context=2 fsdp=2, all-to-all, mlp 2 slices": ("ici_expert_parallelism=2", "ici_context_parallelism=2",
+                                                            "ici_fsdp_parallelism=2", "expert_exchange=all_to_all",
+                                                            "mlp_chunks=2"),
     # Dropping: the capacity is per sequence, and each device's experts see whole sequences.
     "expert=8, capacity 1, all-gather": ("ici_expert_parallelism=8", "ici_fsdp_parallelism=1",
                                          "capacity_factor=1.0"),
-    "fsdp=8, 4 experts": ("ici_fsdp_parallelism=8", "num_experts=4"),
+    "fsdp=8, 4 experts, mlp 3 slices": ("ici_fsdp_parallelism=8", "num_experts=4", "mlp_chunks=3"),
 }
 # The GPU's grouped matmul (tokamax, its XLA fallback on CPU) under its own backward, on the mesh
 # whose weight gradients are summed over most axes, with either exchange.
 TOKAMAX_MESHES = {
-    "expert=2 tensor=2 data=2, all-gather, tokamax": EXPERT_MESHES["expert=2 tensor=2 data=2, all-gather"],
-    "expert=2 tensor=2 data=2, all-to-all, tokamax": (*EXPERT_MESHES["expert=2 tensor=2 data=2, all-gather"],
-                                                      "expert_exchange=all_to_all"),
+    "expert=2 tensor=2 data=2, all-gather, mlp 2 slices, tokamax":
+        EXPERT_MESHES["expert=2 tensor=2 data=2, all-gather, mlp 2 slices"],
+    "expert=2 tensor=2 data=2, all-to-all, mlp 2 slices, tokamax":
+        (*EXPERT_MESHES["expert=2 tensor=2 data=2, all-gather, mlp 2 slices"], "expert_exchange=all_to_all"),
 }
 
 
@@ -294,7 +299,7 @@ def one_device_params(*model):
 @pytest.fixture(scope="module")
 def expert_mesh_results():
   """{mesh: (the summed training loss and its gradients at one device's initial parameters on
-  fixed_batch, how many ragged all-to-alls the model traced)} on 8 devices."""
+  fixed_batch, how many ragged all-to-alls the model traced, the compiled HLO)} on 8 devices."""
   exchanges = []  # XLA:CPU's stand-in for the ragged all-to-all, counted
   ragged_all_to_all = moe.RAGGED_ALL_TO_ALL["cpu"]
   results = {}
@@ -305,8 +310,9 @@ def expert_mesh_results():
       if name in TOKAMAX_MESHES:  # the last ones
         patch.setitem(moe.RAGGED_DOT_GENERAL, "cpu", moe._tokamax_ragged_dot_general)
       exchanges.clear()
+      hlo = []
       results[name] = loss_gradients(tiny_config(*EXPERTS_8, "per_device_batch_size=1", *overrides),
-                                     params=one_device_params(*_model(overrides))), len(exchanges)
+                                     params=one_device_params(*_model(overrides)), hlo=hlo), len(exchanges), hlo[0]
   return results
 
 
@@ -318,11 +324,27 @@ def one_device_loss_and_gradients_of(*model):
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [*EXPERT_MESHES, *TOKAMAX_MESHES])
 def test_expert_parallel_meshes_equal_one_device(expert_mesh_results, mesh):
-  got, ragged_all_to_alls = expert_mesh_results[mesh]
+  got, ragged_all_to_alls, _ = expert_mesh_results[mesh]
   want = one_device_loss_and_gradients_of(*_model({**EXPERT_MESHES, **TOKAMAX_MESHES}[mesh]))
   assert (ragged_all_to_alls > 0) == ("all-to-all" in mesh), mesh
   np.testing.assert_allclose(got["loss"], want["loss"], rtol=RTOL, err_msg=mesh)
   assert_trees_close(got, want, RTOL, mesh)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["expert=4 fsdp=2, all-to-all", "expert=2 context=2 fsdp=2, all-to-all, mlp 2 slices",
+                                  "fsdp=8, 4 experts, mlp 3 slices"])
+def test_with_mlp_slices_fsdp_gathers_one_slice_of_the_experts_at_a_time(expert_mesh_results, mesh):
+  """FSDP's all-gathers of the expert kernels [experts, D, F] (each device's experts, whole)
+  give F / mlp_chunks hidden units: with slices, never the whole F."""
+  overrides = EXPERT_MESHES[mesh]
+  cfg = tiny_config(*EXPERTS_8, "per_device_batch_size=1", *overrides, num_devices=8)
+  chunks = cfg.mlp_chunks
+  gathered = {tuple(map(int, dims.split(","))) for dims in
+              re.findall(r"= f32\[([\d,]+)\]\S* all-gather\(", expert_mesh_results[mesh][2])}
+  experts_here = cfg.num_experts // cfg.ici_expert_parallelism
+  widths = {dims[-1] for dims in gathered if dims[-3:-1] == (experts_here, cfg.base_emb_dim)}
+  assert widths == {cfg.base_moe_mlp_dim // chunks}, (mesh, gathered)
 
 
 def test_experts_not_divisible_by_the_expert_axis_are_one_line_and_train_writes_nothing(tmp_path):

@@ -156,7 +156,8 @@ def test_bad_values_name_the_key(override, key):
     (("mlp_chunks=128",), "mlp_chunks=128: must divide the 64 hidden units per tensor shard"),
     (("ici_tensor_parallelism=2", "ici_fsdp_parallelism=4", "mlp_chunks=64"),
      "mlp_chunks=64: must divide the 32 hidden units per tensor shard"),
-    (("decoder_block=mixtral", "mlp_chunks=2"), "mlp_chunks=2: must be 1 for a mixture of experts"),
+    (("decoder_block=qwen3_moe", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=24", "mlp_chunks=16"),
+     "mlp_chunks=16: must divide the 24 hidden units per tensor shard \\(base_moe_mlp_dim"),
     (("ici_tensor_parallelism=2", "ici_fsdp_parallelism=4", "attention_head_chunks=2"),
      "attention_head_chunks=2: must divide the 1 key/value heads per tensor shard"),
 ])

@@ -4,8 +4,9 @@ Compile only (TPU compiler, libtpu on this host), 8,192 tokens per chip, remat_p
 attention=flash: each model on the slice it is sized for, with 8 vocabulary tiles and untiled
 (the head's [tokens, vocabulary] logits whole: Gemma 3's 262,208-token vocabulary is the case
 tiling exists for), and for the mixtures (DeepSeek's) with expert parallelism too, dropless and, for
-deepseek3-671b, with capacity_factor=1.25, also with the layer inputs offloaded to the host
-(remat_policy=input_offloaded in place of full). Each cell is what
+deepseek3-671b, with the experts' kernels gathered a slice at a time (mlp_chunks=8) and with
+capacity_factor=1.25, also with the layer inputs offloaded to the host (remat_policy=input_offloaded
+in place of full). Each cell is what
   python -m MaxText.train_compile configs/base.yml model_name=M compile_topology=S dataset_type=synthetic \\
     per_device_batch_size=1 max_target_length=8192 attention=flash remat_policy=full num_vocab_tiling=T [mesh keys]
 prints: the parameters and optimizer state per chip, the temporaries and their sum; a step the
@@ -31,10 +32,14 @@ CELLS = (
     ("deepseek2-16b", "v5p-32", "fsdp", FSDP, 1),
     ("deepseek2-16b", "v5p-32", "expert 8 x fsdp", EXPERT_8, 8),
     ("deepseek3-671b", "v5p-512", "fsdp", FSDP, 8),
+    # The experts' kernels gathered an eighth of their hidden units at a time (7 GiB each whole).
+    ("deepseek3-671b", "v5p-512", "fsdp, mlp_chunks=8", (*FSDP, "mlp_chunks=8"), 8),
     ("deepseek3-671b", "v5p-512", "expert 8 x fsdp", EXPERT_8, 8),
     # Dropless, its buffers sized for every copy landing on one device's experts, does not fit;
     # MaxText's capacity rule (a model setting: copies past it are dropped) does.
     ("deepseek3-671b", "v5p-512", "expert 8 x fsdp, capacity_factor=1.25", (*EXPERT_8, "capacity_factor=1.25"), 8),
+    ("deepseek3-671b", "v5p-512", "expert 8 x fsdp, capacity_factor=1.25, mlp_chunks=8",
+     (*EXPERT_8, "capacity_factor=1.25", "mlp_chunks=8"), 8),
     # The same with the layer inputs, the one stack remat_policy=full keeps, in host memory.
     ("deepseek3-671b", "v5p-512", "expert 8 x fsdp, capacity_factor=1.25, remat_policy=input_offloaded",
      (*EXPERT_8, "capacity_factor=1.25", "remat_policy=input_offloaded"), 8),

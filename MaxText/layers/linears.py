@@ -70,9 +70,10 @@ def kernel_run(kernel, axis, shards, runs, k, dtype):
   return weights_as(run.reshape(*kernel.shape[:axis], -1, *kernel.shape[axis + 1:]), dtype)
 
 
-def sum_of_slices(cfg, x, chunks: int, out_of_slice):
-  """A layer's output on x [B, T, D] as the sum over its `chunks` slices of out_of_slice(x in
-  cfg.dtype, k, the output's dtype). One chunk: slice 0 alone, the layer whole. More: one slice
+def sum_of_slices(cfg, x, chunks: int, out_of_slice, logical_axes=BATCH_LENGTH_EMBED):
+  """A layer's output on x [B, T, D] (any shape, whose logical_axes are given; None inside a
+  shard_map) as the sum over its `chunks` slices of out_of_slice(x in cfg.dtype, k, the output's
+  dtype), which has x's shape. One chunk: slice 0 alone, the layer whole. More: one slice
   at a time in a scan, each checkpointed, so forward and backward hold one slice's intermediates
   and, under FSDP, one slice of each gathered kernel; the units of a slice act independently
   until the output projection sums over them, so the sum is the whole layer's up to its order,
@@ -88,7 +89,12 @@ def sum_of_slices(cfg, x, chunks: int, out_of_slice):
   # gradients in float32, not bfloat16 (whose sum over 64 MLP slices had 1.8x the untiled
   # MLP's error).
   x = x.astype(jnp.float32)
-  total = nn.with_logical_constraint(jnp.zeros(x.shape, jnp.float32), BATCH_LENGTH_EMBED)
+  total = jnp.zeros(x.shape, jnp.float32)
+  if logical_axes:
+    total = nn.with_logical_constraint(total, logical_axes)
+  else:  # in a shard_map: the loop's sum varies over the manual axes a slice's output does
+    varying = jax.eval_shape(lambda: out_of_slice(x.astype(dtype), 0, jnp.float32)).manual_axis_type.varying
+    total = jax.lax.pcast(total, tuple(sorted(varying)), to="varying") if varying else total
   # Each slice keeps what remat_policy keeps of its named tensors (nothing under `none`, which
   # checkpoints no layer) and its attention kernel's residuals, the rest recomputed; inside a
   # loop, as in decoders.layer_class.

@@ -35,7 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from MaxText import sharding
-from MaxText.layers.linears import ACTIVATIONS, DenseGeneral, MlpBlock, weights_as
+from MaxText.layers.linears import ACTIVATIONS, DenseGeneral, MlpBlock, sum_of_slices, weights_as
 
 TOKENS = ("activation_batch", "activation_length", "activation_embed")
 # Sown per MoE layer, averaged over layers: the Switch/MaxText load-balancing loss, the router
@@ -84,17 +84,41 @@ def route(logits, bias, cfg):
   return scores, weights * cfg.routed_scaling_factor, experts
 
 
-def _swiglu(x, wi_0, wi_1, wo, matmul, activation):
-  """wo(act(wi_0 x) * wi_1 x) per expert; every kernel is [E, D, F] and `matmul(a, w, axis)`
-  contracts a's last dimension with w's `axis`."""
-  gate = checkpoint_name(matmul(x, wi_0, 1), "mlpwi_0")
-  up = checkpoint_name(matmul(x, wi_1, 1), "mlpwi_1")
-  return checkpoint_name(matmul(ACTIVATIONS[activation](gate) * up, wo, 2), "mlpwo")
+def _gathered(kernel, gather: tuple):
+  """A kernel shard all-gathered over gather[d]'s mesh axes along each dimension d."""
+  for dim, axes in enumerate(gather):
+    if axes:
+      kernel = jax.lax.all_gather(kernel, axes, axis=dim, tiled=True)
+  return kernel
 
 
-def _einsum(a, w, axis):
+def _experts_here(kernels, gather: tuple) -> int:
+  """How many experts this device runs: its shard's, gathered."""
+  return kernels[0].shape[0] * math.prod(jax.lax.axis_size(a) for a in gather[0])
+
+
+def _swiglu(x, kernels, gather: tuple, matmul, cfg):
+  """wo(act(wi_0 x) * wi_1 x) per expert; the kernels (wi_0, wi_1, wo) are [E, D, F] shards, whole
+  once gathered over `gather` (see MoeBlock._routed), and `matmul(a, w, axis, out_dtype)`
+  contracts a's last dimension with w's `axis`. With mlp_chunks > 1, one slice of F at a time
+  (linears.sum_of_slices), each slice of the kernels gathered inside its step: the gathered
+  experts then take 1/mlp_chunks of their whole size (DeepSeek-V3 on 256 FSDP chips: 7 GiB
+  each, whole)."""
+  width = kernels[0].shape[2] // cfg.mlp_chunks
+  act = ACTIVATIONS[cfg.mlp_activation]
+
+  def expert_slice(x, k, out_dtype):
+    wi_0, wi_1, wo = (_gathered(jax.lax.dynamic_slice_in_dim(w, k * width, width, axis=2), gather) for w in kernels)
+    gate = checkpoint_name(matmul(x, wi_0, 1, None), "mlpwi_0")
+    up = checkpoint_name(matmul(x, wi_1, 1, None), "mlpwi_1")
+    return matmul(act(gate) * up, wo, 2, out_dtype)
+
+  return checkpoint_name(sum_of_slices(cfg, x, cfg.mlp_chunks, expert_slice, logical_axes=None), "mlpwo")
+
+
+def _einsum(a, w, axis, out_dtype):
   """a [E, C, in] times each expert's kernel of w [E, D, F], whose input is `axis`."""
-  return jnp.einsum("eci,eio->eco" if axis == 1 else "eci,eoi->eco", a, w)
+  return jnp.einsum("eci,eio->eco" if axis == 1 else "eci,eoi->eco", a, w, preferred_element_type=out_dtype)
 
 
 def _as_cotangent_of(x, like):
@@ -113,23 +137,24 @@ def _zero_past_groups(x, group_sizes):
   return jnp.where((jnp.arange(x.shape[0]) < jnp.sum(group_sizes))[:, None], x, 0)
 
 
-@jax.custom_vjp
-def _tokamax_ragged_dot(a, w, group_sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tokamax_ragged_dot(a, w, group_sizes, out_dtype):
   """[M, K] x [E, K, N] -> [M, N], row groups of group_sizes by expert, with tokamax's kernels.
   Their own backward returns a kernel contracted on its last axis transposed, and without the
   manual axes it varies over (tokamax 0.0.17, Mosaic GPU): this one calls the kernels forward
   only (dA = dOut . W^T grouped; dW = A^T . dOut per group) and makes them cotangents of A and W."""
   import tokamax  # noqa: PLC0415 (heavy, and only the GPU uses it)
-  return _zero_past_groups(tokamax.ragged_dot(a, w, group_sizes), group_sizes)
+  return _zero_past_groups(tokamax.ragged_dot(a, w, group_sizes, preferred_element_type=out_dtype), group_sizes)
 
 
-def _tokamax_ragged_dot_fwd(a, w, group_sizes):
-  return _tokamax_ragged_dot(a, w, group_sizes), (a, w, group_sizes)
+def _tokamax_ragged_dot_fwd(a, w, group_sizes, out_dtype):
+  return _tokamax_ragged_dot(a, w, group_sizes, out_dtype), (a, w, group_sizes)
 
 
-def _tokamax_ragged_dot_bwd(residuals, d_out):
+def _tokamax_ragged_dot_bwd(out_dtype, residuals, d_out):
   import tokamax  # noqa: PLC0415 (heavy, and only the GPU uses it)
   a, w, group_sizes = residuals
+  d_out = d_out.astype(a.dtype)
   rhs_transposed = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
                                                      rhs_group_dimensions=[0])
   per_group = jax.lax.RaggedDotDimensionNumbers((([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
@@ -142,13 +167,13 @@ def _tokamax_ragged_dot_bwd(residuals, d_out):
 _tokamax_ragged_dot.defvjp(_tokamax_ragged_dot_fwd, _tokamax_ragged_dot_bwd)
 
 
-def _tokamax_ragged_dot_general(a, w, group_sizes, dims):
+def _tokamax_ragged_dot_general(a, w, group_sizes, dims, preferred_element_type=None):
   """GPU: XLA:GPU (jax 0.11) expands a ragged dot into a dense matmul over every expert, whose
   memory grows with experts x tokens, all of them and not the k per token; tokamax's kernels
   (Mosaic GPU on Hopper, else Triton) multiply the groups alone. A kernel [E, out, in] is handed over as
   [E, in, out], its transpose differentiated by JAX."""
   (_, (w_in,)), _ = dims.dot_dimension_numbers
-  return _tokamax_ragged_dot(a, jnp.swapaxes(w, 1, 2) if w_in == 2 else w, group_sizes)
+  return _tokamax_ragged_dot(a, jnp.swapaxes(w, 1, 2) if w_in == 2 else w, group_sizes, preferred_element_type)
 
 
 # The grouped matmul per platform; elsewhere XLA's (libtpu: a grouped-matmul kernel; XLA:CPU, for
@@ -156,29 +181,30 @@ def _tokamax_ragged_dot_general(a, w, group_sizes, dims):
 RAGGED_DOT_GENERAL = {"gpu": _tokamax_ragged_dot_general}
 
 
-def _grouped_swiglu(rows, group_sizes, wi_0, wi_1, wo, cfg):
+def _grouped_swiglu(rows, group_sizes, kernels, gather, cfg):
   """The experts' SwiGLU on rows [M, D] grouped by expert, group_sizes[e] rows for expert e, each
   projection one grouped matmul; rows past the groups give 0."""
 
-  def matmul(a, w, axis):
+  def matmul(a, w, axis, out_dtype):
     dims = jax.lax.RaggedDotDimensionNumbers((([1], [axis]), ([], [])), lhs_ragged_dimensions=[0],
                                              rhs_group_dimensions=[0])
-    return RAGGED_DOT_GENERAL.get(cfg.platform, jax.lax.ragged_dot_general)(a, w, group_sizes, dims)
+    return RAGGED_DOT_GENERAL.get(cfg.platform, jax.lax.ragged_dot_general)(a, w, group_sizes, dims,
+                                                                            preferred_element_type=out_dtype)
 
-  return _swiglu(rows, wi_0, wi_1, wo, matmul, cfg.mlp_activation)
+  return _swiglu(rows, kernels, gather, matmul, cfg)
 
 
-def _dropless_copies(x, experts, wi_0, wi_1, wo, cfg):
+def _dropless_copies(x, experts, kernels, gather, cfg):
   """(rows [N * k, D], copies [N * k]): the expert outputs of every copy, sorted by expert, and
   each row's copy (its index in (token, choice) order). `experts` are this shard's expert
   indices; a copy outside [0, local experts) belongs to another shard's experts, sorts last and
   gets zero."""
-  k, num_experts = experts.shape[-1], wi_0.shape[0]
+  k, num_experts = experts.shape[-1], _experts_here(kernels, gather)
   flat = experts.reshape(-1)
   flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
   order = jnp.argsort(flat, stable=True)
   group_sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-  return _grouped_swiglu(jnp.take(x, order // k, axis=0), group_sizes, wi_0, wi_1, wo, cfg), order
+  return _grouped_swiglu(jnp.take(x, order // k, axis=0), group_sizes, kernels, gather, cfg), order
 
 
 def _ragged_all_to_all_by_gather(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
@@ -202,12 +228,12 @@ def _ragged_all_to_all_by_gather(operand, output, input_offsets, send_sizes, out
 RAGGED_ALL_TO_ALL = {"cpu": _ragged_all_to_all_by_gather}
 
 
-def _all_to_all_copies(x, experts, wi_0, wi_1, wo, cfg, axes: tuple):
+def _all_to_all_copies(x, experts, kernels, gather, cfg, axes: tuple):
   """(rows [N * k, D], copies [N * k]) as _dropless_copies, from the devices holding the experts:
   this device's copies, sorted by (global) expert, go to their experts' devices in one ragged
   all-to-all over `axes`, each device runs its experts on the copies it received (grouped by
   expert, then by sender), and a second ragged all-to-all returns the outputs."""
-  k, local = experts.shape[-1], wi_0.shape[0]
+  k, local = experts.shape[-1], _experts_here(kernels, gather)
   flat = experts.reshape(-1)
   order = jnp.argsort(flat, stable=True)
   counts = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)  # this device's copies per expert
@@ -224,18 +250,18 @@ def _all_to_all_copies(x, experts, wi_0, wi_1, wo, cfg, axes: tuple):
   buffer = jnp.zeros((every.shape[0] * flat.size, x.shape[-1]), x.dtype)
   received = exchange(jnp.take(x, order // k, axis=0), buffer, exclusive(counts, 0), counts,
                       expert_start + sender_start[me], received_sizes)
-  out = _grouped_swiglu(received, totals[me], wi_0, wi_1, wo, cfg)
+  out = _grouped_swiglu(received, totals[me], kernels, gather, cfg)
   returned = exchange(out, jnp.zeros((flat.size, x.shape[-1]), out.dtype),
                       (mine(expert_start)[None] + mine(sender_start)).reshape(-1), received_sizes,
                       mine(exclusive(every, 1)).reshape(-1), counts)
   return returned, order
 
 
-def _dropping_copies(x, experts, wi_0, wi_1, wo, cfg, rows: int):
+def _dropping_copies(x, experts, kernels, gather, cfg, rows: int):
   """(rows [slots, D], copies [slots]) under capacity_factor > 0: each expert's capacity slots
   per row and the copy filling each (N * k, a zero row, for an empty slot). A dropped copy, and
   as in _dropless_copies a copy of another shard's experts, has no slot."""
-  k, num_experts = experts.shape[-1], wi_0.shape[0]
+  k, num_experts = experts.shape[-1], _experts_here(kernels, gather)
   copies = experts.size
   cap = capacity(copies // (rows * k), k, cfg.num_experts, cfg.capacity_factor)
   flat = experts.reshape(-1)
@@ -256,7 +282,7 @@ def _dropping_copies(x, experts, wi_0, wi_1, wo, cfg, rows: int):
   # are 1.25 times them).
   source = jnp.full(slots + 1, copies, jnp.int32).at[slot].set(jnp.arange(copies, dtype=jnp.int32))[:slots]
   buffer = jnp.take(x, source // k, axis=0, mode="fill", fill_value=0).reshape(num_experts, rows * cap, -1)
-  return _swiglu(buffer, wi_0, wi_1, wo, _einsum, cfg.mlp_activation).reshape(slots, -1), source
+  return _swiglu(buffer, kernels, gather, _einsum, cfg).reshape(slots, -1), source
 
 
 def _combine(out, copies, weights, k: int):
@@ -288,10 +314,10 @@ def _router_stats(logits, bias, cfg, token_axes: tuple) -> dict:
           "moe_imbalance": jnp.max(load) / jnp.mean(load), EXPERT_LOAD: load}
 
 
-def _local_moe(x, logits, bias, wi_0, wi_1, wo, cfg, token_axes: tuple, expert_axes: tuple, mlp_axes: tuple,
-               all_to_all: bool):
+def _local_moe(x, logits, bias, kernels, cfg, token_axes: tuple, expert_axes: tuple, mlp_axes: tuple,
+               all_to_all: bool, gather: tuple = ((), (), ())):
   """One device's tokens x [b, t, D] and router logits [b, t, E], the correction bias (or None),
-  and its experts' weights ->
+  and its experts' kernels (whole once gathered over `gather`: _swiglu) ->
   (outputs [b, t, D], the router's statistics over all devices' tokens).
 
   Expert parallelism (see MoeBlock._exchange): with all_to_all, each copy of a token travels to
@@ -309,14 +335,14 @@ def _local_moe(x, logits, bias, wi_0, wi_1, wo, cfg, token_axes: tuple, expert_a
   _, weights, experts = route(logits, bias, cfg)
   flat_x = x.reshape(-1, width)
   if all_to_all:
-    out, copies = _all_to_all_copies(flat_x, experts, wi_0, wi_1, wo, cfg, expert_axes)
+    out, copies = _all_to_all_copies(flat_x, experts, kernels, gather, cfg, expert_axes)
   else:
     if expert_axes:  # this device's experts are [first, first + local experts)
-      experts = experts - jax.lax.axis_index(expert_axes) * wi_0.shape[0]
+      experts = experts - jax.lax.axis_index(expert_axes) * _experts_here(kernels, gather)
     if dropless(cfg.capacity_factor):
-      out, copies = _dropless_copies(flat_x, experts, wi_0, wi_1, wo, cfg)
+      out, copies = _dropless_copies(flat_x, experts, kernels, gather, cfg)
     else:
-      out, copies = _dropping_copies(flat_x, experts, wi_0, wi_1, wo, cfg, rows)
+      out, copies = _dropping_copies(flat_x, experts, kernels, gather, cfg, rows)
   out = _combine(out, copies, weights.reshape(-1), k)
   out = out.reshape(rows, length, width)
   # Partial sums: over the experts held elsewhere, and over slices of every expert's hidden units.
@@ -416,30 +442,39 @@ class MoeBlock(nn.Module):
       init = nn.with_logical_partitioning(expert_init(in_axis), axes)
       return cast(self.param(name, init, (experts, width, hidden), weight_dtype), dtype)
 
-    wi_0, wi_1, wo = kernel("wi_0", 1), kernel("wi_1", 1), kernel("wo", 2)
-    out, stats = self._routed(x.astype(dtype), logits, bias, wi_0, wi_1, wo)
+    kernels = kernel("wi_0", 1), kernel("wi_1", 1), kernel("wo", 2)
+    out, stats = self._routed(x.astype(dtype), logits, bias, kernels, axes)
     for name, value in stats.items():
       self.sow("intermediates", name, value)
     if cfg.shared_experts:
       out = out + MlpBlock(cfg, units=cfg.shared_experts * hidden, name="shared_experts")(x)
     return nn.with_logical_constraint(out, TOKENS)
 
-  def _routed(self, x, logits, bias, wi_0, wi_1, wo):
+  def _routed(self, x, logits, bias, kernels, kernel_axes: tuple):
+    """The routed experts' output and statistics; `kernel_axes` are the kernels' logical axes.
+    Each device runs its experts (`exp`) on its share of the hidden units (`mlp`). The rest of
+    the kernels' sharding (FSDP's) is gathered: before the layer with one slice of hidden units,
+    as XLA gathers any operand; with mlp_chunks > 1 inside it, a slice at a time (_swiglu)."""
     cfg = self.config
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-      return _local_moe(x, logits, bias, wi_0, wi_1, wo, cfg, (), (), (), all_to_all=False)
+      return _local_moe(x, logits, bias, kernels, cfg, (), (), (), all_to_all=False)
     batch, length, expert_axes, mlp = map(sharding.axes_of, (*TOKENS[:2], "exp", "mlp"))
     token_axes = batch + length
     mlp_axes = tuple(a for a in mlp if a not in token_axes + expert_axes)
+    kept = (expert_axes, (), mlp_axes)
+    gather = ((), (), ())
+    if cfg.mlp_chunks > 1:
+      gather = tuple(tuple(a for a in stored if a not in own and mesh.shape[a] > 1)
+                     for stored, own in zip(sharding.mesh_axes(*kernel_axes), kept))
     tokens = PartitionSpec(batch or None, length or None, None)
-    kernels = PartitionSpec(expert_axes or None, None, mlp_axes or None)
+    kernel_spec = PartitionSpec(*((*own, *more) or None for own, more in zip(kept, gather)))
     all_to_all = self._exchange(mesh, token_axes, expert_axes) == "all_to_all"
     body = functools.partial(_local_moe, cfg=cfg, token_axes=token_axes, expert_axes=expert_axes, mlp_axes=mlp_axes,
-                             all_to_all=all_to_all)
-    return jax.shard_map(body, in_specs=(tokens, tokens, PartitionSpec(), kernels, kernels, kernels),
+                             all_to_all=all_to_all, gather=gather)
+    return jax.shard_map(body, in_specs=(tokens, tokens, PartitionSpec(), (kernel_spec,) * 3),
                          out_specs=(tokens, {n: PartitionSpec() for n in (*AUX_NAMES, EXPERT_LOAD)}))(
-                             x, logits, bias, wi_0, wi_1, wo)
+                             x, logits, bias, kernels)
 
   def _exchange(self, mesh, token_axes: tuple, expert_axes: tuple) -> str:
     """How expert parallelism moves the tokens: all_to_all where the expert axes all shard the
