@@ -24,7 +24,7 @@ from conftest import (
   trainer_and_state,
 )
 
-from MaxText import costs, errors, sharding, train
+from MaxText import costs, errors, sharding, train, train_step
 from MaxText.layers import moe
 from MaxText.layers.models import Transformer
 
@@ -188,6 +188,18 @@ def test_model_flops_count_active_parameters_only():
   scores = 3 * 2 * 2 * tokens * cfg.max_target_length / 2 * cfg.base_num_query_heads * cfg.head_dim
   want = 6 * tokens * active + scores * cfg.base_num_decoder_layers
   assert costs.training_flops_per_step(cfg) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("policy", ["full", "none"])
+def test_the_experts_in_slices_trace_the_flops_of_the_whole_experts(policy):
+  """mlp_chunks recomputes nothing more: the traced step's matmul FLOPs (recomputation
+  included) with the experts in 3 slices equal those of the unsliced experts."""
+  def traced_flops(*overrides):
+    cfg = tiny_config(*MOE, f"remat_policy={policy}", *overrides, num_devices=1)
+    trainer = train_step.build(cfg, sharding.create_mesh(cfg))
+    return costs.matmul_flops(train_step.trace_train_step(trainer, cfg).jaxpr)
+
+  assert traced_flops("mlp_chunks=3") == traced_flops()
 
 
 @pytest.mark.parametrize("override, message", [

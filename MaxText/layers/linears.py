@@ -70,10 +70,10 @@ def kernel_run(kernel, axis, shards, runs, k, dtype):
   return weights_as(run.reshape(*kernel.shape[:axis], -1, *kernel.shape[axis + 1:]), dtype)
 
 
-def sum_of_slices(cfg, x, chunks: int, out_of_slice, logical_axes=BATCH_LENGTH_EMBED):
+def sum_of_slices(cfg, x, chunks: int, out_of_slice, logical_axes=BATCH_LENGTH_EMBED, keep: tuple = ()):
   """A layer's output on x [B, T, D] (any shape, whose logical_axes are given; None inside a
   shard_map) as the sum over its `chunks` slices of out_of_slice(x in cfg.dtype, k, the output's
-  dtype), which has x's shape. One chunk: slice 0 alone, the layer whole. More: one slice
+  dtype), which has x's shape. Each slice also keeps the tensors named in `keep`. One chunk: slice 0 alone, the layer whole. More: one slice
   at a time in a scan, each checkpointed, so forward and backward hold one slice's intermediates
   and, under FSDP, one slice of each gathered kernel; the units of a slice act independently
   until the output projection sums over them, so the sum is the whole layer's up to its order,
@@ -98,7 +98,7 @@ def sum_of_slices(cfg, x, chunks: int, out_of_slice, logical_axes=BATCH_LENGTH_E
   # Each slice keeps what remat_policy keeps of its named tensors (nothing under `none`, which
   # checkpoints no layer) and its attention kernel's residuals, the rest recomputed; inside a
   # loop, as in decoders.layer_class.
-  policy = remat.checkpoint_policy(cfg, keep=(remat.KERNEL_RESIDUALS,))
+  policy = remat.checkpoint_policy(cfg, keep=(remat.KERNEL_RESIDUALS, *keep))
   add_slice = jax.checkpoint(add_slice, policy=policy, prevent_cse=False)
   total, _ = jax.lax.scan(add_slice, total, jnp.arange(chunks))
   return total.astype(dtype)

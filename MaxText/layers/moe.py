@@ -115,7 +115,12 @@ def _swiglu(x, kernels, gather: tuple, matmul, cfg):
     up = checkpoint_name(matmul(x, wi_1, 1, None), "mlpwi_1")
     return matmul(act(gate) * up, wo, 2, out_dtype)
 
-  return checkpoint_name(sum_of_slices(cfg, x, cfg.mlp_chunks, expert_slice, logical_axes=None), "mlpwo")
+  # Each slice keeps its gate and up projections (one slice's, [rows, F / mlp_chunks]): the
+  # slices are what the gathered kernels need, not the intermediates, and inside the shard_map
+  # the layer's recomputed forward runs the slices again whatever they keep, so recomputing
+  # them in their own backward too would cost a third forward of the experts.
+  return checkpoint_name(sum_of_slices(cfg, x, cfg.mlp_chunks, expert_slice, logical_axes=None,
+                                       keep=("mlpwi_0", "mlpwi_1")), "mlpwo")
 
 
 def _einsum(a, w, axis, out_dtype):
