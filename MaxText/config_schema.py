@@ -281,8 +281,8 @@ class Execution:
           "[tokens, mlp / N] intermediate and one slice of each FSDP-gathered kernel are live instead of the whole; "
           "the untiled MLP's result up to the order of its final sum. A mixture of experts slices every expert's "
           "hidden units so (and its shared experts'), the experts' kernels gathered a slice at a time inside the "
-          "layer. Must divide base_mlp_dim (where dense MLPs exist) and base_moe_mlp_dim (mixtures of experts) / "
-          "their tensor shards.")
+          "layer, each slice keeping its gate and up projections. Must divide base_mlp_dim (where dense MLPs "
+          "exist) and base_moe_mlp_dim (mixtures of experts) / their tensor shards.")
   attention_head_chunks: int = key(
       1, "> 1: each layer's attention, projections included, runs in this many slices of its key/value heads",
       doc="Each slice has its query heads (slice k: the k-th of N runs of each tensor shard's heads) and is "

@@ -73,11 +73,11 @@ def kernel_run(kernel, axis, shards, runs, k, dtype):
 def sum_of_slices(cfg, x, chunks: int, out_of_slice, logical_axes=BATCH_LENGTH_EMBED, keep: tuple = ()):
   """A layer's output on x [B, T, D] (any shape, whose logical_axes are given; None inside a
   shard_map) as the sum over its `chunks` slices of out_of_slice(x in cfg.dtype, k, the output's
-  dtype), which has x's shape. Each slice also keeps the tensors named in `keep`. One chunk: slice 0 alone, the layer whole. More: one slice
-  at a time in a scan, each checkpointed, so forward and backward hold one slice's intermediates
-  and, under FSDP, one slice of each gathered kernel; the units of a slice act independently
-  until the output projection sums over them, so the sum is the whole layer's up to its order,
-  taken in float32."""
+  dtype), which has x's shape. One chunk: slice 0 alone, the layer whole. More: one slice at a
+  time in a scan, each checkpointed, so forward and backward hold one slice's intermediates
+  (and the tensors named in `keep`, each slice's) and, under FSDP, one slice of each gathered
+  kernel; the units of a slice act independently until the output projection sums over them,
+  so the sum is the whole layer's up to its order, taken in float32."""
   dtype = jnp.dtype(cfg.dtype)
   if chunks == 1:
     return out_of_slice(x.astype(dtype), 0, dtype)

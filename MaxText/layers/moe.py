@@ -443,8 +443,8 @@ class MoeBlock(nn.Module):
     # layout, which their `exp` and `embed` rules shard, rather than replicate the experts.
     # With mlp_chunks > 1 the slices are gathered inside the layer, and there weights_as made XLA
     # copy the float32 stacks into the layout of the grouped matmul's other operand use (3 x 3.17
-    # GiB for deepseek3-671b on a v5p-512: 86.44 GiB per chip against 80.33 with astype, whose
-    # copies are bfloat16; qwen3-30b-a3b, mlp_chunks=4: 26.49 against 23.12).
+    # GiB for deepseek3-671b on a v5p-512: 89.27 GiB per chip against 81.33 with astype, whose
+    # copies are bfloat16; qwen3-30b-a3b, mlp_chunks=4: 26.99 against 23.62).
     fsdp_experts = (any(rule == "exp_fsdp" for rule, _ in cfg.logical_axis_rules)
                     and experts % sharding.logical_shards(cfg.to_dict(), "exp_fsdp") == 0)
     axes = ("exp_fsdp", None, "mlp") if fsdp_experts else ("exp", "embed", "mlp")
