@@ -115,10 +115,10 @@ def _swiglu(x, kernels, gather: tuple, matmul, cfg):
     up = checkpoint_name(matmul(x, wi_1, 1, None), "mlpwi_1")
     return matmul(act(gate) * up, wo, 2, out_dtype)
 
-  # Each slice keeps its gate and up projections (one slice's, [rows, F / mlp_chunks]): the
-  # slices are what the gathered kernels need, not the intermediates, and inside the shard_map
-  # the layer's recomputed forward runs the slices again whatever they keep, so recomputing
-  # them in their own backward too would cost a third forward of the experts.
+  # Each slice keeps its gate and up projections ([rows, F / mlp_chunks] each): the experts are
+  # sliced to bound the gathered kernels, not these. Inside the shard_map the layer's recomputed
+  # forward runs the slices whatever they keep, so a slice recomputing them in its own backward
+  # would run the experts' forward a third time.
   return checkpoint_name(sum_of_slices(cfg, x, cfg.mlp_chunks, expert_slice, logical_axes=None,
                                        keep=("mlpwi_0", "mlpwi_1")), "mlpwo")
 
