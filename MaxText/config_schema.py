@@ -337,6 +337,12 @@ class MoE:
       affects="model",
       doc="> 0: their parameters are stacked as decoder/dense_layers and decoder/moe_layers instead of "
           "decoder/layers; remat_layer_interval groups each stack on its own.")
+  interleave_moe_layer_step: int = key(
+      1, "every this many-th layer is a mixture of experts (layers N-1, 2N-1, ...), the others a dense MLP of width "
+         "base_mlp_dim (Llama 4 Maverick: 2; Qwen3-MoE's decoder_sparse_step)", affects="model",
+      doc="> 1: the layer stack is a repeating block of N layers, its last the mixture; each of its positions is "
+          "stored as decoder/layers/layer_j, each parameter [layers / N, ...]. Must divide base_num_decoder_layers "
+          "(and each pipeline stage's layers); not with first_num_dense_layers.")
   load_balance_loss_weight: float = key(0.01, "weight of num_experts * sum_e f_e * P_e (f_e: share of tokens routed to "
                                               "e, P_e: mean router probability), averaged over layers")
   router_z_loss_weight: float = key(0.0, "weight of the router z-loss, mean logsumexp(router logits)^2, averaged over "
@@ -350,6 +356,7 @@ class MoE:
             "must be > 0 (tokens past capacity dropped), or null (dropless)")
     at_least(self, 0, "load_balance_loss_weight", "router_z_loss_weight", "routed_bias_update_rate",
              "shared_experts", "first_num_dense_layers")
+    at_least(self, 1, "interleave_moe_layer_step")
     require(self.routed_bias or not self.routed_bias_update_rate, self, "routed_bias_update_rate",
             "needs routed_bias=true")
     require(self.routed_scaling_factor > 0, self, "routed_scaling_factor", "must be > 0")

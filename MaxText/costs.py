@@ -20,6 +20,7 @@ import jax.extend
 import numpy as np
 
 from MaxText import accelerators
+from MaxText.layers.blocks import layer_kind
 
 # pallas_call name prefix -> its FLOPs (eqn -> float), registered by the module that calls it.
 KERNEL_FLOPS: dict[str, Callable] = {}
@@ -47,15 +48,15 @@ def training_flops_per_step(config) -> float:
   attention scores and context count only the half of the T x T products that the mask keeps;
   the attention's own counts are its attention_type's (ATTENTION_MACS).
   A mixture of experts counts its active parameters only: the router, the
-  num_experts_per_tok experts each token goes to and the shared experts; its first
-  first_num_dense_layers layers count a dense MLP. Multi-token prediction's mtp_num_layers
-  layers count as decoder layers of the model's kind (MoE in an MoE model), each with its
-  [2D, D] projection and its own pass through the output head.
+  num_experts_per_tok experts each token goes to and the shared experts; its dense layers
+  (decoders.layer_kind) count a dense MLP. Multi-token prediction's mtp_num_layers layers count
+  as decoder layers of their kind, each with its [2D, D] projection and its own pass through the
+  output head.
   """
   d, m, v = config.base_emb_dim, config.base_mlp_dim, config.vocab_size
   mtp = config.mtp_num_layers
   layers, length, batch = config.base_num_decoder_layers, config.max_target_length, config.global_batch_size_to_train_on
-  moe_layers = layers - config.first_num_dense_layers + mtp if config.moe else 0
+  moe_layers = sum(layer_kind(config, i).moe for i in range(layers + mtp))
   active_experts = config.num_experts_per_tok + config.shared_experts
   moe_mlp = d * config.num_experts + active_experts * 3 * d * config.base_moe_mlp_dim
   mlp_params = moe_layers * moe_mlp + (layers + mtp - moe_layers) * 3 * d * m

@@ -46,6 +46,9 @@ class Family:
   # down projections); config.json's key for the expert count and for one expert's width.
   hf_expert_names: tuple[str, str, str, str] | None = None
   hf_num_experts_key: str = "num_experts"
+  # config.json's key for interleave_moe_layer_step (every N-th layer routed, the others dense); "":
+  # the class routes every layer.
+  hf_moe_step_key: str = ""
   hf_expert_width_key: str = "moe_intermediate_size"
   # True or False where the Hugging Face class always or never renormalises the top-k router
   # weights, whatever config.json says (Mixtral has no norm_topk_prob key, DeepSeek-V2 ignores
@@ -122,6 +125,7 @@ FAMILIES = {
         hf_router_bias="", hf_layers_after_last=False, hf_norm_topk_prob=False, hf_topk_method="greedy"),
     "qwen3_moe": dataclasses.replace(
         _QWEN3, moe=True, hf_architecture="Qwen3MoeForCausalLM", hf_model_type="qwen3_moe",
+        hf_moe_step_key="decoder_sparse_step",
         hf_expert_names=("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
                          "mlp.experts.{e}.down_proj.weight")),
     # Mixtral's experts are w1 (gate), w3 (up) and w2 (down), intermediate_size wide.

@@ -230,6 +230,11 @@ def _validate(v: dict) -> None:
                                                < v["base_num_decoder_layers"]), "first_num_dense_layers",
            f"must be below base_num_decoder_layers={v['base_num_decoder_layers']}, in a mixture of experts "
            f"(decoder_block={v['decoder_block']})", v)
+  step = v["interleave_moe_layer_step"]
+  _require(step == 1 or (FAMILIES[v["decoder_block"]].moe and not v["first_num_dense_layers"]
+                         and v["base_num_decoder_layers"] % step == 0), "interleave_moe_layer_step",
+           f"must divide base_num_decoder_layers={v['base_num_decoder_layers']}, in a mixture of experts "
+           f"(decoder_block={v['decoder_block']}) without first_num_dense_layers", v)
   _require(v["expert_exchange"] != "all_to_all" or v["capacity_factor"] is None, "expert_exchange",
            f"all_to_all needs dropless routing (capacity_factor null, not {v['capacity_factor']})", v)
   # MLA's latent keys and values are shared by all heads: no slice of heads stands alone.
@@ -264,7 +269,8 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   _check_context(v)
   _derive_pipeline(v)
   moe_family = FAMILIES[v["decoder_block"]].moe
-  widths = (["base_mlp_dim"] if v["first_num_dense_layers"] or not moe_family else []) + (
+  dense_layers = v["first_num_dense_layers"] or v["interleave_moe_layer_step"] > 1 or not moe_family
+  widths = (["base_mlp_dim"] if dense_layers else []) + (
       ["base_moe_mlp_dim"] if moe_family else [])  # the dense MLPs', the experts' (and shared experts')
   for name in widths:
     units = v[name] // sharding.logical_shards(v, "mlp")
@@ -313,6 +319,10 @@ def _derive_pipeline(v: dict) -> None:
            (f"less first_num_dense_layers ({layers} layers) " if v["first_num_dense_layers"] else "")
            + f"must be divisible by pipeline stages x repeats = {stages} x {repeats} (ici_/dcn_pipeline_parallelism, "
            "num_pipeline_repeats or num_layers_per_pipeline_stage)", v)
+  # A stage holds whole blocks of the layers' kinds.
+  block = v["interleave_moe_layer_step"]
+  _require((layers // (stages * repeats)) % block == 0, "interleave_moe_layer_step",
+           f"must divide each pipeline stage's {layers // (stages * repeats)} layers (stages hold whole blocks)", v)
   v["num_pipeline_repeats"] = repeats
   count = v["num_pipeline_microbatches"]
   _require(count % stages == 0, "num_pipeline_microbatches", f"must be a multiple of the {stages} pipeline stages", v)

@@ -147,14 +147,14 @@ def one_f_one_b(model, config, params, batch):
     if not stats:
       return jnp.zeros(()), {}
     total = jnp.sum(microbatch["targets_segmentation"] != 0).astype(jnp.float32)
-    return _router_sums(config, {name: jnp.sum(stats[name]) / stack.depth for name in moe.AUX_NAMES}, total)
+    return _router_sums(config, {name: jnp.sum(stats[name]) / stack.moe_layers() for name in moe.AUX_NAMES}, total)
 
   (loss, sums), (layer_grads, grads), stats = pipeline.gradients(
       config, decoders.pipeline_stage(config, stack), params["decoder"][stack.name], rest, embed, head_sums, batch,
       router)
   grads["decoder"] = {**grads["decoder"], stack.name: layer_grads}
   if config.routed_bias:
-    sums[moe.EXPERT_LOAD] = {"decoder": {stack.name: stats[moe.EXPERT_LOAD]}}
+    sums[moe.EXPERT_LOAD] = {"decoder": {stack.name: decoders.stored_loads(stack, stats[moe.EXPERT_LOAD])}}
   return (loss, sums), grads
 
 

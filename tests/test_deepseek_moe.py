@@ -202,7 +202,7 @@ def test_expert_loads_come_back_in_layer_order(settings):
   layer stack sows them, come back as they were."""
   cfg = tiny_config(*DEEPSEEK, "base_num_decoder_layers=4", "first_num_dense_layers=1", *settings, num_devices=1)
   loads = np.arange(3 * cfg.num_experts, dtype=np.float32).reshape(3, -1)
-  sown = decoders.regroup(cfg, 3, {"moe_block": {moe.EXPERT_LOAD: (loads,)}})
+  sown = decoders.regroup(cfg, decoders.stacks(cfg)[-1], {"moe_block": {moe.EXPERT_LOAD: (loads,)}})
   np.testing.assert_array_equal(decoders.expert_loads(cfg, {"decoder": {"moe_layers": sown}})["moe_layers"], loads)
 
 

@@ -52,14 +52,16 @@ def test_every_model_config_resolves_and_its_model_traces(name):
     return Transformer(cfg).init(jax.random.key(0), tokens, tokens, tokens)["params"]
 
   params = jax.eval_shape(init)
-  for stack in decoders.stacks(cfg):
-    layers = params["decoder"][stack.name]
-    if stack.moe:
-      assert layers["moe_block"]["wi_0"].value.shape == (stack.depth, cfg.num_experts, cfg.base_emb_dim,
+  for stack, kind, layers in ((stack, kind, params["decoder"][stack.name] if len(stack.block) == 1 else
+                               params["decoder"][stack.name][f"layer_{j}"])
+                              for stack in decoders.stacks(cfg) for j, kind in enumerate(stack.block)):
+    depth = stack.depth // len(stack.block)
+    if kind.moe:
+      assert layers["moe_block"]["wi_0"].value.shape == (depth, cfg.num_experts, cfg.base_emb_dim,
                                                          cfg.base_moe_mlp_dim)
       assert layers["moe_block"]["gate"]["kernel"].value.shape[1:] == (cfg.base_emb_dim, cfg.num_experts)
     else:
-      assert layers["mlp"]["wi_0"]["kernel"].value.shape == (stack.depth, cfg.base_emb_dim, cfg.base_mlp_dim)
+      assert layers["mlp"]["wi_0"]["kernel"].value.shape == (depth, cfg.base_emb_dim, cfg.base_mlp_dim)
     attention = layers["self_attention"]
     if cfg.attention_type == "mla":
       assert attention["wkv_b"]["kernel"].value.shape[1:] == (cfg.kv_lora_rank, cfg.base_num_query_heads,

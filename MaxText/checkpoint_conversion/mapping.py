@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from MaxText import config_schema, errors
 from MaxText.families import FAMILIES
-from MaxText.layers import decoders
+from MaxText.layers import blocks
 
 # Put before the user's keys: the converters read no data, so the text dataset's checks (a
 # tokenizer that fits vocab_size) must not stop them.
@@ -67,7 +67,7 @@ def _expected(config) -> dict:
   # A mixture of experts without dense layers has no dense MLP: base_mlp_dim is unused
   # (Mixtral's intermediate_size is its experts' width).
   if config.moe:
-    unused = set() if config.first_num_dense_layers else {"base_mlp_dim"}
+    unused = set() if config.first_num_dense_layers or config.interleave_moe_layer_step > 1 else {"base_mlp_dim"}
   else:
     unused = set(config_schema.fields("model", [config_schema.MoE]))
   if config.rope_type != "llama3.1":
@@ -189,7 +189,8 @@ def _mla_keys(hf: dict, family) -> dict:
 
 def _moe_keys(hf: dict, family) -> dict:
   """The mixture-of-experts keys of a mixture's config.json ({} for a dense family). A mixture
-  with dense layers (Qwen3-MoE's mlp_only_layers, decoder_sparse_step) is not supported."""
+  with dense layers listed one by one (Qwen3-MoE's mlp_only_layers) is not supported; every N-th
+  layer routed (the family's hf_moe_step_key) is."""
   if not family.moe:
     return {}
   # The Hub's Qwen3-MoE files say num_experts; transformers 5 writes num_local_experts for both.
@@ -199,7 +200,7 @@ def _moe_keys(hf: dict, family) -> dict:
     norm_topk_prob = bool(said)
   elif said is not None and bool(said) != norm_topk_prob:
     norm_topk_prob = f"{said} ({family.hf_architecture} ignores it: not supported)"
-  dense_layers = hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1
+  step = (hf.get(family.hf_moe_step_key) or 1) if family.hf_moe_step_key else 1
   # Softmax, no bias, groups, scaling or shared experts (Qwen3-MoE's and Mixtral's routing) unless
   # the family's class or DeepSeek's keys say otherwise; one group is none, and so are the
   # groups of a class whose topk_method (the one converted) routes without them.
@@ -216,9 +217,9 @@ def _moe_keys(hf: dict, family) -> dict:
                                    f"{family.hf_topk_method} is)")
   return {**routing, "num_experts": experts, "num_experts_per_tok": hf["num_experts_per_tok"],
           "base_moe_mlp_dim": hf[family.hf_expert_width_key], "norm_topk_prob": norm_topk_prob,
+          "interleave_moe_layer_step": step,
           **({"decoder_block": f"{family.hf_architecture} with dense layers (mlp_only_layers "
-                               f"{hf.get('mlp_only_layers')}, decoder_sparse_step {hf.get('decoder_sparse_step')}: "
-                               "not supported)"} if dense_layers else {})}
+                               f"{hf.get('mlp_only_layers')}: not supported)"} if hf.get("mlp_only_layers") else {})}
 
 
 def check_shape(config, hf: dict, hf_path: str) -> None:
@@ -242,6 +243,7 @@ class Entry(NamedTuple):
   shape: tuple  # this project's shape of one of the stacked tensors
   in_axes: int  # input axes of a linear weight, 0 for a tensor copied as it is
   first: int = 0  # the model's index of the stack's first layer: {i} counts from it
+  stride: int = 1  # model layers between consecutive stacked layers (a block's position in a block of K: K)
   # Trailing features of the last axis that Hugging Face keeps in interleaved RoPE pairs (2j, 2j+1)
   # and this project in halves (j, j + n/2): DeepSeek's MLA queries and shared RoPE key.
   interleaved: int = 0
@@ -251,13 +253,16 @@ class Entry(NamedTuple):
 
 
 def layout(config) -> list:
-  """Every parameter's Entry: the embedding, each layer stack's (decoders.stacks), the head."""
+  """Every parameter's Entry: the embedding, each layer stack's (blocks.stacks), the head."""
   dim = config.base_emb_dim
   entries = [Entry(("token_embedder", "embedding"), "model.embed_tokens.weight", (), (config.vocab_size, dim), 0),
              Entry(("decoder", "decoder_norm", "scale"), "model.norm.weight", (), (dim,), 0)]
-  for stack in decoders.stacks(config):
-    entries += _layer_entries(config, ("decoder", stack.name), "model.layers.{i}.", (stack.depth,), stack.first,
-                              stack.moe)
+  for stack in blocks.stacks(config):
+    period = len(stack.block)
+    for j, kind in enumerate(stack.block):
+      path = ("decoder", stack.name, *((f"layer_{j}",) if period > 1 else ()))
+      entries += _layer_entries(config, path, "model.layers.{i}.", (stack.depth // period,), stack.first + j, kind.moe,
+                                period)
   if not config.logits_via_embedding:
     entries.append(Entry(("logits_kernel",), "lm_head.weight", (), (dim, config.vocab_size), 1))
   for k in range(1, config.mtp_num_layers + 1):
@@ -279,16 +284,18 @@ def _mtp_entries(config, k: int) -> list:
           Entry((*path, "projection"), prefix + "eh_proj.weight", (), (2 * dim, dim), 1),
           Entry((*path, "shared_head_norm", "scale"), prefix + "shared_head.norm.weight", (), (dim,), 0),
           Entry(("token_embedder", "embedding"), prefix + "embed_tokens.weight", (), (vocab, dim), 0, copy=True),
-          head, *_layer_entries(config, (*path, "transformer_layer"), prefix, (), 0, config.moe)]
+          head, *_layer_entries(config, (*path, "transformer_layer"), prefix, (), 0,
+                                blocks.layer_kind(config, config.base_num_decoder_layers + k - 1).moe)]
 
 
-def _layer_entries(config, prefix: tuple, hf_prefix: str, layers: tuple, first: int, moe_layer: bool) -> list:
+def _layer_entries(config, prefix: tuple, hf_prefix: str, layers: tuple, first: int, moe_layer: bool,
+                   stride: int = 1) -> list:
   """A decoder layer's parameters under `prefix`: a stack's, each [depth, ...] (layers (depth,),
-  Hugging Face's layers `first` on), or one layer's (layers (), its index in hf_prefix)."""
+  Hugging Face's layers first, first + stride, ...), or one layer's (layers (), its index in hf_prefix)."""
   dim, head_dim, family = config.base_emb_dim, config.head_dim, FAMILIES[config.decoder_block]
 
   def entry(path, name, shape, in_axes, stacked=layers, **options):
-    return Entry((*prefix, *path), hf_prefix + name, stacked, shape, in_axes, first=first, **options)
+    return Entry((*prefix, *path), hf_prefix + name, stacked, shape, in_axes, first=first, stride=stride, **options)
 
   entries = [*_attention_entries(config, entry),
              entry(("pre_self_attention_norm", "scale"), "input_layernorm.weight", (dim,), 0),
@@ -355,7 +362,7 @@ def hf_names(config, entry) -> list:
   name without {i} is one layer's, its stacked dimension the experts')."""
   layered = "{i}" in entry.name
   return [entry.name.format(**dict(zip("ie" if layered else "e",
-                                       (index[0] + entry.first, *index[1:]) if layered else index)))
+                                       (index[0] * entry.stride + entry.first, *index[1:]) if layered else index)))
           for index in itertools.product(*map(range, entry.stack))]
 
 
@@ -474,6 +481,7 @@ def _moe_config(config) -> dict:
   return {family.hf_num_experts_key: config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
           "moe_intermediate_size": config.base_moe_mlp_dim, "norm_topk_prob": config.norm_topk_prob,
           "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": config.load_balance_loss_weight,
+          **({family.hf_moe_step_key: config.interleave_moe_layer_step} if family.hf_moe_step_key else {}),
           **(deepseek if family.hf_shared_experts else {})}
 
 
@@ -496,6 +504,8 @@ def check_exportable(config) -> None:
                      topk_routing_group=config.topk_routing_group if config.topk_routing_group <= 0 else -1)
     if not family.hf_shared_experts:
       routing.update(routed_scaling_factor=1.0, shared_experts=0, first_num_dense_layers=0)
+    if not family.hf_moe_step_key:
+      routing.update(interleave_moe_layer_step=1)
     for key, want in routing.items():
       if getattr(config, key) != want:
         raise errors.ConfigError(f"{key}={getattr(config, key)!r}: {family.hf_architecture} routes with {key}={want!r}")

@@ -1,7 +1,8 @@
-"""The decoder layer and the layer stack (scanned or looped, with every-N-th-layer remat)."""
+"""The decoder layer and the layer stack (scanned or looped, with every-N-th-layer remat): a
+repeating block of layers whose kinds may differ (a dense MLP beside a mixture of experts)."""
 
 import functools
-from typing import NamedTuple
+import math
 
 import flax.linen as nn
 import jax
@@ -11,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from MaxText import remat
 from MaxText.layers import moe, pipeline
 from MaxText.layers.attentions import Attention
+from MaxText.layers.blocks import Stack, stacks
 from MaxText.layers.linears import BATCH_LENGTH_EMBED, MlpBlock
 from MaxText.layers.normalizations import rms_norm
 
@@ -65,20 +67,21 @@ def layer_class(cfg, checkpointed: bool, in_scan: bool):
 
 
 class DecoderBlock(nn.Module):
-  """`num_layers` consecutive layers, layer_0 .. layer_{n-1}: the first applies the remat
-  policy, the rest keep everything. With remat_layer_interval=N the stack is made of blocks
-  of N layers, so the policy applies to layers 0, N, 2N, ... exactly as with a Python loop.
-  first_index is the model's index of layer_0."""
+  """Consecutive layers of the given kinds, layer_0 .. layer_{n-1}: the first applies the remat
+  policy (or every interval-th), the rest keep everything. With remat_layer_interval=N the stack is
+  made of blocks of N layers (a whole number of its kinds' block), so the policy applies to layers
+  0, N, 2N, ... exactly as with a Python loop. first_index is the model's index of layer_0."""
 
   config: object
-  moe: bool
-  num_layers: int
+  kinds: tuple  # each layer's LayerKind
   in_scan: bool
+  interval: int = 0  # layers i % interval == 0 apply the policy; 0: the first alone
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, first_index):
-    for i in range(self.num_layers):
-      x = layer_class(self.config, i == 0, self.in_scan)(self.config, self.moe, name=f"layer_{i}")(
+    for i, kind in enumerate(self.kinds):
+      checkpointed = i % self.interval == 0 if self.interval else i == 0
+      x = layer_class(self.config, checkpointed, self.in_scan)(self.config, kind.moe, name=f"layer_{i}")(
           x, positions, segment_ids, first_index + i)
     return x, None  # (carry, per-step output) as nn.scan expects
 
@@ -92,31 +95,23 @@ def scanned(module, cfg, length: int, *args, name: str, axis: str = "layers"):
                  metadata_params={nn.PARTITION_NAME: axis})(cfg, *args, name=name)
 
 
-class Stack(NamedTuple):
-  """Consecutive layers stored as one stack: decoder/<name>, each parameter [depth, ...]."""
-
-  name: str
-  first: int  # the model's index of its first layer
-  depth: int
-  moe: bool
+def _unit(cfg, stack: Stack) -> int:
+  """Layers per step of a stack's scan: remat_layer_interval, made a whole number of blocks."""
+  return math.lcm(cfg.remat_layer_interval, len(stack.block))
 
 
-def stacks(cfg) -> tuple[Stack, ...]:
-  """The model's layers as stored: one stack `layers` (MaxText's scanned layout), or with
-  first_num_dense_layers N > 0 two (MaxText's names), `dense_layers` (layers 0..N-1, a dense MLP)
-  and `moe_layers` (the rest)."""
-  depth, dense = cfg.base_num_decoder_layers, cfg.first_num_dense_layers
-  if not dense:
-    return (Stack("layers", 0, depth, cfg.moe),)
-  return Stack("dense_layers", 0, dense, False), Stack("moe_layers", dense, depth - dense, True)
+def _stored(stack: Stack, layers, index: int):
+  """(the stored tree holding the stack's layer `index`, its index on that tree's leading axis)."""
+  period = len(stack.block)
+  return (layers, index) if period == 1 else (layers[f"layer_{index % period}"], index // period)
 
 
 class LayerStack(nn.Module):
   """A stack's layers as the memory settings run them, over parameters grouped to match: with
-  scan_layers, nn.scan over blocks of remat_layer_interval layers (one compiled body; the
-  depth % interval layers left over form one more, unscanned block); without, a Python loop.
-  The interval counts from the stack's first layer, whose model index is `first` (traced in a
-  pipeline stage)."""
+  scan_layers, nn.scan over blocks of remat_layer_interval layers (times what makes them whole
+  blocks of the stack's kinds; one compiled body; the layers left over form one more, unscanned
+  block); without, a Python loop. The interval counts from the stack's first layer, whose model
+  index is `first` (traced in a pipeline stage)."""
 
   config: object
   stack: Stack
@@ -127,56 +122,67 @@ class LayerStack(nn.Module):
     interval = cfg.remat_layer_interval
     if not cfg.scan_layers:
       for i in range(stack.depth):
-        x = layer_class(cfg, i % interval == 0, False)(cfg, stack.moe, name=f"layer_{i}")(
+        x = layer_class(cfg, i % interval == 0, False)(cfg, stack.kind(i).moe, name=f"layer_{i}")(
             x, positions, segment_ids, first + i)
       return x
-    groups, rest = divmod(stack.depth, interval)
+    unit = _unit(cfg, stack)
+    groups, rest = divmod(stack.depth, unit)
     if groups:
-      x, _ = scanned(DecoderBlock, cfg, groups, stack.moe, interval, True, name="blocks")(
-          x, positions, segment_ids, first + jnp.arange(groups) * interval)
+      kinds = tuple(map(stack.kind, range(unit)))
+      x, _ = scanned(DecoderBlock, cfg, groups, kinds, True, interval, name="blocks")(
+          x, positions, segment_ids, first + jnp.arange(groups) * unit)
     if rest:
-      x, _ = DecoderBlock(cfg, stack.moe, rest, False, name="rest")(x, positions, segment_ids,
-                                                                    first + groups * interval)
+      x, _ = DecoderBlock(cfg, tuple(map(stack.kind, range(rest))), False, interval, name="rest")(
+          x, positions, segment_ids, first + groups * unit)
     return x
 
 
-def _layer_order(cfg, depth: int) -> list:
-  """Where LayerStack keeps each layer of a stack of `depth`, in layer order: (path, index in the
-  scan's steps or None)."""
+def _layer_order(cfg, stack: Stack) -> list:
+  """Where LayerStack keeps each layer of a stack, in layer order: (path, index in the scan's
+  steps or None)."""
   if not cfg.scan_layers:
-    return [((f"layer_{i}",), None) for i in range(depth)]
-  interval = cfg.remat_layer_interval
-  groups, rest = divmod(depth, interval)
-  return ([(("blocks", f"layer_{i}"), j) for j in range(groups) for i in range(interval)]
+    return [((f"layer_{i}",), None) for i in range(stack.depth)]
+  unit = _unit(cfg, stack)
+  groups, rest = divmod(stack.depth, unit)
+  return ([(("blocks", f"layer_{i}"), j) for j in range(groups) for i in range(unit)]
           + [(("rest", f"layer_{i}"), None) for i in range(rest)])
 
 
-def regroup(cfg, depth: int, layers):
-  """A stack's stored layout, every parameter stacked [depth, ...] in layer order, as LayerStack
-  reads it: block j of the scan holds layers j*N .. j*N+N-1. At interval 1 with scan_layers
-  this is the stored tree itself (no copy)."""
-  layer = lambda i: jax.tree.map(lambda p: p[i], layers)
+def regroup(cfg, stack: Stack, layers):
+  """A stack's stored layout (Stack) as LayerStack reads it: step j of the scan holds layers
+  j*U .. j*U+U-1 (U layers a step). With scan_layers and U the stack's block this is the stored
+  tree itself (no copy)."""
+  def layer(index):
+    tree, i = _stored(stack, layers, index)
+    return jax.tree.map(lambda p: p[i], tree)
+
   if not cfg.scan_layers:
-    return {f"layer_{i}": layer(i) for i in range(depth)}
-  interval = cfg.remat_layer_interval
-  groups, rest = divmod(depth, interval)
-  grouped = {"blocks": {f"layer_{i}": jax.tree.map(lambda p, i=i: p[i:groups * interval:interval], layers)
-                        for i in range(interval)}} if groups else {}
+    return {f"layer_{i}": layer(i) for i in range(stack.depth)}
+  unit = _unit(cfg, stack)
+  groups, rest = divmod(stack.depth, unit)
+  stride = unit // len(stack.block)  # a position's stored layers per step
+  grouped = {}
+  if groups:
+    grouped["blocks"] = {}
+    for i in range(unit):
+      tree, start = _stored(stack, layers, i)
+      grouped["blocks"][f"layer_{i}"] = jax.tree.map(lambda p, start=start: p[start:start + groups * stride:stride],
+                                                     tree)
   if rest:
-    grouped["rest"] = {f"layer_{i}": layer(groups * interval + i) for i in range(rest)}
+    grouped["rest"] = {f"layer_{i}": layer(groups * unit + i) for i in range(rest)}
   return grouped
 
 
 def apply_stack(cfg, stack: Stack, layers, x, positions, segment_ids):
   """A stack's layers from its stored parameters, outside the Decoder (1F1B's first stage input)."""
-  return LayerStack(cfg, stack, parent=None).apply({"params": regroup(cfg, stack.depth, layers)}, x, positions,
+  return LayerStack(cfg, stack, parent=None).apply({"params": regroup(cfg, stack, layers)}, x, positions,
                                                    segment_ids, stack.first)
 
 
 def pipeline_stage(cfg, stack: Stack) -> pipeline.Stage:
-  """The stack's layers as a pipeline stage runs them: L / (S R) consecutive layers, regrouped
-  and run as LayerStack runs a stack of that depth, with their MoE layers' router statistics
-  ({name: [L / (S R), ...]}, `layer_stats`)."""
+  """The stack's layers as a pipeline stage runs them: L / (S R) consecutive layers (whole
+  blocks), regrouped and run as LayerStack runs a stack of that depth, with their MoE layers'
+  router statistics ({name: [MoE layers of the L / (S R), ...]}, `layer_stats`)."""
   depth = stack.depth // (cfg.pipeline_stages * cfg.num_pipeline_repeats)
   part = stack._replace(depth=depth)
 
@@ -185,29 +191,42 @@ def pipeline_stage(cfg, stack: Stack) -> pipeline.Stage:
                                                         mutable="intermediates")
     return y, layer_stats(cfg, part, state.get("intermediates", {}))
 
-  return pipeline.Stage(functools.partial(regroup, cfg, depth), apply, depth, stack.first)
+  return pipeline.Stage(functools.partial(regroup, cfg, part), apply, depth, stack.first)
 
 
 def layer_stats(cfg, stack: Stack, grouped) -> dict:
-  """{name: [depth, ...]} what each of the stack's MoE layers sowed (the router's statistics,
-  moe.AUX_NAMES, and its load per expert, moe.EXPERT_LOAD, those the intermediates hold), back in
-  the stored layer order (regroup's inverse), from a LayerStack's intermediates; {} for dense
-  layers."""
-  if not stack.moe:
-    return {}
+  """{name: [MoE layers, ...]} what each of the stack's MoE layers sowed (the router's statistics,
+  moe.AUX_NAMES, and its load per expert, moe.EXPERT_LOAD, those the intermediates hold), in layer
+  order, from a LayerStack's intermediates; {} for a stack of dense layers."""
   sown = [(functools.reduce(lambda tree, key: tree[key], path, grouped)["moe_block"], step)
-          for path, step in _layer_order(cfg, stack.depth)]
+          for i, (path, step) in enumerate(_layer_order(cfg, stack)) if stack.kind(i).moe]
+  if not sown:
+    return {}
   return {name: jnp.stack([values[name][0] if step is None else values[name][0][step] for values, step in sown])
           for name in sown[0][0]}
 
 
+def stored_loads(stack: Stack, loads):
+  """Per-layer values of the stack's MoE layers [MoE layers, ...] in layer order, shaped as the
+  stack stores its layers: as they are for a block of one kind, {layer_j: [depth / K, ...]} for each
+  MoE position j of a block of K."""
+  period = len(stack.block)
+  if period == 1:
+    return loads
+  positions = [j for j, kind in enumerate(stack.block) if kind.moe]
+  per_block = loads.reshape(stack.depth // period, len(positions), *loads.shape[1:])
+  return {f"layer_{j}": per_block[:, n] for n, j in enumerate(positions)}
+
+
 def expert_loads(cfg, intermediates) -> dict:
-  """{stack name: [depth, E]} the load per expert of each MoE layer (moe.EXPERT_LOAD) in the
-  stored layer order, from model.apply's intermediates (pipelined: summed over the microbatches)."""
-  if cfg.pipeline_stages > 1:  # the pipelined stack is the one MoE stack
-    return {stacks(cfg)[-1].name: jnp.sum(intermediates["decoder"][PIPELINE_STATS][0][moe.EXPERT_LOAD], axis=0)}
-  return {stack.name: layer_stats(cfg, stack, intermediates["decoder"][stack.name])[moe.EXPERT_LOAD]
-          for stack in stacks(cfg) if stack.moe}
+  """{stack name: loads as stored_loads shapes them} the load per expert [E] of each MoE layer
+  (moe.EXPERT_LOAD), from model.apply's intermediates (pipelined: summed over the microbatches)."""
+  decoder = intermediates["decoder"]
+  if cfg.pipeline_stages > 1:  # the pipelined stack is the last
+    stack = stacks(cfg)[-1]
+    return {stack.name: stored_loads(stack, jnp.sum(decoder[PIPELINE_STATS][0][moe.EXPERT_LOAD], axis=0))}
+  return {stack.name: stored_loads(stack, layer_stats(cfg, stack, decoder[stack.name])[moe.EXPERT_LOAD])
+          for stack in stacks(cfg) if stack.moe_layers()}
 
 
 # Where a pipelined decoder sows its MoE layers' statistics: {name: [microbatch, layer, ...]}.
@@ -239,16 +258,20 @@ class Decoder(nn.Module):
     for stack in every:
       if self.is_initializing():
         # The stages split the last stack's layers; the layers before it run on every device.
-        x, _ = scanned(ScannedDecoderLayer, cfg, stack.depth, stack.moe, name=stack.name,
-                       axis="layers" if stack is last else "unstaged_layers")(
-            x, positions, segment_ids, stack.first + jnp.arange(stack.depth))
+        axis, period = "layers" if stack is last else "unstaged_layers", len(stack.block)
+        if period == 1:
+          x, _ = scanned(ScannedDecoderLayer, cfg, stack.depth, stack.block[0].moe, name=stack.name, axis=axis)(
+              x, positions, segment_ids, stack.first + jnp.arange(stack.depth))
+        else:
+          x, _ = scanned(DecoderBlock, cfg, stack.depth // period, stack.block, True, name=stack.name, axis=axis)(
+              x, positions, segment_ids, stack.first + jnp.arange(stack.depth // period) * period)
       elif cfg.pipeline_stages > 1 and stack is last:
         x, stats = pipeline.forward(cfg, pipeline_stage(cfg, stack), self.variables["params"][stack.name], x,
                                     positions, segment_ids)
         if stats:
           self.sow("intermediates", PIPELINE_STATS, stats)
       else:
-        regrouped = nn.map_variables(LayerStack, "params", trans_in_fn=lambda v, depth=stack.depth: {
-            "params": regroup(cfg, depth, v["params"])})
+        regrouped = nn.map_variables(LayerStack, "params", trans_in_fn=lambda v, stack=stack: {
+            "params": regroup(cfg, stack, v["params"])})
         x = regrouped(cfg, stack, name=stack.name)(x, positions, segment_ids, stack.first)
     return rms_norm(cfg, "decoder_norm")(x), x

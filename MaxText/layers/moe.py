@@ -395,17 +395,14 @@ def is_routed_bias(path) -> bool:
 def update_routed_bias(params, loads: dict, rate: float):
   """params with each MoE layer's Gate bias moved by rate * sign(mean load - load), so the
   overloaded experts are chosen less (DeepSeek-V3's auxiliary-loss-free balancing). loads
-  mirrors params' first two levels: {"decoder": {stack: [layers, E]}} (decoders.expert_loads),
-  and {"mtp": {layer: [E]}} for multi-token prediction's MoE layers."""
-  params = dict(params)
-  for top, parts in loads.items():
-    updated = dict(params[top])
-    for name, load in parts.items():
-      step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
-      updated[name] = jax.tree_util.tree_map_with_path(
-          lambda path, p, step=step: p + step.astype(p.dtype) if is_routed_bias(path) else p, updated[name])
-    params[top] = updated
-  return params
+  mirrors params down to each tree of MoE layers: {"decoder": {stack: [layers, E]}, or
+  {stack: {layer_j: [layers / K, E]}} for a block of K kinds} (decoders.expert_loads), and
+  {"mtp": {layer: [E]}} for multi-token prediction's MoE layers."""
+  if isinstance(loads, dict):
+    return {**params, **{name: update_routed_bias(params[name], part, rate) for name, part in loads.items()}}
+  step = rate * jnp.sign(jnp.mean(loads, axis=-1, keepdims=True) - loads)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p: p + step.astype(p.dtype) if is_routed_bias(path) else p, params)
 
 
 class MoeBlock(nn.Module):

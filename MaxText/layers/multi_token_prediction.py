@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from MaxText.layers import moe
+from MaxText.layers.blocks import layer_kind
 from MaxText.layers.decoders import layer_class
 from MaxText.layers.linears import BATCH_LENGTH_EMBED, kernel_init, weights_as
 from MaxText.layers.normalizations import rms_norm
@@ -46,8 +47,8 @@ class MtpLayer(nn.Module):
     kernel = self.param("projection", nn.with_logical_partitioning(kernel_init(1), PROJECTION_AXES),
                         (2 * cfg.base_emb_dim, cfg.base_emb_dim), jnp.dtype(cfg.weight_dtype))
     x = nn.with_logical_constraint(jnp.einsum("btc,cd->btd", joined, weights_as(kernel, dtype)), BATCH_LENGTH_EMBED)
-    x = layer_class(cfg, True, False)(cfg, cfg.moe, name="transformer_layer")(x, positions, segment_ids,
-                                                                             self.layer_index)
+    x = layer_class(cfg, True, False)(cfg, layer_kind(cfg, self.layer_index).moe, name="transformer_layer")(
+        x, positions, segment_ids, self.layer_index)
     return x, rms_norm(cfg, "shared_head_norm")(x)
 
 
@@ -72,7 +73,5 @@ class MultiTokenPrediction(nn.Module):
 def expert_loads(cfg, intermediates) -> dict:
   """{layer_k: [E]} the load per expert that each MoE prediction layer sowed, from model.apply's
   intermediates (moe.update_routed_bias's loads["mtp"])."""
-  if not cfg.moe:
-    return {}
   return {f"layer_{k}": intermediates["mtp"][f"layer_{k}"]["transformer_layer"]["moe_block"][moe.EXPERT_LOAD][0]
-          for k in range(1, cfg.mtp_num_layers + 1)}
+          for k in range(1, cfg.mtp_num_layers + 1) if layer_kind(cfg, cfg.base_num_decoder_layers + k - 1).moe}

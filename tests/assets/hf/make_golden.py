@@ -65,6 +65,10 @@ MODELS = {
     "qwen3_moe_tied": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
         tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
         norm_topk_prob=False)),
+    # Every other layer routed (decoder_sparse_step 2), the others dense MLPs: a block of two layer kinds.
+    "qwen3_moe_interleaved": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        num_hidden_layers=4, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=2)),
     # DeepSeek-V3 with every feature made to bite: latent attention with low-rank queries, values
     # narrower than queries and keys, 8 RoPE features (whose interleaved order is not its own
     # inverse), YaRN over a short original context; a dense first layer, then
