@@ -205,11 +205,12 @@ def test_export_shards_above_the_shard_size_and_the_shards_import_again(tmp_path
   assert jax.tree.all(jax.tree.map(np.array_equal, restore(again), restore(converted)))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe_interleaved"])
 def test_both_converters_hold_one_layer_of_a_stacked_parameter_at_a_time(tmp_path, family, monkeypatch):
   """to_maxtext builds, and to_huggingface reads, every stacked parameter a layer at a time (a
   stacked expert projection can exceed a host's memory); the checkpoint stores one layer per
-  chunk, and a run's restore of it and the export are the parameters of the whole-array path."""
+  chunk, and a run's restore of it and the export are the parameters of the whole-array path
+  (a uniform stack, and a block of a dense and a routed layer, each position stacked on its own)."""
   built, exported = [], []
   to_param, to_hf_tensors = mapping.to_param, mapping.to_hf_tensors
 
@@ -229,17 +230,18 @@ def test_both_converters_hold_one_layer_of_a_stacked_parameter_at_a_time(tmp_pat
   config = pyconfig.initialize([BASE_YML, mapping.NO_DATA, f"load_parameters_path={converted}",
                                 f"hf_output_path={tmp_path / 'hf'}"])
   to_huggingface.convert(config)
-  layers = config.base_num_decoder_layers
   for calls in built, exported:
     stacked = [(entry, shape) for entry, shape in calls if entry[2]]
-    assert len(stacked) == layers * len({entry[1] for entry, _ in stacked}) > 0
+    # Once for each stacked layer of each stacked parameter.
+    assert len(stacked) == sum(entry[2][0] for entry in {entry for entry, _ in stacked}) > 0
     assert all(shape == entry[2][1:] + entry[3] for entry, shape in stacked)
     assert all(shape == entry[3] for entry, shape in calls if not entry[2])
   metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(f"{converted}/state")).tree["params"]
   layers_metadata = metadata["decoder"]["layers"]
-  assert layers_metadata["self_attention"]["query"]["kernel"].storage.chunk_shape[0] == 1
-  if config.moe:  # a chunk per layer and expert
+  if config.moe:  # the routed position's; a chunk per layer and expert
+    layers_metadata = layers_metadata["layer_1"]
     assert layers_metadata["moe_block"]["wo"].storage.chunk_shape[:2] == (1, 1)
+  assert layers_metadata["self_attention"]["query"]["kernel"].storage.chunk_shape[0] == 1
   assert jax.tree.all(jax.tree.map(np.array_equal, restore(converted), imported_params(config, ASSETS / family)))
   original, tensors = load_file(ASSETS / family / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
   assert sorted(tensors) == sorted(original) and all(np.array_equal(tensors[n], original[n]) for n in original)

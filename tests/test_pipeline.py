@@ -1,5 +1,5 @@
 """Pipeline stages on 8 simulated devices give one device's loss and gradients (GPipe, circular
-and 1F1B; dense, Gemma 2 and a mixture of experts); 1F1B's memory does not grow with the
+and 1F1B; dense, Gemma 2, a mixture of experts and one routing every other layer); 1F1B's memory does not grow with the
 microbatches; a run saved pipelined resumes without a pipeline; the schedule's bubble; bad
 pipeline settings are one-line config errors."""
 
@@ -32,9 +32,14 @@ MODELS = {
     "moe": ("base_num_decoder_layers=5", "first_num_dense_layers=1", "decoder_block=qwen3_moe", "num_experts=4",
             "num_experts_per_tok=2", "base_moe_mlp_dim=24", "load_balance_loss_weight=0.1",
             "router_z_loss_weight=0.01", "routed_score_func=sigmoid", "routed_bias=true", "shared_experts=1"),
+    # Every other layer routed: stages of whole blocks (a dense layer and a routed one), the
+    # routed layers' loads reported in the block's stored layout.
+    "interleaved": ("base_num_decoder_layers=4", "interleave_moe_layer_step=2", "decoder_block=qwen3_moe",
+                    "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=24", "load_balance_loss_weight=0.1",
+                    "routed_score_func=sigmoid", "routed_bias=true"),
 }
 # The one-device reference's own overrides.
-REFERENCE = {"moe": ("gradient_accumulation_steps=4", "per_device_batch_size=4")}
+REFERENCE = {name: ("gradient_accumulation_steps=4", "per_device_batch_size=4") for name in ("moe", "interleaved")}
 _PP2, _PP4 = "ici_pipeline_parallelism=2", "ici_pipeline_parallelism=4"
 CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
     "gpipe pp2 fsdp2 data2 m4": ("llama", (_PP2, "ici_fsdp_parallelism=2", "ici_data_parallelism=2",
@@ -51,6 +56,10 @@ CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
                                                  "ici_fsdp_parallelism=1", "num_pipeline_microbatches=4")),
     "moe 1f1b pp4 fsdp2 m4": ("moe", (_PP4, "ici_fsdp_parallelism=2", "pipeline_schedule=1f1b",
                                       "num_pipeline_microbatches=4")),
+    "interleaved gpipe pp2 expert2 fsdp2 m4": ("interleaved", (_PP2, "ici_expert_parallelism=2",
+                                                               "ici_fsdp_parallelism=2", "num_pipeline_microbatches=4")),
+    "interleaved 1f1b pp2 fsdp4 m4": ("interleaved", (_PP2, "ici_fsdp_parallelism=4", "pipeline_schedule=1f1b",
+                                                      "num_pipeline_microbatches=4")),
 }
 
 
