@@ -52,9 +52,9 @@ def test_every_model_config_resolves_and_its_model_traces(name):
     return Transformer(cfg).init(jax.random.key(0), tokens, tokens, tokens)["params"]
 
   params = jax.eval_shape(init)
-  for stack, kind, layers in ((stack, kind, params["decoder"][stack.name] if len(stack.block) == 1 else
-                               params["decoder"][stack.name][f"layer_{j}"])
-                              for stack in decoders.stacks(cfg) for j, kind in enumerate(stack.block)):
+  positions = [(stack, j, kind) for stack in decoders.stacks(cfg) for j, kind in enumerate(stack.block)]
+  for stack, j, kind in positions:  # a block of K kinds stores each position's layers apart
+    layers = params["decoder"][stack.name] if len(stack.block) == 1 else params["decoder"][stack.name][f"layer_{j}"]
     depth = stack.depth // len(stack.block)
     if kind.moe:
       assert layers["moe_block"]["wi_0"].value.shape == (depth, cfg.num_experts, cfg.base_emb_dim,
