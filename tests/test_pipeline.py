@@ -56,8 +56,8 @@ CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
                                                  "ici_fsdp_parallelism=1", "num_pipeline_microbatches=4")),
     "moe 1f1b pp4 fsdp2 m4": ("moe", (_PP4, "ici_fsdp_parallelism=2", "pipeline_schedule=1f1b",
                                       "num_pipeline_microbatches=4")),
-    "interleaved gpipe pp2 expert2 fsdp2 m4": ("interleaved", (_PP2, "ici_expert_parallelism=2", "ici_fsdp_parallelism=2",
-                                                               "num_pipeline_microbatches=4")),
+    "interleaved gpipe pp2 expert2 fsdp2 m4": (
+        "interleaved", (_PP2, "ici_expert_parallelism=2", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=4")),
     "interleaved 1f1b pp2 fsdp4 m4": ("interleaved", (_PP2, "ici_fsdp_parallelism=4", "pipeline_schedule=1f1b",
                                                       "num_pipeline_microbatches=4")),
 }
