@@ -11,12 +11,16 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-  """A decoder family. The first seven fields are the layers' switches."""
+  """A decoder family. The fields before the hf_ ones are the layers' switches (SWITCHES)."""
 
   # RMSNorm over each head's queries and keys before RoPE (Qwen3).
   qk_norm: bool = False
   # Norms both before and after attention and the MLP (Gemma 2).
   sandwich_norms: bool = False
+  # Norms after attention and the MLP only, none before (OLMo 2/3).
+  post_norms: bool = False
+  # With qk_norm, one RMSNorm over all heads' queries (keys) together, not one per head (OLMo 2/3).
+  qk_norm_over_heads: bool = False
   # RMSNorm scales by 1 + w, w stored zero-centred (Gemma).
   norm_plus_one: bool = False
   # Embeddings times sqrt(base_emb_dim) (Gemma).
@@ -42,6 +46,9 @@ class Family:
   # transformers keys rope_parameters by layer type (full_attention, sliding_attention), and its
   # version 4 names the local base rope_local_base_freq: the sliding layers have their own base (Gemma 3).
   hf_rope_by_layer_type: bool = False
+  # The sliding layers' base where config.json names none (version 4's files, keyed by neither):
+  # 0 for the global layers' own (OLMo 3, whose rope_scaling rescales the global layers only).
+  hf_local_rope_base: float = 0.0
   # A mixture of experts' tensor names under model.layers.{i}: (router, expert e's gate, up and
   # down projections); config.json's key for the expert count and for one expert's width.
   hf_expert_names: tuple[str, str, str, str] | None = None
@@ -73,8 +80,8 @@ class Family:
   # expert, where this project ranks it by its best two, as DeepSeek-V3); "": not read.
   hf_topk_method: str = ""
 
-  SWITCHES = ("qk_norm", "sandwich_norms", "norm_plus_one", "scale_embedding", "mlp_activation", "moe",
-              "sliding_window_pattern")
+  SWITCHES = ("qk_norm", "sandwich_norms", "post_norms", "qk_norm_over_heads", "norm_plus_one", "scale_embedding",
+              "mlp_activation", "moe", "sliding_window_pattern")
 
   def switches(self) -> dict:
     """The layers' switches, as config keys."""
@@ -109,7 +116,7 @@ FAMILIES = {
     # layers to one global; its soft caps are off and its RoPE bases are model keys.
     "gemma3": dataclasses.replace(
         _GEMMA2, qk_norm=True, sliding_window_pattern=6, hf_architecture="Gemma3ForCausalLM",
-        hf_model_type="gemma3_text", hf_rope_by_layer_type=True,
+        hf_model_type="gemma3_text", hf_rope_by_layer_type=True, hf_local_rope_base=10000.0,
         hf_multimodal_architecture="Gemma3ForConditionalGeneration",
         hf_text_config_defaults=(("vocab_size", 262208), ("hidden_size", 2304), ("intermediate_size", 9216),
                                  ("num_hidden_layers", 26), ("num_attention_heads", 8), ("num_key_value_heads", 4),
@@ -117,6 +124,13 @@ FAMILIES = {
                                  ("rope_local_base_freq", 10000.0), ("query_pre_attn_scalar", 256),
                                  ("sliding_window", 4096), ("sliding_window_pattern", 6))),
     "deepseek": _DEEPSEEK,
+    # OLMo 3: norms after attention and the MLP only, q/k norms over the whole projections, three
+    # sliding layers to one global; YaRN on the global layers, plain RoPE on the sliding ones
+    # (local_rope_max_timescale: the same base).
+    "olmo3": dataclasses.replace(
+        _LLAMA, qk_norm=True, post_norms=True, qk_norm_over_heads=True, sliding_window_pattern=4,
+        hf_architecture="Olmo3ForCausalLM", hf_model_type="olmo3", hf_sliding_by_default=True,
+        hf_rope_by_layer_type=True),
     # DeepSeek-V2 (V2-Lite; greedy routing): V3's layer, its experts chosen by softmax score with no
     # correction bias and no groups; transformers' class never renormalises the top-k weights
     # (config.json's norm_topk_prob it ignores), and its checkpoints hold no prediction layers.

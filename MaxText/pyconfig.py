@@ -280,6 +280,8 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   _require((v["base_num_kv_heads"] // kv_shards) % v["attention_head_chunks"] == 0,
            "attention_head_chunks", f"must divide the {v['base_num_kv_heads'] // kv_shards} key/value heads per tensor "
            "shard (base_num_kv_heads / the shards of kv_heads)", v)
+  _require(v["attention_head_chunks"] == 1 or not v["qk_norm_over_heads"], "attention_head_chunks",
+           f"must be 1 for decoder_block={v['decoder_block']}, whose query and key norms span every head", v)
   _require(v["attention_head_chunks"] == 1 or sharding.logical_shards(v, "q_heads") == kv_shards,
            "attention_head_chunks", "needs the query heads sharded as the key/value heads (logical_axis_rules)", v)
   # libtpu fails to place splash attention's residuals, stacked over the slices, in host memory

@@ -39,6 +39,9 @@ FAMILIES = {"llama": ("decoder_block=llama2", "logits_via_embedding=false"),
             "gemma3": ("decoder_block=gemma3", "logits_via_embedding=true", "base_num_decoder_layers=7",
                        "sliding_window_size=4", "query_pre_attn_scalar=24", "rope_max_timescale=1000000",
                        "local_rope_max_timescale=10000", "rope_linear_scaling_factor=8"),
+            "olmo3": ("decoder_block=olmo3", "logits_via_embedding=false", "base_num_decoder_layers=5",
+                      "sliding_window_size=4", "rope_type=yarn", "rope_scaling_factor=4",
+                      "rope_original_max_position=16", "beta_fast=32", "beta_slow=1", "local_rope_max_timescale=10000"),
             "qwen3_moe": ("decoder_block=qwen3_moe", "logits_via_embedding=false", *MOE, "base_moe_mlp_dim=24",
                           "norm_topk_prob=true"),
             "qwen3_moe_interleaved": ("decoder_block=qwen3_moe", "logits_via_embedding=false", *MOE,
@@ -105,12 +108,14 @@ def test_converted_weights_give_the_hugging_face_logits(family, settings):
     ("qwen3_moe", "norm_topk_prob=false"),
     ("qwen3_moe_tied", "norm_topk_prob=true"), ("mixtral", "num_experts_per_tok=1"),
     ("deepseek3", "routed_bias=false"), ("deepseek3", "shared_experts=0"), ("deepseek3", "routed_scaling_factor=1"),
-    ("deepseek3", "rope_type=default"), ("deepseek2", "norm_topk_prob=true"), ("deepseek2", "mscale_all_dim=1")])
+    ("deepseek3", "rope_type=default"), ("deepseek2", "norm_topk_prob=true"), ("deepseek2", "mscale_all_dim=1"),
+    ("olmo3", "sliding_window_size=0"), ("olmo3", "local_rope_max_timescale=0"), ("olmo3", "rope_type=default")])
 def test_without_the_family_feature_the_logits_are_not_matched(family, without):
   """Qwen3's q/k norms, Llama 3.1's RoPE rescaling, each of Gemma 2's and Gemma 3's features (its
   q/k norms and five-to-one pattern are what it adds to gemma2), the experts' routing and
   DeepSeek-V3's correction bias, shared expert, routed scaling and YaRN, and DeepSeek-V2's
-  top-k weights not renormalised and YaRN's score factor (mscale_all_dim) matter: the
+  top-k weights not renormalised and YaRN's score factor (mscale_all_dim), and OLMo 3's window,
+  its sliding layers' plain RoPE and its global layers' YaRN matter: the
   same weights without one miss transformers' logits by over 100 times what the parity test
   allows."""
   logits, golden = logits_and_golden(family, tiny_config(*SHAPE, *FAMILIES[family], without))
@@ -205,7 +210,7 @@ def test_export_shards_above_the_shard_size_and_the_shards_import_again(tmp_path
   assert jax.tree.all(jax.tree.map(np.array_equal, restore(again), restore(converted)))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe_interleaved"])
+@pytest.mark.parametrize("family", ["llama", "olmo3", "qwen3_moe_interleaved"])
 def test_both_converters_hold_one_layer_of_a_stacked_parameter_at_a_time(tmp_path, family, monkeypatch):
   """to_maxtext builds, and to_huggingface reads, every stacked parameter a layer at a time (a
   stacked expert projection can exceed a host's memory); the checkpoint stores one layer per
@@ -296,11 +301,12 @@ def test_bf16_weights_stay_bf16_unless_convert_dtype_asks(tmp_path, convert_dtyp
 
 
 @pytest.mark.parametrize("model_name", ["llama3.2-1b", "qwen3-0.6b", "gemma2-2b", "gemma3-1b", "gemma3-4b",
-                                        "gemma3-27b", "deepseek3-671b", "deepseek2-16b"])
+                                        "gemma3-27b", "deepseek3-671b", "deepseek2-16b", "olmo3-7b", "olmo3-32b"])
 def test_a_published_config_json_gives_the_model_file_keys(tmp_path, model_name):
   """config.json as the Hub publishes it (transcribed in tests/assets/hf/published_configs.json;
   Gemma 2's names neither a tied head nor layer_types, which transformers takes as tied and
-  sliding on even layers; Gemma 3 4B's and 27B's are Gemma3ForConditionalGeneration, whose
+  sliding on even layers; OLMo 3's keys its YaRN by neither layer type, which transformers gives
+  the global layers alone; Gemma 3 4B's and 27B's are Gemma3ForConditionalGeneration, whose
   text_config names only what differs from transformers' defaults): with model_name it agrees
   with configs/models/NAME.yml, and without it to_maxtext resolves the same model keys."""
   (tmp_path / "config.json").write_text(json.dumps(

@@ -68,8 +68,11 @@ def test_every_model_config_resolves_and_its_model_traces(name):
                                                               cfg.qk_nope_head_dim + cfg.v_head_dim)
     else:
       assert attention["key"]["kernel"].value.shape[2:] == (cfg.base_num_kv_heads, cfg.head_dim)
-    assert ("query_norm" in attention) == (cfg.decoder_block in ("qwen3", "qwen3_moe", "gemma3"))
-    assert ("post_ffw_norm" in layers) == (cfg.decoder_block in ("gemma2", "gemma3"))
+    assert ("query_norm" in attention) == (cfg.decoder_block in ("qwen3", "qwen3_moe", "gemma3", "olmo3"))
+    if cfg.decoder_block == "olmo3":  # over the whole projections
+      assert attention["key_norm"]["scale"].value.shape[1:] == (cfg.base_num_kv_heads * cfg.head_dim,)
+    assert ("post_ffw_norm" in layers) == (cfg.decoder_block in ("gemma2", "gemma3", "olmo3"))
+    assert ("pre_self_attention_norm" in layers) == (cfg.decoder_block != "olmo3")
   assert sum(stack.depth for stack in decoders.stacks(cfg)) == cfg.base_num_decoder_layers
   assert ("logits_kernel" in params) == (not cfg.logits_via_embedding)
 

@@ -3,9 +3,10 @@ converters read (to_maxtext.py, to_huggingface.py), config.json both ways, and r
 directory's safetensors one tensor at a time.
 
 Supported: LlamaForCausalLM (Llama 2, 3, 3.1, 3.2), Qwen3ForCausalLM, Gemma2ForCausalLM,
-Gemma3ForCausalLM (Gemma 3's text decoder), and the mixtures of experts Qwen3MoeForCausalLM, MixtralForCausalLM,
-DeepseekV2ForCausalLM and DeepseekV3ForCausalLM; imported only, the language model of
-Gemma3ForConditionalGeneration (Gemma 3 4B, 12B, 27B as published).
+Gemma3ForCausalLM (Gemma 3's text decoder), Olmo3ForCausalLM, and the mixtures of experts
+Qwen3MoeForCausalLM (every N-th layer routed too), MixtralForCausalLM, DeepseekV2ForCausalLM and
+DeepseekV3ForCausalLM; imported only, the language model of Gemma3ForConditionalGeneration (Gemma 3
+4B, 12B, 27B as published).
 """
 
 import glob
@@ -23,6 +24,7 @@ from safetensors import safe_open
 from MaxText import config_schema, errors
 from MaxText.families import FAMILIES
 from MaxText.layers import blocks
+from MaxText.layers.embeddings import yarn_mscale
 
 # Put before the user's keys: the converters read no data, so the text dataset's checks (a
 # tokenizer that fits vocab_size) must not stop them.
@@ -57,6 +59,8 @@ def layer_types(config) -> list:
 _RESCALED_ROPE_KEYS = ("rope_scaling_factor", "rope_original_max_position")
 _LLAMA31_ROPE_KEYS = ("rope_low_freq_factor", "rope_high_freq_factor")
 _YARN_ROPE_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+# What transformers' YaRN takes where config.json is silent (no mscale: cos and sin scaled by mscale(1)).
+_YARN_DEFAULTS = dict(zip(_YARN_ROPE_KEYS, (32.0, 1.0, 0.0, 0.0)))
 # Latent attention's widths (attention_type=mla).
 _MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
@@ -136,10 +140,17 @@ def _model_keys(hf: dict, block: str) -> dict:
   # RoPE is plain.
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   rope, local = rope.get("full_attention", rope), rope.get("sliding_attention", {})
-  local_base = local.get("rope_theta", hf.get("rope_local_base_freq")) if family.hf_rope_by_layer_type else None
+  global_base = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  local_base = (local.get("rope_theta", hf.get("rope_local_base_freq")) or family.hf_local_rope_base or global_base
+                if family.hf_rope_by_layer_type else None)
   if local.get("rope_type", "default") != "default":
     local_base = f"sliding layers' rope_type {local['rope_type']} (not supported)"
   rope_type = rope.get("rope_type", rope.get("type", "default"))
+  # transformers' YaRN scales cos and sin by attention_factor, by default the one mscale() gives.
+  factor = rope.get("attention_factor")
+  if rope_type == "yarn" and factor is not None and not math.isclose(factor, yarn_mscale(rope.get("factor", 1.0)),
+                                                                      rel_tol=1e-9):
+    rope_type = f"yarn with attention_factor {factor} (not supported)"
   head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
   expected = pattern(layers, family.sliding_window_pattern)
   by_default = family.hf_sliding_by_default and hf.get("sliding_window")
@@ -158,7 +169,7 @@ def _model_keys(hf: dict, block: str) -> dict:
           "base_num_decoder_layers": hf["num_hidden_layers"],
           "head_dim": head_dim,
           "logits_via_embedding": bool(hf.get("tie_word_embeddings", family.hf_tied_by_default)),
-          "rope_max_timescale": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+          "rope_max_timescale": global_base,
           "normalization_layer_epsilon": hf["rms_norm_eps"],
           "local_rope_max_timescale": local_base or 0,
           "rope_type": {"default": "default", "llama3": "llama3.1", "yarn": "yarn"}.get(
@@ -167,7 +178,8 @@ def _model_keys(hf: dict, block: str) -> dict:
           "rope_scaling_factor": rope.get("factor"), "rope_low_freq_factor": rope.get("low_freq_factor"),
           "rope_high_freq_factor": rope.get("high_freq_factor"),
           "rope_original_max_position": rope.get("original_max_position_embeddings"),
-          **{key: rope.get(key) for key in _YARN_ROPE_KEYS},
+          **{key: default if rope_type == "yarn" and rope.get(key) is None else rope.get(key)
+             for key, default in _YARN_DEFAULTS.items()},
           "attn_logits_soft_cap": float(hf.get("attn_logit_softcapping") or 0),
           "final_logits_soft_cap": float(hf.get("final_logit_softcapping") or 0),
           "query_pre_attn_scalar": hf.get("query_pre_attn_scalar") or head_dim, "sliding_window_size": window,
@@ -297,8 +309,9 @@ def _layer_entries(config, prefix: tuple, hf_prefix: str, layers: tuple, first: 
   def entry(path, name, shape, in_axes, stacked=layers, **options):
     return Entry((*prefix, *path), hf_prefix + name, stacked, shape, in_axes, first=first, stride=stride, **options)
 
-  entries = [*_attention_entries(config, entry),
-             entry(("pre_self_attention_norm", "scale"), "input_layernorm.weight", (dim,), 0),
+  pre_norm = [] if config.post_norms else [entry(("pre_self_attention_norm", "scale"), "input_layernorm.weight",
+                                                 (dim,), 0)]
+  entries = [*_attention_entries(config, entry), *pre_norm,
              entry(("post_self_attention_norm", "scale"), "post_attention_layernorm.weight", (dim,), 0)]
   if moe_layer:
     (router, gate, up, down), hidden = family.hf_expert_names, config.base_moe_mlp_dim
@@ -315,11 +328,13 @@ def _layer_entries(config, prefix: tuple, hf_prefix: str, layers: tuple, first: 
   else:
     entries += _mlp_entries(entry, ("mlp",), "mlp.", dim, config.base_mlp_dim)
   if config.sandwich_norms:
-    entries += [entry(("pre_ffw_norm", "scale"), "pre_feedforward_layernorm.weight", (dim,), 0),
-                entry(("post_ffw_norm", "scale"), "post_feedforward_layernorm.weight", (dim,), 0)]
+    entries.append(entry(("pre_ffw_norm", "scale"), "pre_feedforward_layernorm.weight", (dim,), 0))
+  if config.sandwich_norms or config.post_norms:
+    entries.append(entry(("post_ffw_norm", "scale"), "post_feedforward_layernorm.weight", (dim,), 0))
   if config.qk_norm:
-    entries += [entry(("self_attention", "query_norm", "scale"), "self_attn.q_norm.weight", (head_dim,), 0),
-                entry(("self_attention", "key_norm", "scale"), "self_attn.k_norm.weight", (head_dim,), 0)]
+    heads = (config.base_num_query_heads, config.base_num_kv_heads) if config.qk_norm_over_heads else (1, 1)
+    entries += [entry(("self_attention", "query_norm", "scale"), "self_attn.q_norm.weight", (heads[0] * head_dim,), 0),
+                entry(("self_attention", "key_norm", "scale"), "self_attn.k_norm.weight", (heads[1] * head_dim,), 0)]
   return entries
 
 

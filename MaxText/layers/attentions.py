@@ -362,9 +362,23 @@ def _window(cfg, layer_index):
 
 
 def rotate(cfg, x, positions, layer_index):
-  """RoPE, as the configuration and the layer say, over all of x's last axis [B, T, heads, d]."""
-  timescale = rope_timescales(cfg, x.shape[3], _window(cfg, layer_index)[1])
-  return apply_rope(x, positions, timescale, rope_attention_factor(cfg))
+  """RoPE, as the configuration and the layer say, over all of x's last axis [B, T, heads, d]: a
+  sliding layer with a RoPE of its own (local_rope_max_timescale) has it plain, its cos and sin
+  unscaled (OLMo 3's YaRN is its global layers')."""
+  sliding = _window(cfg, layer_index)[1]
+  timescale = rope_timescales(cfg, x.shape[3], sliding)
+  factor = rope_attention_factor(cfg)
+  if cfg.local_rope_max_timescale and factor != 1:
+    factor = jnp.where(sliding, 1.0, factor)
+  return apply_rope(x, positions, timescale, factor)
+
+
+def qk_normed(cfg, scale, x):
+  """Queries' or keys' RMSNorm over x [B, T, n, H]: each head's features (Qwen3), or with
+  qk_norm_over_heads all of the projection's together (OLMo 2/3), its scale [n * H]."""
+  if not cfg.qk_norm_over_heads:
+    return rms_norm_with(cfg, scale, x)
+  return rms_norm_with(cfg, scale, x.reshape(*x.shape[:2], -1)).reshape(x.shape)
 
 
 def global_attention(cfg, x, positions, segment_ids, layer_index):
@@ -378,8 +392,10 @@ def global_attention(cfg, x, positions, segment_ids, layer_index):
                  kernel(cfg, "key", (dim, kv_heads, head_dim), ("embed", "kv_heads", "kv")),
                  kernel(cfg, "value", (dim, kv_heads, head_dim), ("embed", "kv_heads", "kv")))
   out = kernel(cfg, "out", (heads, head_dim, dim), ("heads", "kv", "embed"), num_in_axes=2)
-  if cfg.qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
-    q_scale, k_scale = norm_scale(cfg, "query_norm", head_dim), norm_scale(cfg, "key_norm", head_dim)
+  if cfg.qk_norm:  # before RoPE
+    heads_normed = (heads, kv_heads) if cfg.qk_norm_over_heads else (1, 1)
+    q_scale = norm_scale(cfg, "query_norm", heads_normed[0] * head_dim)
+    k_scale = norm_scale(cfg, "key_norm", heads_normed[1] * head_dim)
   chunks, dtype = cfg.attention_head_chunks, jnp.dtype(cfg.dtype)
   shards = sharding.logical_shards(cfg.to_dict(), "kv_heads")
   scale = (cfg.query_pre_attn_scalar or head_dim)**-0.5
@@ -390,7 +406,7 @@ def global_attention(cfg, x, positions, segment_ids, layer_index):
     kk = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, wk), "key_proj")
     v = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, wv), "value_proj")
     if cfg.qk_norm:
-      q, kk = rms_norm_with(cfg, q_scale, q), rms_norm_with(cfg, k_scale, kk)
+      q, kk = qk_normed(cfg, q_scale, q), qk_normed(cfg, k_scale, kk)
     q, kk = rotate(cfg, q, positions, layer_index), rotate(cfg, kk, positions, layer_index)
     context = attend_heads(cfg, q, kk, v, segment_ids, layer_index, scale)
     wo = kernel_run(out, 0, shards, chunks, k, dtype)  # [n, H, D]

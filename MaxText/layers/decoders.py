@@ -19,9 +19,10 @@ from MaxText.layers.normalizations import rms_norm
 
 class DecoderLayer(nn.Module):
   """Pre-norm layer: x + attn(norm(x)), then h + mlp(norm(h)); with sandwich_norms (Gemma 2)
-  the attention's and the MLP's outputs are normed too before they join the residual.
+  the attention's and the MLP's outputs are normed too before they join the residual, with
+  post_norms (OLMo 2/3) only they: x + norm(attn(x)), then h + norm(mlp(h)).
   The norms keep MaxText's (and Hugging Face's) names: post_self_attention_norm is the MLP's
-  input norm in Llama and the attention's output norm in Gemma 2. layer_index (a Python int,
+  input norm in Llama and the attention's output norm in Gemma 2 and OLMo. layer_index (a Python int,
   or traced in a scan) picks the layer's attention window. `moe`: its MLP is a mixture of
   experts (a model's stacks say which of its layers are; see `stacks`)."""
 
@@ -32,9 +33,9 @@ class DecoderLayer(nn.Module):
   def __call__(self, x, positions, segment_ids, layer_index):
     cfg = self.config
     x = checkpoint_name(nn.with_logical_constraint(x, BATCH_LENGTH_EMBED), "decoder_layer_input")
-    attn = Attention(cfg, name="self_attention")(rms_norm(cfg, "pre_self_attention_norm")(x),
-                                                 positions, segment_ids, layer_index)
-    if cfg.sandwich_norms:
+    normed = x if cfg.post_norms else rms_norm(cfg, "pre_self_attention_norm")(x)
+    attn = Attention(cfg, name="self_attention")(normed, positions, segment_ids, layer_index)
+    if cfg.sandwich_norms or cfg.post_norms:
       attn = rms_norm(cfg, "post_self_attention_norm")(attn)
     h = nn.with_logical_constraint(x + attn, BATCH_LENGTH_EMBED)
     mlp = mlp_sublayer(cfg, h, self.moe)
@@ -42,12 +43,12 @@ class DecoderLayer(nn.Module):
 
 
 def mlp_sublayer(cfg, h, moe_layer: bool):
-  """The MLP's input norm, the MLP (or the mixture of experts), and with sandwich_norms its
-  output norm."""
+  """The MLP's input norm (none with post_norms), the MLP (or the mixture of experts), and with
+  sandwich_norms or post_norms its output norm."""
   mlp_norm = "pre_ffw_norm" if cfg.sandwich_norms else "post_self_attention_norm"
   block = moe.MoeBlock(cfg, name="moe_block") if moe_layer else MlpBlock(cfg, name="mlp")
-  mlp = block(rms_norm(cfg, mlp_norm)(h))
-  return rms_norm(cfg, "post_ffw_norm")(mlp) if cfg.sandwich_norms else mlp
+  mlp = block(h if cfg.post_norms else rms_norm(cfg, mlp_norm)(h))
+  return rms_norm(cfg, "post_ffw_norm")(mlp) if cfg.sandwich_norms or cfg.post_norms else mlp
 
 
 class ScannedDecoderLayer(DecoderLayer):

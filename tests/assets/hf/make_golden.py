@@ -65,6 +65,14 @@ MODELS = {
     "qwen3_moe_tied": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
         tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
         norm_topk_prob=False)),
+    # OLMo 3 with every feature made to bite: 5 layers, so sliding layers both before and after the
+    # global layer 3; a window of 4; YaRN over a short original context on the global layer only
+    # (its sliding layers' RoPE plain, at the same base); random q/k norms over the whole projections.
+    "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM, dict(
+        num_hidden_layers=5, tie_word_embeddings=False, sliding_window=4, initializer_range=0.2,
+        rope_parameters=dict(full_attention=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                 original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0),
+                             sliding_attention=dict(rope_type="default", rope_theta=10000.0)))),
     # Every other layer routed (decoder_sparse_step 2), the others dense MLPs: a block of two layer kinds.
     "qwen3_moe_interleaved": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
         num_hidden_layers=4, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
