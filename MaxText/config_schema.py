@@ -237,7 +237,7 @@ class Model:
     require(self.rope_scaling_factor > 0 and self.rope_original_max_position > 0, self, "rope_scaling_factor",
             "and rope_original_max_position must be > 0")
     require(self.normalization_layer_epsilon > 0, self, "normalization_layer_epsilon", "must be > 0")
-    require(self.beta_fast > self.beta_slow > 0, self, "beta_fast", f"must be > beta_slow={self.beta_slow} > 0")
+    require(self.beta_fast >= self.beta_slow > 0, self, "beta_fast", f"must be >= beta_slow={self.beta_slow} > 0")
     at_least(self, 0, "mscale", "mscale_all_dim")
     if self.attention_type == "mla":
       at_least(self, 0, "q_lora_rank")

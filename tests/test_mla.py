@@ -167,12 +167,24 @@ def test_model_flops_are_the_traced_products_but_the_masked_half():
                                                      rel=1e-12)
 
 
+def test_kimi_k2s_yarn_with_equal_betas_matches_hugging_face():
+  """Kimi K2's YaRN (factor 32 over 4096 tokens, base 50000, beta_fast = beta_slow = 1): one ramp
+  from kept to slowed frequencies, as transformers forms it."""
+  config = tiny_config(*MLA, "rope_type=yarn", "rope_max_timescale=50000", "rope_scaling_factor=32",
+                       "rope_original_max_position=4096", "beta_fast=1", "beta_slow=1", "mscale=1", "mscale_all_dim=1",
+                       "qk_nope_head_dim=128", "qk_rope_head_dim=64")
+  inv_freq, factor, softmax = hf_yarn(64, 50000, 32, 4096, 1, 1, 1, 1)
+  np.testing.assert_allclose(1 / np.asarray(rope_timescales(config, 64), np.float64), inv_freq, rtol=1e-5)
+  np.testing.assert_allclose(rope_attention_factor(config), factor, rtol=1e-12)
+  np.testing.assert_allclose(mla_scale(config), 192**-0.5 * softmax, rtol=1e-12)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (("kv_lora_rank=0",), "kv_lora_rank=0: must be >= 1"),
     (("qk_rope_head_dim=3",), "qk_rope_head_dim=3: must be even"),
     (("base_num_kv_heads=2",), "base_num_kv_heads=2: must equal base_num_query_heads=4"),
     (("attention_head_chunks=2",), "attention_head_chunks=2: must be 1 for attention_type=mla"),
-    (("rope_type=yarn", "beta_slow=40"), "beta_fast=32.0: must be > beta_slow=40.0"),
+    (("rope_type=yarn", "beta_slow=40"), "beta_fast=32.0: must be >= beta_slow=40.0"),
 ])
 def test_bad_mla_and_yarn_settings_are_one_line_config_errors(overrides, message):
   with pytest.raises(errors.ConfigError) as e:
