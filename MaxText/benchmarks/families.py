@@ -6,7 +6,8 @@ attention=flash: each model on the slice it is sized for, with 8 vocabulary tile
 tiling exists for), and for the mixtures (DeepSeek's) with expert parallelism too, dropless and, for
 deepseek3-671b, with the experts' kernels gathered a slice at a time (mlp_chunks=8) and with
 capacity_factor=1.25, also with the layer inputs offloaded to the host (remat_policy=input_offloaded
-in place of full). Each cell is what
+in place of full); olmo3-32b with its MLP in slices and its layer inputs offloaded; kimi-k2-1t dropless
+on a v5p-1024. Each cell is what
   python -m MaxText.train_compile configs/base.yml model_name=M compile_topology=S dataset_type=synthetic \\
     per_device_batch_size=1 max_target_length=8192 attention=flash remat_policy=full num_vocab_tiling=T [mesh keys]
 prints: the parameters and optimizer state per chip, the temporaries and their sum; a step the
@@ -43,6 +44,15 @@ CELLS = (
     # The same with the layer inputs, the one stack remat_policy=full keeps, in host memory.
     ("deepseek3-671b", "v5p-512", "expert 8 x fsdp, capacity_factor=1.25, remat_policy=input_offloaded",
      (*EXPERT_8, "capacity_factor=1.25", "remat_policy=input_offloaded"), 8),
+    # OLMo 3 (MaxText 0.2.5's own train_compile of the plain setting: 32.84 GiB), its MLP in slices,
+    # its layer inputs on the host, and both.
+    ("olmo3-32b", "v5p-64", "fsdp", FSDP, 8),
+    ("olmo3-32b", "v5p-64", "fsdp, mlp_chunks=4", (*FSDP, "mlp_chunks=4"), 8),
+    ("olmo3-32b", "v5p-64", "fsdp, remat_policy=input_offloaded", (*FSDP, "remat_policy=input_offloaded"), 8),
+    ("olmo3-32b", "v5p-64", "fsdp, mlp_chunks=4, remat_policy=input_offloaded",
+     (*FSDP, "mlp_chunks=4", "remat_policy=input_offloaded"), 8),
+    # Kimi K2, a trillion parameters: DeepSeek-V3's layout with 384 experts, dropless on 512 chips.
+    ("kimi-k2-1t", "v5p-1024", "fsdp, mlp_chunks=8", (*FSDP, "mlp_chunks=8"), 8),
 )
 
 
