@@ -24,7 +24,7 @@ class DecoderLayer(nn.Module):
   The norms keep MaxText's (and Hugging Face's) names: post_self_attention_norm is the MLP's
   input norm in Llama and the attention's output norm in Gemma 2 and OLMo. layer_index (a Python int,
   or traced in a scan) picks the layer's attention window. `moe`: its MLP is a mixture of
-  experts (a model's stacks say which of its layers are; see `stacks`)."""
+  experts (blocks.layer_kind says which layers are)."""
 
   config: object
   moe: bool
@@ -68,21 +68,20 @@ def layer_class(cfg, checkpointed: bool, in_scan: bool):
 
 
 class DecoderBlock(nn.Module):
-  """Consecutive layers of the given kinds, layer_0 .. layer_{n-1}: the first applies the remat
-  policy (or every interval-th), the rest keep everything. With remat_layer_interval=N the stack is
+  """Consecutive layers of the given kinds, layer_0 .. layer_{n-1}: every interval-th applies the
+  remat policy, the rest keep everything. With remat_layer_interval=N the stack is
   made of blocks of N layers (a whole number of its kinds' block), so the policy applies to layers
   0, N, 2N, ... exactly as with a Python loop. first_index is the model's index of layer_0."""
 
   config: object
   kinds: tuple  # each layer's LayerKind
   in_scan: bool
-  interval: int = 0  # layers i % interval == 0 apply the policy; 0: the first alone
+  interval: int  # layers i % interval == 0 apply the policy
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, first_index):
     for i, kind in enumerate(self.kinds):
-      checkpointed = i % self.interval == 0 if self.interval else i == 0
-      x = layer_class(self.config, checkpointed, self.in_scan)(self.config, kind.moe, name=f"layer_{i}")(
+      x = layer_class(self.config, i % self.interval == 0, self.in_scan)(self.config, kind.moe, name=f"layer_{i}")(
           x, positions, segment_ids, first_index + i)
     return x, None  # (carry, per-step output) as nn.scan expects
 
@@ -264,7 +263,8 @@ class Decoder(nn.Module):
           x, _ = scanned(ScannedDecoderLayer, cfg, stack.depth, stack.block[0].moe, name=stack.name, axis=axis)(
               x, positions, segment_ids, stack.first + jnp.arange(stack.depth))
         else:
-          x, _ = scanned(DecoderBlock, cfg, stack.depth // period, stack.block, True, name=stack.name, axis=axis)(
+          x, _ = scanned(DecoderBlock, cfg, stack.depth // period, stack.block, True, period, name=stack.name,
+                         axis=axis)(
               x, positions, segment_ids, stack.first + jnp.arange(stack.depth // period) * period)
       elif cfg.pipeline_stages > 1 and stack is last:
         x, stats = pipeline.forward(cfg, pipeline_stage(cfg, stack), self.variables["params"][stack.name], x,
