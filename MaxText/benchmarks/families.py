@@ -51,8 +51,13 @@ CELLS = (
     ("olmo3-32b", "v5p-64", "fsdp, remat_policy=input_offloaded", (*FSDP, "remat_policy=input_offloaded"), 8),
     ("olmo3-32b", "v5p-64", "fsdp, mlp_chunks=4, remat_policy=input_offloaded",
      (*FSDP, "mlp_chunks=4", "remat_policy=input_offloaded"), 8),
-    # Kimi K2, a trillion parameters: DeepSeek-V3's layout with 384 experts, dropless on 512 chips.
+    # Kimi K2, a trillion parameters: DeepSeek-V3's layout with 384 experts, dropless on 512 chips,
+    # the experts' kernels in slices, and the layer inputs on the host.
     ("kimi-k2-1t", "v5p-1024", "fsdp, mlp_chunks=8", (*FSDP, "mlp_chunks=8"), 8),
+    ("kimi-k2-1t", "v5p-1024", "fsdp, mlp_chunks=8, remat_policy=input_offloaded",
+     (*FSDP, "mlp_chunks=8", "remat_policy=input_offloaded"), 8),
+    ("kimi-k2-1t", "v5p-1024", "fsdp, mlp_chunks=16, remat_policy=input_offloaded",
+     (*FSDP, "mlp_chunks=16", "remat_policy=input_offloaded"), 8),
 )
 
 
