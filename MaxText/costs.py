@@ -3,9 +3,10 @@ collectives a traced step executes (a walk of its jaxpr at loop trip counts), th
 step's memory against one device's, and the report train, train_compile and the planner all read
 (memory_report, flops_report).
 
-A Pallas kernel is a custom call whose FLOPs XLA does not see: the module that calls one
-registers a count for it in KERNEL_FLOPS (layers/attentions registers the flash kernels); a
-kernel that is not registered counts its own cost estimate, if it has one.
+A Pallas kernel is a custom call whose FLOPs XLA does not see: each flash kernel declares its
+count in its own record (layers/attentions.FlashKernel), which the model registers here in
+KERNEL_FLOPS (this layer is below the model's); any other kernel counts its own cost estimate, and
+one with neither stops the count naming it, never a silent zero.
 """
 
 import collections
@@ -22,10 +23,10 @@ import numpy as np
 from MaxText import accelerators
 from MaxText.layers.blocks import layer_kind
 
-# pallas_call name prefix -> its FLOPs (eqn -> float), registered by the module that calls it.
+# pallas_call name prefix -> its FLOPs (eqn -> float), and a fused kernel that is a primitive of
+# its own (cuDNN's attention) -> its FLOPs, as the flash kernels' records declare them
+# (layers/attentions registers every record's).
 KERNEL_FLOPS: dict[str, Callable] = {}
-# A fused kernel that is a primitive of its own (cuDNN's attention) -> its FLOPs (eqn -> float),
-# likewise registered.
 PRIMITIVE_FLOPS: dict[str, Callable] = {}
 # attention_type -> (config -> (multiply-adds per token of a layer's attention projections, per
 # (query, key) pair of its scores and context, all heads)), registered by layers/attentions.
@@ -38,7 +39,10 @@ def _kernel_flops(eqn) -> float:
   if count is not None:
     return count(eqn)
   estimate = eqn.params.get("cost_estimate")
-  return float(estimate.flops) if estimate is not None else 0.0
+  if estimate is None:
+    raise ValueError(f"the Pallas kernel {name!r} declares no FLOPs (attentions.FlashKernel) and has no cost "
+                     "estimate: the step's FLOPs cannot be counted")
+  return float(estimate.flops)
 
 
 def training_flops_per_step(config) -> float:

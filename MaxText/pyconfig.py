@@ -22,7 +22,7 @@ from absl import logging
 from MaxText import config_schema, remat, sharding
 from MaxText.errors import ConfigError, first_line
 from MaxText.families import FAMILIES
-from MaxText.layers import moe
+from MaxText.layers import masks, moe
 from MaxText.layers.attentions import DEFAULT_FLASH_KERNEL, FLASH_KERNELS
 from MaxText.layers.context_parallel import ROW_KERNELS, kernels_for
 
@@ -350,9 +350,9 @@ def _derive_flash_kernel(v: dict) -> None:
            f"{platform}", v)
   _require(v["flash_kernel"] != "cudnn" or v["dtype"] in ("bfloat16", "float16"), "dtype",
            "must be bfloat16 or float16 for flash_kernel=cudnn (cuDNN's fused attention takes no float32)", v)
-  for key, taken in (("attn_logits_soft_cap", kernel.soft_cap), ("sliding_window_size", kernel.window)):
-    _require(taken or not v[key], key, f"must be 0 for attention=flash with flash_kernel={v['flash_kernel']} (the "
-             "kernel has none); use attention=chunked or another flash_kernel", v)
+  refusal = masks.refused(v, v["flash_kernel"], kernel.takes)
+  if refusal:
+    raise ConfigError(refusal)
 
 
 def _check_context(v: dict) -> None:

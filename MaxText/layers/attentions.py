@@ -14,7 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import costs, head, remat, sharding
 from MaxText.errors import ConfigError
-from MaxText.layers import context_parallel
+from MaxText.layers import context_parallel, masks
 from MaxText.layers.embeddings import apply_rope, rope_attention_factor, rope_timescales, yarn_mscale
 from MaxText.layers.linears import kernel, kernel_run, sum_of_slices, weights_as
 from MaxText.layers.normalizations import norm_scale, rms_norm_with
@@ -27,10 +27,8 @@ BATCH_FULL_LENGTH_KV_HEADS = ("activation_batch", None, "activation_kv_heads", N
 
 def attention_mask(query_index, segment_ids, window=None):
   """[B, 1, Tq, T] bool for queries at positions query_index [Tq] of rows with segment_ids
-  [B, T]: causal, only within one packed document (same segment id), and with a window
-  only the last `window` keys, the query's own included."""
-  distance = query_index[:, None] - jnp.arange(segment_ids.shape[1])[None, :]
-  allowed = distance >= 0 if window is None else (distance >= 0) & (distance < window)
+  [B, T]: what masks.visible lets them see, within one packed document (same segment id)."""
+  allowed = masks.visible(query_index[:, None], jnp.arange(segment_ids.shape[1])[None, :], window)
   same_doc = jnp.take(segment_ids, query_index, axis=1)[:, :, None] == segment_ids[:, None, :]
   return (allowed[None] & same_doc)[:, None]
 
@@ -84,12 +82,12 @@ FLASH_BLOCK = 512  # query and key block of the splash kernel, or the whole row 
 def _token_mask_type():
   """splash_mask's class, made once (its kernels import lazily): masks of equal tokens and
   window are equal, so splash's cache of processed masks (keyed by the mask) finds them."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks  # noqa: PLC0415
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask  # noqa: PLC0415
 
-  class TokenMask(masks._ComputableMask):
+  class TokenMask(splash_attention_mask._ComputableMask):
     def __init__(self, token_index, window):
       self.window = window
-      super().__init__((len(token_index),) * 2, lambda q, kv: (q >= kv) & (q - kv < window) if window else q >= kv)
+      super().__init__((len(token_index),) * 2, lambda q, kv: masks.visible(q, kv, window))
       self.q_sequence = np.asarray(token_index, np.int32)
 
     def __eq__(self, other):
@@ -209,23 +207,45 @@ def _cudnn_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret, m
                                      sliding_window_length=window)
 
 
+# How the cost model counts a flash kernel's calls, which are custom calls, not dot_generals:
+# (matmuls per (query, key) pair and head feature, the axis of the queries holding the sequence,
+# the kernel metadata's keys of its (query, key) block sizes, or None where the metadata has
+# none: then the exact causal half is counted, at most a block's share of the row below what the
+# kernel runs). Splash's backward is a dq kernel (scores, dP, dQ) and a dk/dv kernel (scores, dV,
+# dP, dK); the Triton backward is one kernel doing both, 7 matmuls; cuDNN's attention is two
+# primitives of JAX's, its forward (2) and its backward (scores, dP, dV, dQ, dK: 5), on
+# [B, T, N, H] rows, whose skipped blocks the trace does not show (they depend on the documents):
+# each counts the row's exact causal half, as for one document.
+SPLASH_MATMULS = {"splash_mha_fwd": (2, -2, ("block_q", "block_kv")),
+                  "splash_mha_dq": (3, -2, ("block_q_dq", "block_kv_dq")),
+                  "splash_mha_dkv": (4, -2, ("block_q_dkv", "block_kv_dkv"))}
+
+
 class FlashKernel(NamedTuple):
   """A fused kernel over one device's whole rows [B, T, N, H]: (q, k, v, segment_ids, scale,
-  soft_cap, window, interpret, max_segments) -> context; the platform it runs on, whether it
-  takes a soft cap and a sliding window, and whether its forward names its residuals (the
-  context and its logsumexp) remat.KERNEL_RESIDUALS."""
+  soft_cap, window, interpret, max_segments) -> context; the platform it runs on, the
+  masks.FEATURES it takes (what else a config asks of it is refused naming the key), its FLOPs
+  as the cost model counts them (pallas kernel name prefix, or for a primitive of its own the
+  primitive's name -> its FLASH matmuls entry: flash_kernel_flops), and whether its forward
+  names its residuals (the context and its logsumexp) remat.KERNEL_RESIDUALS."""
 
   platform: str
   run: Callable
-  soft_cap: bool
-  window: bool
+  takes: frozenset
+  pallas_flops: dict
+  primitive_flops: dict = {}
   names_residuals: bool = False
 
 
 # flash_kernel= -> its FlashKernel; unset, each platform's fastest (DEFAULT_FLASH_KERNEL).
-FLASH_KERNELS = {"splash": FlashKernel("tpu", _splash_attention, soft_cap=True, window=True, names_residuals=True),
-                 "cudnn": FlashKernel("gpu", _cudnn_attention, soft_cap=False, window=True),
-                 "triton": FlashKernel("gpu", _triton_attention, soft_cap=False, window=False)}
+FLASH_KERNELS = {
+    "splash": FlashKernel("tpu", _splash_attention, frozenset({"soft_cap", "window"}), SPLASH_MATMULS,
+                          names_residuals=True),
+    "cudnn": FlashKernel("gpu", _cudnn_attention, frozenset({"window"}), {},
+                         {"dot_product_attention_fwd_wrapper": (2, 1, None),
+                          "dot_product_attention_bwd_wrapper": (5, 1, None)}),
+    "triton": FlashKernel("gpu", _triton_attention, frozenset(), {"mha_forward": (2, 1, None),
+                                                                  "mha_backward": (7, 1, None)})}
 DEFAULT_FLASH_KERNEL = {"tpu": "splash", "gpu": "cudnn"}
 # ... and under context parallelism, per context shard (its q_seq_shards part of the mask).
 context_parallel.ROW_KERNELS["flash"] = {"tpu": context_parallel.RowKernel(
@@ -256,9 +276,9 @@ def flash_attention(q, k, v, segment_ids, kernel_name, scale=None, soft_cap=0.0,
   `interpret` runs a Pallas kernel in Pallas's interpreter (any backend, slowly: for tests);
   `max_segments` bounds the documents of a row for cuDNN (document_offsets)."""
   flash = FLASH_KERNELS[kernel_name]
-  if (soft_cap and not flash.soft_cap) or (window and not flash.window):
-    raise ValueError(f"flash_kernel={kernel_name} takes soft_cap={soft_cap} and window={window}: it has "
-                     f"{'a' if flash.soft_cap else 'no'} soft cap and {'a' if flash.window else 'no'} window")
+  refusal = masks.refused({"attn_logits_soft_cap": soft_cap, "sliding_window_size": window}, kernel_name, flash.takes)
+  if refusal:
+    raise ValueError(refusal)
   kernel = functools.partial(flash.run, scale=q.shape[3]**-0.5 if scale is None else scale, soft_cap=soft_cap,
                              interpret=interpret, max_segments=max_segments)
 
@@ -280,23 +300,6 @@ def flash_attention(q, k, v, segment_ids, kernel_name, scale=None, soft_cap=0.0,
                        out_specs=rows, check_vma=False)(q, k, v, segment_ids)
 
 
-# What the cost model counts for the flash kernels' pallas_calls, which are custom calls, not
-# dot_generals (registered in costs.KERNEL_FLOPS below): pallas kernel name (prefix) ->
-# (matmuls per (query, key) pair and head feature, the axis of the queries holding the sequence,
-# the kernel metadata's keys of its (query, key) block sizes, or None where the metadata has
-# none: then the exact causal half is counted, at most a block's share of the row below what the
-# kernel runs).
-# Splash's backward is a dq kernel (scores, dP, dQ) and a dk/dv kernel (scores, dV, dP, dK);
-# the Triton backward is one kernel doing both, 7 matmuls.
-FLASH_KERNEL_MATMULS = {
-    "splash_mha_fwd": (2, -2, ("block_q", "block_kv")),
-    "splash_mha_dq": (3, -2, ("block_q_dq", "block_kv_dq")),
-    "splash_mha_dkv": (4, -2, ("block_q_dkv", "block_kv_dkv")),
-    "mha_forward": (2, 1, None),
-    "mha_backward": (7, 1, None),
-}
-
-
 def causal_pairs(length: int, block_q: int, block_k: int) -> int:
   """(query, key) pairs a causal flash kernel computes per row and head: every key block that
   starts at or before a query block's last query, whole (masked inside, not skipped)."""
@@ -308,7 +311,7 @@ def causal_pairs(length: int, block_q: int, block_k: int) -> int:
 
 
 def flash_kernel_flops(kind: tuple, eqn) -> float:
-  """FLOPs of a pallas_call of the flash kernel `kind` (a FLASH_KERNEL_MATMULS value), every
+  """FLOPs of a call of the flash kernel `kind` (a FlashKernel's flops value), every
   kernel causal (a sliding window's skipped blocks are counted). A context shard's splash call
   has a part of the queries and all the keys: its query blocks tile the runs of consecutive
   tokens (splash_kernel), so the shards together compute the whole row's causal blocks, and
@@ -325,13 +328,14 @@ def flash_kernel_flops(kind: tuple, eqn) -> float:
   return 2.0 * matmuls * rows * head_dim * pairs * q.shape[axis] / length
 
 
-costs.KERNEL_FLOPS.update({name: functools.partial(flash_kernel_flops, kind)
-                           for name, kind in FLASH_KERNEL_MATMULS.items()})
-# cuDNN's attention is two primitives of JAX's, its forward (2 matmuls) and its backward (scores,
-# dP, dV, dQ, dK: 5), on [B, T, N, H] rows. Its skipped blocks are not known from the trace (they
-# depend on the documents): each counts the row's exact causal half, as for one document.
-costs.PRIMITIVE_FLOPS.update({"dot_product_attention_fwd_wrapper": functools.partial(flash_kernel_flops, (2, 1, None)),
-                              "dot_product_attention_bwd_wrapper": functools.partial(flash_kernel_flops, (5, 1, None))})
+# The cost model lies below the model: every flash kernel's record registers its own count there.
+for _flash in FLASH_KERNELS.values():
+  costs.KERNEL_FLOPS.update({name: functools.partial(flash_kernel_flops, kind) for name, kind in
+                             _flash.pallas_flops.items()})
+  costs.PRIMITIVE_FLOPS.update({name: functools.partial(flash_kernel_flops, kind) for name, kind in
+                                _flash.primitive_flops.items()})
+
+
 
 
 def _layer_window(window, sliding, length):

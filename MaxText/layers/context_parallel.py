@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from MaxText import remat
+from MaxText.layers import masks
 
 AXIS = "context"
 _MASKED = -1e30  # finite, so a block whose keys a row cannot see gives weight 0, not NaN
@@ -70,14 +71,13 @@ def _in_token_order(x, num_shards: int, balanced: bool):
 
 def _scores(q, k, q_index, k_index, q_segments, k_segments, window, scale, cap):
   """Masked scores [B, K, G, Tq, Tk] float32 of q [B, Tq, N, H] (N = K x G query heads, GQA)
-  against keys [B, Tk, K, H], through `cap`, masked by token indices (causal, within `window`)
-  and segment ids."""
+  against keys [B, Tk, K, H], through `cap`, masked by token indices (masks.visible) and
+  segment ids."""
   batch, length, heads, head_dim = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(batch, length, kv_heads, heads // kv_heads, head_dim)
   scores = cap(jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * scale)
-  distance = q_index[:, None] - k_index[None, :]
-  allowed = distance >= 0 if window is None else (distance >= 0) & (distance < window)
+  allowed = masks.visible(q_index[:, None], k_index[None, :], window)
   allowed = allowed[None] & (q_segments[:, :, None] == k_segments[:, None, :])  # [B, Tq, Tk]
   return jnp.where(allowed[:, None, None], scores, _MASKED)
 
