@@ -1,9 +1,9 @@
 """The layer stack as a repeating block of layer kinds (interleave_moe_layer_step: every other
 layer a mixture of experts, the others dense): the stored block against a Python loop of its
-layers under every memory setting, 8 devices against one, the cost model and the traced step
-counting dense and routed layers where they are, bad blocks as one-line config errors. Pipeline
-stages over blocks: tests/test_pipeline.py; transformers' Qwen3-MoE with decoder_sparse_step:
-tests/test_hf_checkpoint.py."""
+layers under every memory setting, the cost model and the traced step counting dense and routed
+layers where they are, bad blocks as one-line config errors. The block on 8 devices (expert x fsdp,
+pipeline stages of whole blocks) against one: tests/test_pipeline.py; transformers' Qwen3-MoE with
+decoder_sparse_step: tests/test_hf_checkpoint.py."""
 
 import flax.linen as nn
 import jax
@@ -11,13 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
-  SHARDED,
   assert_trees_close,
-  fixed_batch,
-  loss_and_gradients_of,
   on_devices,
   tiny_config,
-  trainer_and_state,
 )
 
 from MaxText import costs, errors, sharding, train_step
@@ -74,19 +70,6 @@ def test_a_block_of_two_kinds_equals_a_python_loop_of_its_layers(stored, setting
   decoder = decoders.Decoder(cfg)
   got = outputs_loss_grads(lambda p, x: decoder.apply({"params": p}, x, positions, segments)[0], params, x)
   assert_trees_close(got, outputs_loss_grads(loop, params, x), RTOL, " ".join(settings))
-
-
-def test_expert_fsdp_and_tensor_meshes_give_one_devices_loss_and_gradients():
-  config = tiny_config(*SHARDED, *INTERLEAVED, "per_device_batch_size=8")
-  batch = fixed_batch(config)
-  params = jax.device_get(trainer_and_state(config)[1].params)
-  want = loss_and_gradients_of(config, params, batch)
-  with on_devices(8):
-    mesh = tiny_config(*SHARDED, *INTERLEAVED, "per_device_batch_size=1", "ici_expert_parallelism=2",
-                       "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2")
-    got = loss_and_gradients_of(mesh, params, batch)
-  assert np.any(got[1]["decoder"]["layers"]["layer_0"]["mlp"]["wo"]["kernel"])
-  assert_trees_close(got, want, RTOL, "expert=2 fsdp=2 tensor=2")
 
 
 def test_the_model_and_the_traced_step_count_dense_and_routed_layers_where_they_are():
