@@ -219,6 +219,8 @@ def _validate(v: dict) -> None:
     length = v["max_target_length"]
     _require(length % 128 == 0 and (length <= 512 or length % 512 == 0), "max_target_length",
              "must be a multiple of 128, and of 512 above 512, for attention=flash", v)
+  # A chunk longer than the row is the row (a model file's chunk with a short max_target_length).
+  v["attention_chunk_size"] = min(v["attention_chunk_size"], v["max_target_length"])
   if v["attention"] == "chunked":
     _require(v["max_target_length"] % v["attention_chunk_size"] == 0,
              "attention_chunk_size", f"must divide max_target_length={v['max_target_length']}", v)
@@ -311,6 +313,9 @@ def _derive_pipeline(v: dict) -> None:
     return
   _require(not v["mtp_num_layers"], "mtp_num_layers", f"must be 0 with pipeline stages ({stages})", v)
   per_stage = v["num_layers_per_pipeline_stage"] or layers // stages
+  _require(not v["num_layers_per_pipeline_stage"] or layers % (stages * per_stage) == 0,
+           "num_layers_per_pipeline_stage", f"times the {stages} pipeline stages must divide the {layers} layers "
+           "into whole repeats", v)
   repeats = layers // (stages * per_stage) if per_stage else 0
   if v["num_pipeline_repeats"] != -1:
     _require(v["num_pipeline_repeats"] == repeats or not v["num_layers_per_pipeline_stage"], "num_pipeline_repeats",

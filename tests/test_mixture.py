@@ -192,6 +192,10 @@ def test_sources_are_named_by_their_corpus_directory_numbered_when_two_share_one
   directories = ["/d/web", "/e/web", "/d/books"]
   unnamed = [mixture.Source(d, Fraction(1)) for d in directories]
   assert mixture.names(unnamed, directories) == ["web_1", "web_2", "books"]
+  # A numbered name never takes another source's: each keeps its own data/fraction metric.
+  directories = ["/d/web", "/e/web", "/f/web_1"]
+  assert mixture.names([mixture.Source(d, Fraction(1)) for d in directories], directories) == ["web_2", "web_3",
+                                                                                                "web_1"]
 
 
 def test_a_mixture_file_names_its_sources_and_draws_the_rows_of_the_same_mixture_inline(corpora, tmp_path):
@@ -216,6 +220,7 @@ def test_a_mixture_file_names_its_sources_and_draws_the_rows_of_the_same_mixture
     ("web: {files: 'x/*'}", "source 'web' must have exactly files (a glob) and weight"),
     ("web: {files: 'x/*', weight: -2}", "source 'web' has weight -2, not a positive number"),
     ("web: [unclosed", "not YAML"),
+    ("web: {files: 'x/*', weight: 1}\nweb: {files: 'y/*', weight: 2}", "source 'web' is named twice"),
 ])
 def test_a_bad_mixture_file_is_one_line_naming_it(tmp_path, content, message):
   path = tmp_path / "mixture.yml"

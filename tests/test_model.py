@@ -193,7 +193,7 @@ def test_the_layers_cast_of_their_float32_weights_is_bfloat16s_own_rounding():
   np.testing.assert_array_equal(weights_as(w, jnp.float32), w)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 4, 16])
+@pytest.mark.parametrize("chunk_size", [1, 4, 16, 512])  # 512: longer than the 16-token rows, so the row
 def test_chunked_attention_is_exact(chunk_size):
   full = tiny_config()
   chunked = tiny_config("attention=chunked", f"attention_chunk_size={chunk_size}")

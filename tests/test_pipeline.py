@@ -160,6 +160,9 @@ def test_bubble_counts_the_idle_stage_iterations(schedule, stages, repeats, coun
     ((_PP2, "ici_fsdp_parallelism=4", "num_pipeline_microbatches=4"), r"num_pipeline_microbatches=4: must split"),
     ((_PP2, "num_pipeline_repeats=2", "pipeline_schedule=1f1b"), r"pipeline_schedule='1f1b': 1f1b is not circular"),
     ((_PP2, "num_layers_per_pipeline_stage=1", "num_pipeline_repeats=1"), r"num_pipeline_repeats=1: disagrees"),
+    # 3 layers a stage, not the 2 asked for, would run without a word.
+    ((_PP2, "base_num_decoder_layers=6", "num_layers_per_pipeline_stage=2"),
+     r"num_layers_per_pipeline_stage=2: times the 2 pipeline stages must divide the 6 layers"),
     ((_PP4, "decoder_block=qwen3_moe", "num_experts=4", "first_num_dense_layers=2"),
      r"base_num_decoder_layers=4: less first_num_dense_layers \(2 layers\) must be divisible by pipeline stages"),
 ])

@@ -83,11 +83,17 @@ def read_file(key: str, path: str) -> list[Source]:
   import yaml  # noqa: PLC0415 (only mixture files need it)
   try:
     with open(path) as f:
-      spec = yaml.safe_load(f)
+      text = f.read()
+    node, spec = yaml.compose(text, Loader=yaml.SafeLoader), yaml.safe_load(text)
   except OSError as e:
     raise ConfigError(f"{key}={path!r}: cannot read the mixture file ({e.strerror})") from None
   except yaml.YAMLError as e:
     raise ConfigError(f"{key}={path!r}: not YAML ({str(e).splitlines()[0]})") from None
+  # YAML keeps the last of two equal keys: the first source would never be read.
+  named = Counter(k.value for k, _ in node.value) if isinstance(node, yaml.MappingNode) else Counter()
+  twice = [name for name, count in named.items() if count > 1]
+  if twice:
+    raise ConfigError(f"{key}={path!r}: source {twice[0]!r} is named twice")
   if not isinstance(spec, dict) or not spec:
     raise ConfigError(f"{key}={path!r}: a mixture file maps each source's name to its files and weight, e.g. "
                       "web: {files: \"web/train-*\", weight: 0.7}")
@@ -104,11 +110,14 @@ def names(sources: list[Source], directories: list[str]) -> list[str]:
   share one."""
   bases = [s.name or os.path.basename(d.rstrip(os.sep)) or d for s, d in zip(sources, directories)]
   repeated = {name for name, count in Counter(bases).items() if count > 1}
-  seen = Counter()
-  named = []
+  # A number never makes a name another source already has (web, web and web_1: web_2, web_3, web_1).
+  named, used = [], {base for base in bases if base not in repeated}
   for base in bases:
-    seen[base] += 1
-    named.append(f"{base}_{seen[base]}" if base in repeated else base)
+    name, k = base, 1
+    while base in repeated and (name := f"{base}_{k}") in used:
+      k += 1
+    used.add(name)
+    named.append(name)
   return named
 
 
