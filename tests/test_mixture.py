@@ -165,6 +165,14 @@ def test_a_lone_glob_with_or_without_a_weight_reads_as_before(corpora):
       jax.tree.map(np.testing.assert_array_equal, data.train[r], before[r])
 
 
+def test_a_lone_glob_with_a_comma_in_its_path_is_a_path():
+  """Nothing numeric after a lone glob's last comma: the comma is the path's; a number is a weight."""
+  assert mixture.parse("k", "d/a,b/train-*") == [mixture.Source("d/a,b/train-*", Fraction(1))]
+  assert mixture.parse("k", "d/a,b/train-*,3") == [mixture.Source("d/a,b/train-*", Fraction(3))]
+  with pytest.raises(ConfigError, match="source 'd/x-\\*' has weight '-2', not a positive number"):
+    mixture.parse("k", "d/x-*,-2")
+
+
 def test_each_eval_source_scores_as_it_does_alone_and_eval_loss_is_their_weighted_mean(corpora):
   weights = (1, 3)
   names = list(CORPORA)[:2]

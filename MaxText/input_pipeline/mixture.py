@@ -48,20 +48,29 @@ MIXTURE_FILES = (".yml", ".yaml")
 
 def parse(key: str, value: str) -> list[Source]:
   """The sources of config key `key`: "GLOB" (weight 1), "GLOB,WEIGHT;GLOB,WEIGHT;..." (a glob
-  may hold commas: the weight is what follows the last one), or a mixture file (read_file)."""
+  may hold commas: the weight is what follows the last one; a lone glob with nothing numeric after
+  its last comma is a glob), or a mixture file (read_file)."""
   if value.strip().endswith(MIXTURE_FILES):
     return read_file(key, value.strip())
   entries = [e.strip() for e in value.split(";") if e.strip()] or [value.strip()]
   sources = []
   for entry in entries:
     pattern, comma, weight = entry.rpartition(",")
-    if not comma:
+    if not comma or (len(entries) == 1 and not _numeric(weight)):
       if len(entries) > 1:
         raise ConfigError(f"{key}: source {entry!r} has no weight; give every source of a mixture one "
                           f"(GLOB,WEIGHT;GLOB,WEIGHT)")
       return [Source(entry, Fraction(1))]
     sources.append(Source(pattern.strip(), _weight(key, pattern.strip(), weight.strip())))
   return sources
+
+
+def _numeric(text: str) -> bool:
+  try:
+    Fraction(text.strip())
+  except (ValueError, ZeroDivisionError):
+    return False
+  return True
 
 
 def _weight(key: str, name: str, weight) -> Fraction:
