@@ -228,10 +228,11 @@ def _validate(v: dict) -> None:
     slots = moe.capacity(v["max_target_length"], v["num_experts_per_tok"], v["num_experts"], v["capacity_factor"])
     _require(slots >= 1, "capacity_factor", f"gives each expert {slots} slots per sequence of "
              f"max_target_length={v['max_target_length']} tokens: at least 1 is needed", v)
-  _require(not v["first_num_dense_layers"] or (FAMILIES[v["decoder_block"]].moe and v["first_num_dense_layers"]
-                                               < v["base_num_decoder_layers"]), "first_num_dense_layers",
-           f"must be below base_num_decoder_layers={v['base_num_decoder_layers']}, in a mixture of experts "
-           f"(decoder_block={v['decoder_block']})", v)
+  _require(not v["first_num_dense_layers"] or FAMILIES[v["decoder_block"]].moe, "first_num_dense_layers",
+           f"counts the dense layers before the experts in a mixture of experts; decoder_block="
+           f"{v['decoder_block']} has no experts", v)
+  _require(v["first_num_dense_layers"] < v["base_num_decoder_layers"] or not v["first_num_dense_layers"],
+           "first_num_dense_layers", f"must be below base_num_decoder_layers={v['base_num_decoder_layers']}", v)
   step = v["interleave_moe_layer_step"]
   _require(step == 1 or (FAMILIES[v["decoder_block"]].moe and not v["first_num_dense_layers"]
                          and v["base_num_decoder_layers"] % step == 0), "interleave_moe_layer_step",
@@ -316,7 +317,9 @@ def _derive_pipeline(v: dict) -> None:
   _require(not v["num_layers_per_pipeline_stage"] or layers % (stages * per_stage) == 0,
            "num_layers_per_pipeline_stage", f"times the {stages} pipeline stages must divide the {layers} layers "
            "into whole repeats", v)
-  repeats = layers // (stages * per_stage) if per_stage else 0
+  _require(per_stage > 0, "base_num_decoder_layers", (f"less first_num_dense_layers ({layers} layers) " if
+           v["first_num_dense_layers"] else "") + f"must be at least the {stages} pipeline stages", v)
+  repeats = layers // (stages * per_stage)
   if v["num_pipeline_repeats"] != -1:
     _require(v["num_pipeline_repeats"] == repeats or not v["num_layers_per_pipeline_stage"], "num_pipeline_repeats",
              f"disagrees with num_layers_per_pipeline_stage={per_stage}: {layers} layers over {stages} stages make "

@@ -225,7 +225,9 @@ def test_flops_count_the_shared_experts_and_the_dense_layers():
     (("n_routing_groups=4", "topk_routing_group=-1"), "topk_routing_group=-1: and n_routing_groups=4 must be both"),
     (("base_num_decoder_layers=2", "first_num_dense_layers=2"), "first_num_dense_layers=2: must be below "
                                                                 "base_num_decoder_layers=2"),
-    (("decoder_block=llama2", "first_num_dense_layers=1"), "first_num_dense_layers=1: .* in a mixture of experts"),
+    (("decoder_block=llama2", "first_num_dense_layers=1"),
+     "first_num_dense_layers=1: counts the dense layers before the experts in a mixture of experts; "
+     "decoder_block=llama2 has no experts"),
     (("routed_bias=false", "routed_bias_update_rate=0.001"), "routed_bias_update_rate=0.001: needs routed_bias=true"),
     (("routed_scaling_factor=0",), "routed_scaling_factor=0.0: must be > 0"),
     (("shared_experts=-1",), "shared_experts=-1: must be >= 0"),

@@ -427,7 +427,10 @@ def test_an_unsupported_architecture_is_one_line_listing_every_supported_one(tmp
 
 @pytest.mark.parametrize("args, message", [
     (("model_name=qwen3-0.6b",), "vocab_size=151936: "),
+    (("model_name=qwen3-0.6b",), "(set vocab_size as it does, or leave model_name out"),
+    # No model_name: the clash is the override's.
     (("base_num_kv_heads=4",), "base_num_kv_heads=4: "),
+    (("base_num_kv_heads=4",), "(leave base_num_kv_heads out: config.json sets every model key)"),
     (("logits_via_embedding=false",), "logits_via_embedding=False: "),
 ])
 def test_a_model_key_config_json_contradicts_is_one_line_and_writes_nothing(tmp_path, args, message):

@@ -164,7 +164,7 @@ def test_bubble_counts_the_idle_stage_iterations(schedule, stages, repeats, coun
     ((_PP2, "base_num_decoder_layers=6", "num_layers_per_pipeline_stage=2"),
      r"num_layers_per_pipeline_stage=2: times the 2 pipeline stages must divide the 6 layers"),
     ((_PP4, "decoder_block=qwen3_moe", "num_experts=4", "first_num_dense_layers=2"),
-     r"base_num_decoder_layers=4: less first_num_dense_layers \(2 layers\) must be divisible by pipeline stages"),
+     r"base_num_decoder_layers=4: less first_num_dense_layers \(2 layers\) must be at least the 4 pipeline stages"),
 ])
 def test_bad_pipeline_settings_are_config_errors(overrides, message):
   with on_devices(8), pytest.raises(errors.ConfigError, match=message):

@@ -238,8 +238,9 @@ def check_shape(config, hf: dict, hf_path: str) -> None:
   found = model_keys(hf, hf_path)
   for key, want in _expected(config).items():
     if found[key] != want:
-      raise errors.ConfigError(f"{key}={want!r}: {hf_path}/config.json has {found[key]!r} (set {key}, or leave "
-                               "model_name out to take every model key from config.json)")
+      fix = (f"set {key} as it does, or leave model_name out to take every model key from it"
+             if config.model_name != "default" else f"leave {key} out: config.json sets every model key")
+      raise errors.ConfigError(f"{key}={want!r}: {hf_path}/config.json has {found[key]!r} ({fix})")
 
 
 class Entry(NamedTuple):
