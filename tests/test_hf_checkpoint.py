@@ -339,6 +339,19 @@ def test_a_gemma3_config_json_silent_on_the_sliding_base_takes_transformers_defa
   np.testing.assert_allclose(logits / scale, golden / scale, rtol=0, atol=1e-5)
 
 
+def test_layer_types_unlike_the_familys_pattern_are_one_line_naming_them(tmp_path):
+  """Gemma 3 with a global layer where its pattern has a sliding one: the line names config.json's
+  layer_types, not a key it was put in."""
+  hf = tmp_path / "gemma3"
+  shutil.copytree(ASSETS / "gemma3", hf)
+  kinds = json.loads((hf / "config.json").read_text())["layer_types"]
+  edit_config(hf, layer_types=["full_attention"] + kinds[1:])
+  with pytest.raises(errors.ConfigError, match=re.escape(f"hf_model_path={str(hf)!r}: config.json's layer_types "
+                                                         "['full_attention', 'sliding_attention'")) as e:
+    to_maxtext.resolve_config([BASE_YML, f"hf_model_path={hf}"])
+  assert "gemma3's (supported: the last of every 6 layers global" in str(e.value) and "\n" not in str(e.value)
+
+
 def edit_config(hf, **changes):
   config = json.loads((hf / "config.json").read_text())
   (hf / "config.json").write_text(json.dumps({**config, **changes}))

@@ -131,6 +131,8 @@ def model_keys(hf: dict, hf_path: str) -> dict:
     return _model_keys(hf, blocks[architecture])
   except KeyError as e:
     raise errors.ConfigError(f"hf_model_path={hf_path!r}: config.json has no {e.args[0]}") from None
+  except errors.ConfigError as e:
+    raise errors.ConfigError(f"hf_model_path={hf_path!r}: {e}") from None
 
 
 def _model_keys(hf: dict, block: str) -> dict:
@@ -156,11 +158,10 @@ def _model_keys(hf: dict, block: str) -> dict:
   by_default = family.hf_sliding_by_default and hf.get("sliding_window")
   kinds = hf.get("layer_types") or (pattern(layers, hf.get("sliding_window_pattern", family.sliding_window_pattern))
                                     if by_default else ["full_attention"] * layers)
-  window = 0
-  if "sliding_attention" in kinds:
-    window = (hf["sliding_window"] if kinds == expected else
-              f"layer_types {kinds} (supported: {block}'s, the last of every {family.sliding_window_pattern} layers "
-              "global)")
+  if "sliding_attention" in kinds and kinds != expected:
+    raise errors.ConfigError(f"config.json's layer_types {kinds} are not {block}'s (supported: the last of every "
+                             f"{family.sliding_window_pattern} layers global, the others sliding)")
+  window = hf["sliding_window"] if "sliding_attention" in kinds else 0
   linear = rope_type == "linear"
   return {"decoder_block": block,
           "vocab_size": hf["vocab_size"], "base_emb_dim": hf["hidden_size"], "base_mlp_dim": hf["intermediate_size"],
