@@ -456,8 +456,9 @@ def test_a_model_key_config_json_contradicts_is_one_line_and_writes_nothing(tmp_
 
 
 def test_outputs_are_never_overwritten_and_a_checkpoint_of_other_keys_is_named(tmp_path):
-  """A second import into the same run, an export into an existing directory, and an export
-  under model keys the checkpoint was not saved with: one line each, nothing written."""
+  """A second import into the same run, an import into a training run's checkpoints, an export
+  into an existing directory, and an export under model keys the checkpoint was not saved with:
+  one line each, nothing written."""
   args = [BASE_YML, f"hf_model_path={ASSETS / 'llama'}", f"base_output_directory={tmp_path}", "run_name=a"]
   converted = to_maxtext.convert(to_maxtext.resolve_config(args))
   with pytest.raises(errors.ConfigError, match=re.escape(f"run_name='a': {converted} exists")):
@@ -472,6 +473,12 @@ def test_outputs_are_never_overwritten_and_a_checkpoint_of_other_keys_is_named(t
                                                            "the model keys give (128, 32)")):
     to_huggingface.convert(pyconfig.initialize([*export, "vocab_size=128"]))
   assert not exported.exists() and sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir()) == ["0"]
+  # An import into a training run's own checkpoints (step 300, no step 0) would add a step 0 of another model.
+  (tmp_path / "b" / "checkpoints" / "300").mkdir(parents=True)
+  with pytest.raises(errors.ConfigError, match=re.escape(f"run_name='b': run {tmp_path / 'b'} has checkpoints "
+                                                         "(steps 300); import into a new run_name")):
+    to_maxtext.convert(to_maxtext.resolve_config([*args[:-1], "run_name=b"]))
+  assert [p.name for p in (tmp_path / "b" / "checkpoints").iterdir()] == ["300"]
 
 
 def test_an_imported_checkpoint_has_checksums_and_a_flipped_bit_is_not_exported(tmp_path):

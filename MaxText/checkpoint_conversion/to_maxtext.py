@@ -74,6 +74,12 @@ def convert(config) -> str:
   run_control.check_writable("base_output_directory", output)
   if os.path.exists(output):
     raise errors.ConfigError(f"run_name={config.run_name!r}: {output} exists; pick a new run_name")
+  # A run's own checkpoints: a step 0 of another model among them would be pruned, or resumed from.
+  steps = sorted(n for n in os.listdir(os.path.dirname(output)) if n.isdigit()) if os.path.isdir(
+      os.path.dirname(output)) else []
+  if steps:
+    raise errors.ConfigError(f"run_name={config.run_name!r}: run {config.run_dir} has checkpoints (steps "
+                             f"{', '.join(steps)}); import into a new run_name")
   dtype = jnp.dtype(config.convert_dtype) if config.convert_dtype else None
   tensors = mapping.tensor_index(config.hf_model_path)
   mapping.check_tensors(config, tensors, config.hf_model_path)
