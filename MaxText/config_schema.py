@@ -154,14 +154,10 @@ class MultiHost:
 
 @section("Model", affects="model")
 class Model:
-  """The decoder: its family and shapes. The family is llama2 (Llama 2, 3, 3.1, 3.2), qwen3
-  (Llama's layer with an RMSNorm over each head's queries and keys before RoPE), gemma2 (GeGLU,
-  RMSNorm scaled by 1 + w, norms before and after attention and MLP, embeddings scaled by
-  sqrt(base_emb_dim)), gemma3 (gemma2's layer with qwen3's query/key norms, five sliding-window
-  layers to one global), or the mixtures of experts qwen3_moe (qwen3's attention) and mixtral
-  (llama2's). Each is one entry of families.FAMILIES; the attention keys (soft cap, query scale,
-  sliding window, the RoPE bases) are separate so any family can use them. Zero turns a cap or a window off,
-  as in MaxText."""
+  """The decoder: its family and shapes. Each family is one entry of families.FAMILIES, whose
+  record says what its layers are (docs/guides/port_a_model.md); the attention keys (soft cap,
+  query scale, sliding window, the RoPE bases) are separate so any family can use them. Zero turns
+  a cap or a window off, as in MaxText."""
   decoder_block: one_of(FAMILIES) = key("llama2", "the family (families.FAMILIES)")
   vocab_size: int = key(4096, "rows of the embedding table and columns of the output head")
   base_emb_dim: int = key(256, "model width")
@@ -258,9 +254,9 @@ class Execution:
   attention: one_of(ATTENTIONS) = key(
       "dot_product", "dot_product, chunked or flash (layers/attentions.ATTENTIONS)",
       doc="dot_product: all T x T scores at once; chunked: attention_chunk_size queries at a time, recomputed in the "
-          "backward (exact, memory linear in T); flash: a fused kernel, Pallas splash attention on TPU, Pallas "
-          "(Triton) flash attention on GPU, none on CPU (max_target_length a multiple of 128, and of 512 above 512); "
-          "with a context axis, splash attention per context shard on TPU with context_parallel_strategy=all_gather.")
+          "backward (exact, memory linear in T); flash: a fused kernel (flash_kernel), none on CPU (max_target_length "
+          "a multiple of 128, and of 512 above 512); with a context axis, splash attention per context shard on TPU "
+          "with context_parallel_strategy=all_gather.")
   flash_kernel: one_of(FLASH_KERNELS) | None = key(
       None, "attention=flash's kernel (layers/attentions.FLASH_KERNELS): splash (TPU), cudnn or triton (GPU); unset: "
             "the platform's fastest (splash on TPU, cudnn on GPU)",
@@ -298,10 +294,11 @@ class Execution:
 
 @section("Mixture of experts")
 class MoE:
-  """decoder_block qwen3_moe or mixtral (docs/guides/moe.md): every layer's MLP (or all but the
-  first first_num_dense_layers) is num_experts SwiGLU experts of width base_moe_mlp_dim; a float32
-  router (softmax or sigmoid scores) sends each token to its top num_experts_per_tok and sums their
-  outputs with its weights, plus shared_experts' dense MLP where set."""
+  """A mixture-of-experts decoder_block (a family whose record has moe; docs/guides/moe.md): its
+  routed layers' MLP (all but the first first_num_dense_layers, every interleave_moe_layer_step-th)
+  is num_experts SwiGLU experts of width base_moe_mlp_dim; a float32 router (softmax or sigmoid
+  scores) sends each token to its top num_experts_per_tok and sums their outputs with its weights,
+  plus shared_experts' dense MLP where set."""
   num_experts: int = key(8, "experts per MoE layer", affects="model")
   num_experts_per_tok: int = key(2, "experts each token is routed to (top-k), 1 <= k <= num_experts", affects="model")
   base_moe_mlp_dim: int = key(384, "hidden width of each expert's SwiGLU", affects="model")
