@@ -46,11 +46,11 @@ def evaluate(trainer: Trainer, config, params, data) -> dict:
   return {**metrics, "eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0)), "eval/accuracy": accuracy}
 
 
-def initial_state(trainer: Trainer, config, manager, data):
+def initial_state(trainer: Trainer, config, manager, data, loaded=None):
   """(state, training iterator) from the latest checkpoint of this run, else a fresh state
-  with parameters from load_parameters_path when given. Where the batches depend on the step
-  alone the iterator starts at the restored step, whatever number of processes saved it;
-  streamed data restores the iterator state its checkpoint saved."""
+  with parameters from load_parameters_path when given (`loaded`: already read). Where the
+  batches depend on the step alone the iterator starts at the restored step, whatever number of
+  processes saved it; streamed data restores the iterator state its checkpoint saved."""
   by_step = input_pipeline.resumes_by_step(data)
   iterator = None if by_step else input_pipeline.create_train_iterator(config, data)
   restored = manager and checkpointing.restore_latest(manager, trainer.abstract_state,
@@ -64,11 +64,16 @@ def initial_state(trainer: Trainer, config, manager, data):
   else:
     state = trainer.init(jax.random.key(config.init_weights_seed))
     if config.load_parameters_path:
-      params = checkpointing.load_parameters(config.load_parameters_path, trainer.abstract_state.params,
-                                             trainer.state_sharding.params)
-      logging.info("parameters loaded from %s", config.load_parameters_path)
+      params = loaded if loaded is not None else _load_parameters(trainer, config)
       state = state.replace(params=params)
   return state, input_pipeline.create_train_iterator(config, data, int(state.step)) if by_step else iterator
+
+
+def _load_parameters(trainer: Trainer, config):
+  params = checkpointing.load_parameters(config.load_parameters_path, trainer.abstract_state.params,
+                                         trainer.state_sharding.params)
+  logging.info("parameters loaded from %s", config.load_parameters_path)
+  return params
 
 
 def save_if_finite(manager, step: int, state, train_iterator, params_finite) -> None:
@@ -90,13 +95,18 @@ def train(config) -> None:
     checkpointing.check_parameter_shapes(config.load_parameters_path, trainer.abstract_state.params)
   compiled, stats = _compile_to_fit(trainer, config)
   with run_control.run_lock(config.run_dir):
-    run_control.check_resume(config, data.tokenizer, trained=checkpointing.latest_checkpoint(config) is not None)
+    trained = checkpointing.latest_checkpoint(config) is not None
+    run_control.check_resume(config, data.tokenizer, trained=trained)
     data.save_caches()
+    loaded = None
+    if config.load_parameters_path and not trained:  # read and verified before the run's checkpoints are made
+      with sharding.activate(mesh, config):
+        loaded = _load_parameters(trainer, config)
     manager = checkpointing.create_manager(config)
     logging.info("train step memory per device:\n%s", costs.format_memory_stats(stats))
     try:
       with sharding.activate(mesh, config):
-        state, train_iterator = initial_state(trainer, config, manager, data)
+        state, train_iterator = initial_state(trainer, config, manager, data, loaded)
       run_control.record_run_files(config, data.tokenizer)
       # Only the loop stops cleanly on a signal: before it there is nothing to save.
       with run_control.stop_signals() as signals:

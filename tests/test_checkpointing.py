@@ -355,6 +355,7 @@ def test_parameters_that_differ_from_their_checksums_are_refused(tmp_path, refer
   assert result.returncode == 1
   line = result.stderr.strip().splitlines()[-1]
   assert line.startswith(f"error: load_parameters_path='{damaged}': 1 of") and key.removeprefix(".params") in line
+  assert not (tmp_path / "new" / "checkpoints").exists()  # the new run's: nothing written before the line
 
 
 @pytest.mark.parametrize("bad", ["dataset_path={tmp}/missing", "dataset_path={tmp}/empty.txt",
