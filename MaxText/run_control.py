@@ -15,6 +15,7 @@ from jax.experimental import multihost_utils
 
 from MaxText import config_schema
 from MaxText.errors import ConfigError, UserError
+from MaxText.input_pipeline import mixture
 from MaxText.input_pipeline import tokenizer as tokenizers
 
 # The signals that stop a run cleanly, by name; the exit code is then 128 + the signal number.
@@ -225,6 +226,16 @@ def check_resume(config, tokenizer, trained: bool) -> None:
                       "or a new run_name")
 
 
+def _sources(value: str):
+  """What a grain_train_files value draws rows from: its globs and weights in order (an inline
+  mixture and a file of the same sources are one mixture), or the value itself where it no longer
+  reads (a mixture file since removed)."""
+  try:
+    return [(source.pattern, source.weight) for source in mixture.parse("grain_train_files", value)]
+  except ConfigError:
+    return value
+
+
 def record_run_files(config, tokenizer) -> None:
   """Writes run_dir/config.yml (the resolved config of this start) and, at the run's first start
   with text data, run_dir/tokenizer.json, the tokenizer every start and `decode` must use. Only
@@ -241,11 +252,12 @@ def record_run_files(config, tokenizer) -> None:
       logging.warning("run %s was trained with global batches of %s rows and resumes with %d: the batches from "
                       "here on are not those of an uninterrupted run", config.run_dir, batch,
                       config.global_batch_size_to_train_on)
-    mixture = before.get("grain_train_files")
-    if config.dataset_type == "grain" and mixture not in (None, config.grain_train_files):
+    trained_on = before.get("grain_train_files")
+    if config.dataset_type == "grain" and trained_on is not None and _sources(trained_on) != _sources(
+        config.grain_train_files):
       logging.warning("run %s was trained on grain_train_files=%r and resumes with %r, a new phase: the rows "
                       "trained so far stay as they were; from here on the rows are those the new weights give at "
-                      "this step, as if the run had always had them", config.run_dir, mixture,
+                      "this step, as if the run had always had them", config.run_dir, trained_on,
                       config.grain_train_files)
   _write_atomic(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
   path = os.path.join(config.run_dir, "tokenizer.json")

@@ -370,6 +370,19 @@ def test_new_weights_at_a_resume_are_logged_with_the_old_ones(corpora, tmp_path,
   assert f"trained on grain_train_files={old!r} and resumes with {new!r}, a new phase" in caplog.text
 
 
+def test_the_same_mixture_from_a_file_at_a_resume_is_no_new_phase(corpora, tmp_path, caplog):
+  """An inline mixture, then a mixture file naming the same globs and weights in the same order."""
+  (tmp_path / "default").mkdir()
+  run_control.record_run_files(grain_config(corpora, f"base_output_directory={tmp_path}"), None)
+  sources = mixture.parse("grain_train_files", mixture_of(corpora, "train-*"))
+  (tmp_path / "mixture.yml").write_text("".join(f"s{i}: {{files: '{s.pattern}', weight: {s.weight}}}\n"
+                                                for i, s in enumerate(sources)))
+  with caplog.at_level(logging.WARNING):
+    run_control.record_run_files(grain_config(corpora, f"base_output_directory={tmp_path}",
+                                              f"grain_train_files={tmp_path / 'mixture.yml'}"), None)
+  assert "a new phase" not in caplog.text
+
+
 def logged_run(make_config, tmp_path, name, steps, *overrides):
   """(config, {step: its logged metrics but timings}) of a run of `steps` steps, saving every 2."""
   config = make_config(f"base_output_directory={tmp_path}", f"run_name={name}", f"steps={steps}",
