@@ -211,8 +211,17 @@ def save(manager, step: int, state, data_iterator) -> None:
   """Saves `state`, its checksums and the iterator's position as checkpoint `step`
   (asynchronously if configured). A save that fails, now or in the background, stops the run:
   CheckpointError naming the step that failed and the steps not saved. The previous save is
-  waited for here (orbax would wait inside save), so its failure is not taken for this one's."""
+  waited for here (orbax would wait inside save), so its failure is not taken for this one's.
+  The directory is tried first: an async save into one that no longer takes writes fails in
+  orbax's background thread, and the save waits out orbax's 300 s signal timeout before it
+  says so, without the OS error."""
   wait_for_saves(manager)
+  probe = os.path.join(manager.directory, f".write-probe-{jax.process_index()}")
+  try:
+    os.mkdir(probe)
+    os.rmdir(probe)
+  except OSError as e:
+    raise _save_failed(manager, step, e) from None
   try:
     manager.save(step, force=True, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iterator),

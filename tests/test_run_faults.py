@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -15,7 +16,7 @@ import pytest
 from conftest import BASE_YML, ROOT, TINY, run_command, tiny_config
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
-from MaxText import launch, run_control, train
+from MaxText import checkpointing, launch, run_control, train
 from MaxText.checkpointing import CheckpointError
 from MaxText.errors import UserError
 
@@ -122,6 +123,33 @@ def test_an_async_save_that_fails_is_one_line_naming_its_step(tmp_path, monkeypa
                             "steps=6", f"base_output_directory={tmp_path}"))
   assert "checkpoint 4 could not be saved" in str(raised.value) and "steps after 2 are not saved" in str(raised.value)
   assert "Traceback" not in capfd.readouterr().err
+  assert [name for name in os.listdir(tmp_path / "default" / "checkpoints") if name.isdigit()] == ["2"]
+
+
+def test_a_checkpoints_directory_that_stops_taking_writes_stops_the_run_in_seconds(tmp_path, monkeypatch):
+  """The checkpoints directory made immutable (chattr +i) after checkpoint 2, async saves: the run
+  stops at checkpoint 4 within seconds, naming the OS error and the latest good checkpoint, where
+  orbax's background directory creation would fail silently and its save wait 300 s."""
+  save, immutable = checkpointing.save, []
+
+  def immutable_before_4(manager, step, *args):
+    if step == 4:
+      checkpointing.wait_for_saves(manager)  # checkpoint 2 committed: the failure is 4's
+      subprocess.run(["chattr", "+i", str(manager.directory)], check=True)
+      immutable.append((str(manager.directory), time.monotonic()))
+    return save(manager, step, *args)
+
+  monkeypatch.setattr(checkpointing, "save", immutable_before_4)
+  try:
+    with pytest.raises(CheckpointError) as raised:
+      train.train(tiny_config("enable_checkpointing=true", "checkpoint_period=2", "async_checkpointing=true",
+                              "steps=6", f"base_output_directory={tmp_path}"))
+  finally:
+    for directory, _ in immutable:
+      subprocess.run(["chattr", "-i", directory], check=True)
+  assert time.monotonic() - immutable[0][1] < 30
+  assert "checkpoint 4 could not be saved" in str(raised.value) and "Operation not permitted" in str(raised.value)
+  assert "(latest checkpoint: 2)" in str(raised.value) and "\n" not in str(raised.value)
   assert [name for name in os.listdir(tmp_path / "default" / "checkpoints") if name.isdigit()] == ["2"]
 
 
