@@ -168,14 +168,14 @@ def _orbax_tracebacks_to_debug(record) -> bool:
   return True
 
 
-def _quiet_orbax_tracebacks() -> None:
+def quiet_orbax_tracebacks() -> None:
   logging.get_absl_handler().addFilter(_orbax_tracebacks_to_debug)  # once: a filter already there is not added again
 
 
 def create_manager(config) -> ocp.CheckpointManager | None:
   if not config.enable_checkpointing:
     return None
-  _quiet_orbax_tracebacks()
+  quiet_orbax_tracebacks()
   # The trainer decides when to save (every checkpoint_period steps and the last step).
   options = ocp.CheckpointManagerOptions(
       max_to_keep=config.max_to_keep,
@@ -379,7 +379,7 @@ def check_parameter_shapes(path: str, abstract_params) -> str:
 @_abandoned_reads_quiet()
 def load_parameters(path: str, abstract_params, params_sharding):
   """Parameters only, from a checkpoint step directory (or its `state` item) of any run."""
-  _quiet_orbax_tracebacks()
+  quiet_orbax_tracebacks()
   item = check_parameter_shapes(path, abstract_params)
   target = {"params": _with_shardings(abstract_params, params_sharding)}
   try:

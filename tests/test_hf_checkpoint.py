@@ -394,6 +394,21 @@ def split_and_lose_a_shard(hf):
       name: f"model-0000{1 + (k >= 5)}-of-00002.safetensors" for k, name in enumerate(names)}}))
 
 
+def test_a_non_finite_expert_is_one_line_naming_that_expert_alone(tmp_path):
+  """The command line, a NaN in expert 2's down projection of layer 1 of a stacked expert tensor:
+  one line naming that tensor (not every expert read with it), no writer thread's traceback,
+  exit 2, nothing written."""
+  hf = tmp_path / "hf"
+  shutil.copytree(ASSETS / "qwen3_moe", hf)
+  poison_tensor(hf, "model.layers.1.mlp.experts.2.down_proj.weight")
+  result = run_cli("checkpoint_conversion.to_maxtext", f"hf_model_path={hf}", f"base_output_directory={tmp_path}/out",
+                   "run_name=a")
+  assert result.returncode == 2 and result.stderr.strip() == (
+      f"config error: hf_model_path='{hf}': tensor model.layers.1.mlp.experts.2.down_proj.weight holds values that "
+      "are not finite (inf or nan)"), result.stderr[-3000:]
+  assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda hf: shutil.rmtree(hf), "no config.json"),
     (lambda hf: (hf / "config.json").unlink(), "no config.json"),

@@ -16,6 +16,7 @@ import shutil
 import sys
 
 import jax.numpy as jnp
+import numpy as np
 import yaml
 
 from MaxText import checkpointing, errors, pyconfig, run_control, runtime
@@ -48,11 +49,17 @@ def _write(config, tensors: dict, dtype, path: str) -> None:
     running = sums[".params" + "".join(f"[{key!r}]" for key in keys)] = checkpointing.SliceChecksums()
 
     def read(layer, entry=entry, running=running):
-      names = []
-      value = mapping.to_param(config, entry, lambda name: names.append(name) or mapping.read_tensor(tensors, name),
-                               dtype, layer)
-      if not bool(jnp.isfinite(value).all()):  # training from it would stop at its first step, naming nothing
-        raise errors.ConfigError(f"hf_model_path={config.hf_model_path!r}: tensor {', '.join(names)} holds values "
+      bad = []  # training from it would stop at its first step, naming nothing
+
+      def read_tensor(name):
+        tensor = mapping.read_tensor(tensors, name)
+        if not np.isfinite(np.asarray(tensor, np.float32)).all():
+          bad.append(name)
+        return tensor
+
+      value = mapping.to_param(config, entry, read_tensor, dtype, layer)
+      if bad:
+        raise errors.ConfigError(f"hf_model_path={config.hf_model_path!r}: tensor {', '.join(bad)} holds values "
                                  "that are not finite (inf or nan)")
       running.add(value)
       return value
@@ -89,6 +96,7 @@ def convert(config) -> str:
   created = not os.path.exists(new)
   os.makedirs(os.path.dirname(output), exist_ok=True)
   staging = run_control.staging_dir(os.path.dirname(output), "to_maxtext")
+  checkpointing.quiet_orbax_tracebacks()  # a bad tensor is one line, not each writer thread's traceback
   try:
     _write(config, tensors, dtype, os.path.join(staging, "0"))
   except BaseException:  # a tensor found bad while written: nothing of the conversion stays
