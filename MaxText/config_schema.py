@@ -536,6 +536,9 @@ class Plan:
       positive_ascending(self, name, empty_ok=False)
     positive_ascending(self, "plan_context_parallelism", empty_ok=True)
     positive_ascending(self, "plan_pipeline_parallelism", empty_ok=True)
+    counts = self.plan_num_pipeline_microbatches  # -1: one per stage
+    require(all(x == -1 or x > 0 for x in counts) and len(set(counts)) == len(counts), self,
+            "plan_num_pipeline_microbatches", "must be distinct counts, each > 0 or -1 (one per stage)")
 
 
 @section("Batch and data")

@@ -236,6 +236,9 @@ def test_a_one_value_context_list_is_a_fixed_choice_and_one_that_cannot_divide_t
     ("hbm_budget_gib=-1", "hbm_budget_gib=-1.0: must be null or > 0"),
     ("plan_context_parallelism=[4,2]", "plan_context_parallelism=[4, 2]: must be an ascending list"),
     ("plan_context_parallel_strategies=[ulysses]", "must be a list of names from all_gather, ring"),
+    # Each would end the search with no candidate compiled, or compile one candidate twice.
+    ("plan_num_pipeline_microbatches=[0]", "plan_num_pipeline_microbatches=[0]: must be distinct counts"),
+    ("plan_num_pipeline_microbatches=[2,2]", "plan_num_pipeline_microbatches=[2, 2]: must be distinct counts"),
 ])
 def test_bad_plan_keys_are_config_errors(override, message):
   with pytest.raises(errors.ConfigError, match=re.escape(message)):
