@@ -163,9 +163,8 @@ def _triton_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret, 
   from jax.experimental.pallas.ops.gpu import attention as triton  # noqa: PLC0415 (GPU kernels)
   groups, v_width = q.shape[2] // k.shape[2], v.shape[3]
   q, k, v = _one_width(q, *(jnp.repeat(x, groups, axis=2) for x in (k, v)))
-  # JAX's default backward blocks (32 x 32) ran llama3.2-1b's attention at 126 TFLOP/s on an
-  # H200 at 65,536 tokens, these at 224 (docs/design/throughput.md). The fused backward needs
-  # block_q_dq == block_kv_dkv.
+  # JAX's default backward blocks (32 x 32) ran at about half these blocks' speed on an H200
+  # (docs/design/throughput.md). The fused backward needs block_q_dq == block_kv_dkv.
   blocks = triton.BlockSizes(block_q=128, block_k=128, block_q_dkv=128, block_kv_dkv=64, block_q_dq=64,
                              block_kv_dq=128)
   return triton.mha(q, k, v, segment_ids, sm_scale=scale, causal=True, block_sizes=blocks,

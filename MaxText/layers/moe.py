@@ -104,8 +104,7 @@ def _swiglu(x, kernels, gather: tuple, matmul, cfg):
   once gathered over `gather` (see MoeBlock._routed), and `matmul(a, w, axis, out_dtype)`
   contracts a's last dimension with w's `axis`. With mlp_chunks > 1, one slice of F at a time
   (linears.sum_of_slices), each slice of the kernels gathered inside its step: the gathered
-  experts then take 1/mlp_chunks of their whole size (DeepSeek-V3 on 256 FSDP chips: 7 GiB
-  each, whole)."""
+  experts then take 1/mlp_chunks of their whole size (docs/design/moe.md)."""
   width = kernels[0].shape[2] // cfg.mlp_chunks
   act = ACTIVATIONS[cfg.mlp_activation]
 
@@ -433,15 +432,13 @@ class MoeBlock(nn.Module):
 
     # Where the experts divide over the expert and FSDP axes, FSDP shards the experts and D stays
     # whole: FSDP's gather then joins whole experts along a major axis, in the stored layout, and
-    # linears.weights_as keeps each layer's bfloat16 cast in the layer loop (qwen3-30b-a3b on a
-    # v5p-64: 20.12 GiB per chip). Otherwise (Mixtral's 8 experts over 32 chips) D carries FSDP,
-    # with astype: there weights_as made XLA copy the float32 stacks into the gather's layout
-    # (25.34 GiB against 22.37). Rules of the user's own without `exp_fsdp` keep the second
-    # layout, which their `exp` and `embed` rules shard, rather than replicate the experts.
-    # With mlp_chunks > 1 the slices are gathered inside the layer, and there weights_as made XLA
-    # copy the float32 stacks into the layout of the grouped matmul's other operand use (3 x 3.17
-    # GiB for deepseek3-671b on a v5p-512: 89.27 GiB per chip against 81.33 with astype, whose
-    # copies are bfloat16; qwen3-30b-a3b, mlp_chunks=4: 26.99 against 23.62).
+    # linears.weights_as keeps each layer's bfloat16 cast in the layer loop. Otherwise (Mixtral's
+    # 8 experts over 32 chips) D carries FSDP, with astype: there weights_as made XLA copy the
+    # float32 stacks into the gather's layout. Rules of the user's own without `exp_fsdp` keep
+    # the second layout, which their `exp` and `embed` rules shard, rather than replicate the
+    # experts. With mlp_chunks > 1 the slices are gathered inside the layer, and there weights_as
+    # made XLA copy the float32 stacks into the layout of the grouped matmul's other operand use,
+    # where astype's copies are bfloat16. The memory each choice costs: docs/design/moe.md.
     fsdp_experts = (any(rule == "exp_fsdp" for rule, _ in cfg.logical_axis_rules)
                     and experts % sharding.logical_shards(cfg.to_dict(), "exp_fsdp") == 0)
     axes = ("exp_fsdp", None, "mlp") if fsdp_experts else ("exp", "embed", "mlp")
