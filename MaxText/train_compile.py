@@ -13,7 +13,7 @@ or N simulated CPU devices: JAX_NUM_CPU_DEVICES=N python -m MaxText.train_compil
 
 import sys
 
-from MaxText import costs, errors, launch, metrics, run_control, runtime, sharding, train_step
+from MaxText import costs, errors, hlo_network, launch, metrics, run_control, runtime, sharding, train_step
 from MaxText.layers import pipeline
 
 
@@ -61,7 +61,7 @@ def main(argv):
     print("collectives called in shard_map, GiB sent per device per step, by the mesh axes they run over (as "
           "traced): " + ", ".join(f"{axes} {bytes_ / 2**30:.3f}"
                                   for axes, bytes_ in report["collective_bytes_per_device"].items()))
-  network = report["network_bytes_per_device"] = costs.network_bytes(compiled.as_text(), trainer.mesh)
+  network = report["network_bytes_per_device"] = hlo_network.network_bytes(compiled.as_text(), trainer.mesh)
   print(f"network bytes per device per step (the compiled step's collectives, the partitioner's included): "
         f"across slices (dcn) {network['dcn'] / 2**30:.3f} GiB, within a slice (ici) {network['ici'] / 2**30:.3f} GiB")
   for axes, sent in network["by_axes"].items():

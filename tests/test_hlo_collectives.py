@@ -1,5 +1,5 @@
 """The bytes each device sends per step, counted from a compiled program's HLO
-(costs.network_bytes), against hand counts by the ring algorithms: on this process's 8 CPU
+(hlo_network.network_bytes), against hand counts by the ring algorithms: on this process's 8 CPU
 devices, and on two v5p-8 slices that libtpu compiles for (a multi-slice program is one slice's,
 with sends to the megascale runtime between slices, and no trip counts written on its loops)."""
 
@@ -11,7 +11,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from MaxText import accelerators, costs
+from MaxText import accelerators, hlo_network
 
 F32 = 4
 
@@ -69,7 +69,7 @@ def test_partitioner_and_shard_map_collectives_at_loop_trip_counts(mesh, mesh_ax
   text = jax.jit(f).lower(*args).compile({"xla_enable_rgv3_materialization": mesh_axes_groups}).as_text()
   gather = next(line for line in text.splitlines() if " all-gather(" in line)
   assert ("replica_groups=mesh[" in gather) == mesh_axes_groups and ("]<=[" in gather) != mesh_axes_groups
-  assert costs.network_bytes(text, mesh) == sent(ici=GATHER_AND_SUMS)
+  assert hlo_network.network_bytes(text, mesh) == sent(ici=GATHER_AND_SUMS)
 
 
 def test_groups_that_span_slices_are_dcn(mesh):
@@ -77,14 +77,14 @@ def test_groups_that_span_slices_are_dcn(mesh):
   text = jax.jit(f).lower(*args).compile().as_text()
   row = {d: i // 4 for i, d in enumerate(mesh.devices.flat)}  # as if each row of data were a slice
   dcn = {axes: GATHER_AND_SUMS[axes] for axes in ("data", "data+fsdp")}
-  assert costs.network_bytes(text, mesh, row.get) == sent(dcn=dcn, ici={"fsdp": GATHER_AND_SUMS["fsdp"]})
+  assert hlo_network.network_bytes(text, mesh, row.get) == sent(dcn=dcn, ici={"fsdp": GATHER_AND_SUMS["fsdp"]})
 
 
 def test_a_roll_over_a_sharded_axis_permutes_the_rows_that_cross_shards(mesh):
   rows = array(mesh, (32, 8), "fsdp")  # 8 rows a device: each sends its last 3 to the next
   text = jax.jit(lambda x: jnp.roll(x, 3, axis=0)).lower(rows).compile().as_text()
   assert "collective-permute" in text
-  assert costs.network_bytes(text, mesh) == sent(ici={"fsdp": 3 * 8 * F32})
+  assert hlo_network.network_bytes(text, mesh) == sent(ici={"fsdp": 3 * 8 * F32})
 
 
 def test_a_conditional_counts_its_costliest_branch(mesh):
@@ -94,7 +94,7 @@ def test_a_conditional_counts_its_costliest_branch(mesh):
   f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("fsdp")), out_specs=P("fsdp"), check_vma=False)
   text = jax.jit(f).lower(array(mesh, (1,), None), array(mesh, (64,), "fsdp")).compile().as_text()
   assert "conditional(" in text
-  assert costs.network_bytes(text, mesh) == sent(ici={"data": 2 * (1 / 2) * BLOCK})
+  assert hlo_network.network_bytes(text, mesh) == sent(ici={"data": 2 * (1 / 2) * BLOCK})
 
 
 @pytest.mark.parametrize("spec, groups", [
@@ -109,7 +109,7 @@ def test_a_conditional_counts_its_costliest_branch(mesh):
     ("mesh['x'=2,'y'=4] {'x','y':(2)2}", [[0, 1, 4, 5], [2, 3, 6, 7]]),
 ])
 def test_replica_group_forms(spec, groups):
-  assert sorted(map(sorted, costs._replica_groups(spec, 4))) == sorted(map(sorted, groups))
+  assert sorted(map(sorted, hlo_network._replica_groups(spec, 4))) == sorted(map(sorted, groups))
 
 
 def test_two_tpu_slices_send_between_them_through_the_megascale_runtime():
@@ -135,4 +135,4 @@ def test_two_tpu_slices_send_between_them_through_the_megascale_runtime():
   assert "_xla_megascale_transfer_type" in text and "known_trip_count" not in text
   assert "collective-permute-done" in text  # counted once with its -start
   dcn = {"data": 5 * 2 * (1 / 2) * 128 * F32 + 128 * F32}
-  assert costs.network_bytes(text, mesh) == sent(dcn=dcn, ici={"fsdp": 3 / 4 * 8 * 256 * F32 + 128 * F32})
+  assert hlo_network.network_bytes(text, mesh) == sent(dcn=dcn, ici={"fsdp": 3 / 4 * 8 * 256 * F32 + 128 * F32})

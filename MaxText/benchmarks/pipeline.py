@@ -7,7 +7,7 @@ what
     compile_topology_num_slices=2 dataset_type=synthetic max_target_length=8192 num_vocab_tiling=8 \\
     remat_policy=full attention=flash ici_fsdp_parallelism=-1 per_device_batch_size=B [mesh and pipeline keys]
 prints: memory per chip, the bytes each chip sends across the slices and within its slice per
-step (every collective of the compiled program at its loop trip counts, costs.network_bytes), the
+step (every collective of the compiled program at its loop trip counts, hlo_network.network_bytes), the
 pipeline's bubble, and the step's FLOPs as traced over the model's (the bubble's idle work,
 recomputation and the causal mask's half of attention included). Two tables: the slices joined
 by data, FSDP or pipeline stages (one microbatch per stage, and circular with one layer per
