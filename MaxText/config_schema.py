@@ -198,6 +198,17 @@ class Model:
                                          "applied (Gemma 3: 10000); 0: they share the global layers' RoPE")
   rope_linear_scaling_factor: float = key(1.0, "RoPE positions are divided by this (linear scaling; Gemma 3 4B, 12B, "
                                                "27B: 8, on the global layers only); 1: none")
+  nope_layer_interval: int = key(
+      0, "> 0: the last of every this many layers has no RoPE (NoPE) and attends to the whole row (Llama 4: 4)")
+  chunk_attn_window_size: int = key(
+      0, "> 0: every layer but the NoPE ones attends only within its chunk of this many tokens of the row (Llama 4: "
+         "8192); 0: none",
+      doc="A query at row index i sees the keys j <= i with i // size == j // size, within its document.")
+  temperature_tuning: bool = key(
+      False, "NoPE layers scale their queries by 1 + temperature_tuning_scale * log(1 + floor((position + 1) / "
+             "temperature_tuning_floor)) (Llama 4)")
+  temperature_tuning_scale: float = key(0.1, "temperature_tuning: the log's weight (Llama 4's attn_scale)")
+  temperature_tuning_floor: int = key(8192, "temperature_tuning: positions per step of the log (Llama 4's floor_scale)")
 
   attention_type: one_of(ATTENTION_TYPES) = key(
       "global", "global (query, key and value heads, GQA) or mla (DeepSeek's multi-head latent attention) "
@@ -226,7 +237,12 @@ class Model:
       raise ConfigError(f"head_dim={head_dim}: must be even (RoPE rotates pairs of features)")
     require(self.rope_max_timescale > 0, self, "rope_max_timescale", "must be > 0")
     at_least(self, 0, "final_logits_soft_cap", "attn_logits_soft_cap", "query_pre_attn_scalar", "sliding_window_size",
-             "local_rope_max_timescale")
+             "local_rope_max_timescale", "nope_layer_interval", "chunk_attn_window_size")
+    at_least(self, 1, "temperature_tuning_floor")
+    require(not (self.chunk_attn_window_size and self.sliding_window_size), self, "chunk_attn_window_size",
+            f"and sliding_window_size={self.sliding_window_size} cannot both be set (a layer has one local mask)")
+    require(not self.temperature_tuning or self.nope_layer_interval, self, "temperature_tuning",
+            "tunes the NoPE layers' queries: set nope_layer_interval")
     require(self.rope_linear_scaling_factor > 0, self, "rope_linear_scaling_factor", "must be > 0")
     require(self.rope_high_freq_factor > self.rope_low_freq_factor > 0, self, "rope_high_freq_factor",
             f"must be > rope_low_freq_factor={self.rope_low_freq_factor} > 0")

@@ -611,9 +611,10 @@ def test_a_new_family_is_one_registry_entry(monkeypatch, tmp_path):
     ("deepseek2", ("norm_topk_prob=true",), r"^norm_topk_prob=True: DeepseekV2ForCausalLM fixes it at False"),
     ("deepseek2", ("n_routing_groups=4", "topk_routing_group=2"),
      r"^n_routing_groups=4: DeepseekV2ForCausalLM routes with n_routing_groups=-1"),
-    ("deepseek2", ("mtp_num_layers=1",), r"^mtp_num_layers=1: DeepseekV2ForCausalLM has no multi-token prediction")],
+    ("deepseek2", ("mtp_num_layers=1",), r"^mtp_num_layers=1: DeepseekV2ForCausalLM has no multi-token prediction"),
+    ("llama", ("chunk_attn_window_size=4",), r"^chunk_attn_window_size=4: LlamaForCausalLM has no such attention")],
     ids=["mixtral unnormalised", "gemma2 local base", "llama3.1 and linear", "qwen3_moe sigmoid", "qwen3 mla",
-         "deepseek2 renormalised", "deepseek2 groups", "deepseek2 mtp"])
+         "deepseek2 renormalised", "deepseek2 groups", "deepseek2 mtp", "llama chunks"])
 def test_an_export_the_hugging_face_class_cannot_express_is_refused(family, settings, message):
   with pytest.raises(errors.ConfigError, match=message):
     mapping.check_exportable(tiny_config(*SHAPE, *FAMILIES[family], *settings))

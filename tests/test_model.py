@@ -20,8 +20,9 @@ def init_params(config, seed=0):
   return nn.meta.unbox(variables)["params"]
 
 
-def reference_attention(x, params, positions, segments, config):
-  """Plain NumPy: project, rotate, repeat kv heads, masked softmax, project back."""
+def reference_attention(x, params, positions, segments, config, chunk=None, nope=False, temperature=None):
+  """Plain NumPy: project, rotate (not on a NoPE layer), tune the queries' temperature (scale,
+  floor), repeat kv heads, masked softmax (within chunks of the row where given), project back."""
   x = np.asarray(x, np.float64)
   q = np.einsum("btd,dhk->bthk", x, params["query"]["kernel"])
   k = np.einsum("btd,dhk->bthk", x, params["key"]["kernel"])
@@ -34,17 +35,45 @@ def reference_attention(x, params, positions, segments, config):
     a, b = t[..., :half], t[..., half:]
     return np.concatenate([a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)], -1)
 
-  q, k = rope(q), rope(k)
+  if not nope:
+    q, k = rope(q), rope(k)
+  if temperature:
+    q = q * (np.log(1 + np.floor((positions + 1) / temperature[1])) * temperature[0] + 1)[:, :, None, None]
   group = config.base_num_query_heads // config.base_num_kv_heads
   k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
   scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
   length = x.shape[1]
   allowed = np.tril(np.ones((length, length), bool))[None] & (segments[:, :, None] == segments[:, None, :])
+  if chunk:
+    allowed &= (np.arange(length)[:, None] // chunk == np.arange(length)[None, :] // chunk)[None]
   scores = np.where(allowed[:, None], scores, -np.inf)
   probs = np.exp(scores - scores.max(-1, keepdims=True))
   probs /= probs.sum(-1, keepdims=True)
   context = np.einsum("bhqk,bkhd->bqhd", probs, v)
   return np.einsum("bqhd,hdo->bqo", context, params["out"]["kernel"])
+
+
+@pytest.mark.parametrize("attention", ["dot_product", "chunked"])
+@pytest.mark.parametrize("layer_index", [0, 1])
+def test_llama4s_chunks_nope_and_temperature_match_numpy(layer_index, attention):
+  """Chunks of 5 tokens of the row on the RoPE layers (layer 0), and on the NoPE layer (the last
+  of every 2: layer 1) no RoPE, the whole row, and queries scaled by 1 + 0.5 log(1 +
+  floor((position + 1) / 2)), against NumPy; packed documents, GQA."""
+  config = tiny_config("chunk_attn_window_size=5", "nope_layer_interval=2", "temperature_tuning=true",
+                       "temperature_tuning_scale=0.5", "temperature_tuning_floor=2", f"attention={attention}",
+                       "attention_chunk_size=4")
+  tokens, positions, segments = model_inputs(config)
+  x = jax.random.normal(jax.random.key(1), (*tokens.shape, config.base_emb_dim))
+  attention = Attention(config)
+  params = nn.meta.unbox(attention.init(jax.random.key(0), x, positions, segments, 0))["params"]
+  got = attention.apply({"params": params}, x, positions, segments, layer_index)
+  nope = layer_index == 1
+  want = reference_attention(x, jax.tree.map(np.asarray, params), positions, segments, config,
+                             chunk=None if nope else 5, nope=nope, temperature=(0.5, 2) if nope else None)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  # And each piece bites: without it the layer's output is another.
+  other = reference_attention(x, jax.tree.map(np.asarray, params), positions, segments, config)
+  assert np.abs(np.asarray(got) - other).max() > 1e-3
 
 
 def test_attention_matches_numpy_reference_with_gqa_causal_and_segments():
@@ -124,14 +153,21 @@ GEMMA3 = ("decoder_block=gemma3", "base_num_decoder_layers=7", "sliding_window_s
           "local_rope_max_timescale=100", "rope_linear_scaling_factor=8", "logits_via_embedding=true")
 
 
-@pytest.mark.parametrize("family", [GEMMA2, GEMMA3], ids=["gemma2", "gemma3"])
+# Llama 4's attention: chunks of 5 on every layer but the NoPE ones (the last of every 4: layer 3),
+# whose queries are tuned by their positions.
+LLAMA4_ATTENTION = ("base_num_decoder_layers=7", "chunk_attn_window_size=5", "nope_layer_interval=4",
+                    "temperature_tuning=true", "temperature_tuning_floor=3")
+
+
+@pytest.mark.parametrize("family", [GEMMA2, GEMMA3, LLAMA4_ATTENTION], ids=["gemma2", "gemma3", "llama4 attention"])
 @pytest.mark.parametrize("settings", [("remat_layer_interval=3", "remat_policy=full"), ("remat_policy=minimal",),
                                       ("attention=chunked", "attention_chunk_size=4")], ids=" ".join)
 def test_gemma_gives_the_same_loss_and_gradients_under_every_memory_setting(settings, family):
-  """The sliding-window layers are picked by a traced index inside the scan: in blocks of 3
-  of 7 layers the second block starts at layer 3 (odd: global in Gemma 2, local in Gemma 3),
-  Gemma 3's global layer 5 is the last of the second block, and layer 6 is left over. Remat,
-  and the soft cap and window inside query chunks, against the Python loop."""
+  """The local layers (sliding, or chunked and with RoPE) are picked by a traced index inside the
+  scan: in blocks of 3 of 7 layers the second block starts at layer 3 (odd: global in Gemma 2,
+  local in Gemma 3, NoPE in Llama 4), Gemma 3's global layer 5 is the last of the second block,
+  and layer 6 is left over. Remat, and the soft cap, window and chunks inside query chunks,
+  against the Python loop."""
   reference = tiny_config(*family, "scan_layers=false")
   config = tiny_config(*family, *settings)
   params, inputs = init_params(reference), model_inputs(reference)
@@ -238,6 +274,26 @@ def test_flash_attention_is_exact_in_the_pallas_interpreter(kernel, length, unde
       got = loss_and_grads(flash)
   else:
     got = loss_and_grads(flash)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+  assert_trees_close(got[1], want[1], rtol=1e-5)
+
+
+def test_splash_takes_attention_chunks_in_the_pallas_interpreter():
+  """Llama 4's chunks in TPU's splash kernel (Pallas's interpreter), 1024 tokens in two 512-blocks,
+  chunks of 300 whose boundaries fall inside both and empty the second block's lower-left part,
+  three packed documents: values and gradients equal dot_product attention's with the same chunks."""
+  from MaxText.layers.attentions import dot_product_attention, flash_attention
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(1, 1024, heads, 32)), jnp.float32) for heads in (4, 2, 2))
+  segments = jnp.asarray(np.searchsorted([389, 761], np.arange(1024), side="right")[None] + 1, jnp.int32)
+
+  def loss_and_grads(attend):
+    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, segments, chunk_window=300), q, k, v)
+    return out, vjp(jnp.cos(out))
+
+  want = loss_and_grads(dot_product_attention)
+  got = loss_and_grads(lambda *args, **kwargs: flash_attention(*args, kernel_name="splash", sliding=jnp.asarray(True),
+                                                               interpret=True, **kwargs))
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
   assert_trees_close(got[1], want[1], rtol=1e-5)
 

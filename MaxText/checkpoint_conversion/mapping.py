@@ -61,6 +61,9 @@ _LLAMA31_ROPE_KEYS = ("rope_low_freq_factor", "rope_high_freq_factor")
 _YARN_ROPE_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 # What transformers' YaRN takes where config.json is silent (no mscale: cos and sin scaled by mscale(1)).
 _YARN_DEFAULTS = dict(zip(_YARN_ROPE_KEYS, (32.0, 1.0, 0.0, 0.0)))
+# Llama 4's attention, which no converted family's class has yet: off in every config.json read.
+_LLAMA4_ATTENTION = {"nope_layer_interval": 0, "chunk_attn_window_size": 0, "temperature_tuning": False}
+_TEMPERATURE_KEYS = ("temperature_tuning_scale", "temperature_tuning_floor")
 # Latent attention's widths (attention_type=mla).
 _MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
@@ -80,6 +83,8 @@ def _expected(config) -> dict:
     unused.update(_RESCALED_ROPE_KEYS)
   if config.rope_type != "yarn":
     unused.update(_YARN_ROPE_KEYS)
+  if not config.temperature_tuning:
+    unused.update(_TEMPERATURE_KEYS)
   # Latent attention's scores are scaled by its query and key width; head_dim it does not use.
   mla = config.attention_type == "mla"
   unused.update(("head_dim",) if mla else _MLA_KEYS)
@@ -184,7 +189,7 @@ def _model_keys(hf: dict, block: str) -> dict:
           "attn_logits_soft_cap": float(hf.get("attn_logit_softcapping") or 0),
           "final_logits_soft_cap": float(hf.get("final_logit_softcapping") or 0),
           "query_pre_attn_scalar": hf.get("query_pre_attn_scalar") or head_dim, "sliding_window_size": window,
-          **_mla_keys(hf, family), **_moe_keys(hf, family)}
+          **_LLAMA4_ATTENTION, **_mla_keys(hf, family), **_moe_keys(hf, family)}
 
 
 def _mla_keys(hf: dict, family) -> dict:
@@ -526,6 +531,9 @@ def check_exportable(config) -> None:
     for key, want in routing.items():
       if getattr(config, key) != want:
         raise errors.ConfigError(f"{key}={getattr(config, key)!r}: {family.hf_architecture} routes with {key}={want!r}")
+  for key, off in _LLAMA4_ATTENTION.items():
+    if getattr(config, key) != off:
+      raise errors.ConfigError(f"{key}={getattr(config, key)!r}: {family.hf_architecture} has no such attention")
   if config.rope_linear_scaling_factor != 1 and config.rope_type != "default":
     raise errors.ConfigError(f"rope_linear_scaling_factor={config.rope_linear_scaling_factor}: config.json holds "
                              f"one RoPE scaling, and rope_type={config.rope_type!r} is another")

@@ -25,10 +25,10 @@ BATCH_LENGTH_KV_HEADS = ("activation_batch", "activation_length", "activation_kv
 BATCH_FULL_LENGTH_KV_HEADS = ("activation_batch", None, "activation_kv_heads", None)
 
 
-def attention_mask(query_index, segment_ids, window=None):
+def attention_mask(query_index, segment_ids, window=None, chunk_window=None):
   """[B, 1, Tq, T] bool for queries at positions query_index [Tq] of rows with segment_ids
   [B, T]: what masks.visible lets them see, within one packed document (same segment id)."""
-  allowed = masks.visible(query_index[:, None], jnp.arange(segment_ids.shape[1])[None, :], window)
+  allowed = masks.visible(query_index[:, None], jnp.arange(segment_ids.shape[1])[None, :], window, chunk_window)
   same_doc = jnp.take(segment_ids, query_index, axis=1)[:, :, None] == segment_ids[:, None, :]
   return (allowed[None] & same_doc)[:, None]
 
@@ -51,13 +51,13 @@ def attend(q, k, v, mask, scale, soft_cap):
   return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(batch, length, heads, v.shape[3])
 
 
-def dot_product_attention(q, k, v, segment_ids, scale=None, soft_cap=0.0, window=None):
+def dot_product_attention(q, k, v, segment_ids, scale=None, soft_cap=0.0, window=None, chunk_window=None):
   """All T x T scores at once: fastest, with memory quadratic in the sequence length."""
-  mask = attention_mask(jnp.arange(q.shape[1]), segment_ids, window)
+  mask = attention_mask(jnp.arange(q.shape[1]), segment_ids, window, chunk_window)
   return attend(q, k, v, mask, q.shape[3]**-0.5 if scale is None else scale, soft_cap)
 
 
-def chunked_attention(q, k, v, segment_ids, num_chunks, scale=None, soft_cap=0.0, window=None):
+def chunked_attention(q, k, v, segment_ids, num_chunks, scale=None, soft_cap=0.0, window=None, chunk_window=None):
   """The same attention, its queries in num_chunks chunks, each checkpointed: forward and
   backward hold one chunk's [T / num_chunks, T] scores instead of [T, T]. Chunk j takes
   positions t with t % num_chunks == j, so under sequence sharding every device works on
@@ -69,7 +69,7 @@ def chunked_attention(q, k, v, segment_ids, num_chunks, scale=None, soft_cap=0.0
 
   @jax.checkpoint
   def attend_chunk(q_chunk, q_index):
-    return attend(q_chunk, k, v, attention_mask(q_index, segment_ids, window), scale, soft_cap)
+    return attend(q_chunk, k, v, attention_mask(q_index, segment_ids, window, chunk_window), scale, soft_cap)
 
   out = jax.lax.map(lambda args: attend_chunk(*args), (chunks, index))  # [chunks, B, T / chunks, N, Hv]
   return jnp.moveaxis(out, 0, 2).reshape(*q.shape[:3], v.shape[3])
@@ -80,14 +80,14 @@ FLASH_BLOCK = 512  # query and key block of the splash kernel, or the whole row 
 
 @functools.cache
 def _token_mask_type():
-  """splash_mask's class, made once (its kernels import lazily): masks of equal tokens and
-  window are equal, so splash's cache of processed masks (keyed by the mask) finds them."""
+  """splash_mask's class, made once (its kernels import lazily): masks of equal tokens, window
+  and chunk are equal, so splash's cache of processed masks (keyed by the mask) finds them."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask  # noqa: PLC0415
 
   class TokenMask(splash_attention_mask._ComputableMask):
-    def __init__(self, token_index, window):
-      self.window = window
-      super().__init__((len(token_index),) * 2, lambda q, kv: masks.visible(q, kv, window))
+    def __init__(self, token_index, window, chunk_window):
+      self.window, self.chunk_window = window, chunk_window
+      super().__init__((len(token_index),) * 2, lambda q, kv: masks.visible(q, kv, window, chunk_window))
       self.q_sequence = np.asarray(token_index, np.int32)
 
     def __eq__(self, other):
@@ -97,23 +97,23 @@ def _token_mask_type():
       return hash(self._key())
 
     def _key(self):
-      return self.shape, self.window, self.q_sequence.tobytes()
+      return self.shape, self.window, self.chunk_window, self.q_sequence.tobytes()
 
   return TokenMask
 
 
-def splash_mask(token_index, window=None):
+def splash_mask(token_index, window=None, chunk_window=None):
   """Splash's mask over [T] queries whose tokens are token_index [T] (arange for a whole row
-  in order, or a context-parallel order) against keys in sequence order: causal, and within
-  `window` (the query's own token included). A computable mask: the kernel evaluates it per
+  in order, or a context-parallel order) against keys in sequence order: masks.visible's, with
+  `window` and `chunk_window`. A computable mask: the kernel evaluates it per
   block from the queries' token indices (its q_sequence, split with the queries over
   q_seq_shards) and the keys' positions, and the block lists skip the blocks it empties,
   so no [T, T] array exists on the device (splash builds the block lists on the host one
   block at a time, in time quadratic in T: about a minute at 64k tokens on two cores)."""
-  return _token_mask_type()(token_index, window)
+  return _token_mask_type()(token_index, window, chunk_window)
 
 
-def splash_kernel(token_index, soft_cap, window, num_shards=1, chunk=None, interpret=False):
+def splash_kernel(token_index, soft_cap, window, num_shards=1, chunk=None, interpret=False, chunk_window=None):
   """Splash attention's kernel for the queries at token_index [T] (see splash_mask) in
   num_shards q_seq_shards, each against all T keys. Query blocks divide `chunk`, the longest
   run of consecutive tokens of a shard (its queries by default), so each is a block of the
@@ -123,7 +123,8 @@ def splash_kernel(token_index, soft_cap, window, num_shards=1, chunk=None, inter
   length = len(token_index)
   q_block, kv_block = math.gcd(FLASH_BLOCK, chunk or length // num_shards), min(FLASH_BLOCK, length)
   return splash.make_splash_mha(
-      mask=splash.MultiHeadMask([splash_mask(token_index, window)]), head_shards=1, q_seq_shards=num_shards,
+      mask=splash.MultiHeadMask([splash_mask(token_index, window, chunk_window)]), head_shards=1,
+      q_seq_shards=num_shards,
       interpret=interpret, attn_logits_soft_cap=soft_cap or None, residual_checkpoint_name=remat.KERNEL_RESIDUALS,
       block_sizes=splash.BlockSizes(block_q=q_block, block_kv=kv_block, block_kv_compute=kv_block,
                                     block_q_dkv=q_block, block_kv_dkv=kv_block, block_kv_dkv_compute=kv_block,
@@ -148,14 +149,14 @@ def splash_rows(kernel, q, k, v, q_segments, k_segments, scale):
   return jnp.swapaxes(out, 1, 2)[..., :v_width]
 
 
-def _splash_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret, max_segments):
+def _splash_attention(q, k, v, segment_ids, scale, soft_cap, window, chunk_window, interpret, max_segments):
   """TPU: Pallas splash attention on one device's whole rows, [B, T, N, H] in and out; the
-  window's blocks beyond it are skipped like those above the diagonal."""
-  kernel = splash_kernel(np.arange(q.shape[1]), soft_cap, window, interpret=interpret)
+  blocks a window or a chunk empties are skipped like those above the diagonal."""
+  kernel = splash_kernel(np.arange(q.shape[1]), soft_cap, window, interpret=interpret, chunk_window=chunk_window)
   return splash_rows(kernel, q, k, v, segment_ids, segment_ids, scale)
 
 
-def _triton_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret, max_segments):
+def _triton_attention(q, k, v, segment_ids, scale, soft_cap, window, chunk_window, interpret, max_segments):
   """GPU: JAX's Pallas (Triton) flash attention, which takes segment ids as they are. It has no
   GQA, so each device repeats its key and value heads; their gradients sum back over the
   repeats. It has no soft cap and no window either (FLASH_KERNELS says so: pyconfig refuses
@@ -193,7 +194,7 @@ def documents_per_row(segment_ids: np.ndarray) -> np.ndarray:
   return 1 + np.count_nonzero(segment_ids[:, 1:] != segment_ids[:, :-1], axis=1)
 
 
-def _cudnn_attention(q, k, v, segment_ids, scale, soft_cap, window, interpret, max_segments):
+def _cudnn_attention(q, k, v, segment_ids, scale, soft_cap, window, chunk_window, interpret, max_segments):
   """GPU: cuDNN's fused flash attention (about twice the Triton kernel's speed on an H200), with
   GQA, values of another width (MLA) and a sliding window of its own. Packed documents go in as
   offsets and lengths (document_offsets): each document is its own causal sequence, which is
@@ -222,7 +223,7 @@ SPLASH_MATMULS = {"splash_mha_fwd": (2, -2, ("block_q", "block_kv")),
 
 class FlashKernel(NamedTuple):
   """A fused kernel over one device's whole rows [B, T, N, H]: (q, k, v, segment_ids, scale,
-  soft_cap, window, interpret, max_segments) -> context; the platform it runs on, the
+  soft_cap, window, chunk_window, interpret, max_segments) -> context; the platform it runs on, the
   masks.FEATURES it takes (what else a config asks of it is refused naming the key), its FLOPs
   as the cost model counts them (pallas kernel name prefix, or for a primitive of its own the
   primitive's name -> its FLASH matmuls entry: flash_kernel_flops), and whether its forward
@@ -238,7 +239,7 @@ class FlashKernel(NamedTuple):
 
 # flash_kernel= -> its FlashKernel; unset, each platform's fastest (DEFAULT_FLASH_KERNEL).
 FLASH_KERNELS = {
-    "splash": FlashKernel("tpu", _splash_attention, frozenset({"soft_cap", "window"}), SPLASH_MATMULS,
+    "splash": FlashKernel("tpu", _splash_attention, frozenset({"soft_cap", "window", "chunk"}), SPLASH_MATMULS,
                           names_residuals=True),
     "cudnn": FlashKernel("gpu", _cudnn_attention, frozenset({"window"}), {},
                          {"dot_product_attention_fwd_wrapper": (2, 1, None),
@@ -263,28 +264,30 @@ def check_documents(cfg, segment_ids: np.ndarray) -> None:
 
 
 def flash_attention(q, k, v, segment_ids, kernel_name, scale=None, soft_cap=0.0, window=None, sliding=True,
-                    interpret=False, max_segments=1):
+                    interpret=False, max_segments=1, chunk_window=None):
   """Fused attention, causal within each packed document: blocks of queries against blocks
   of keys, never a whole [T, T] score matrix; blocks the causal mask empties are skipped.
   Under a mesh the kernel (a FLASH_KERNELS name) runs per device in shard_map, on its rows (batch over
   data/fsdp) and heads (tensor). Queries, keys and values are whole rows there: under
   sequence parallelism the queries are gathered too and every sequence shard computes its
   rows' whole attention (correct, but that work is repeated; chunked attention splits it).
-  A kernel's mask is static, so with a window and `sliding` a traced flag (the layer's, in
-  a scan) both kernels are built and lax.cond picks one.
+  A kernel's mask is static, so with a window or a chunk and `sliding` a traced flag (whether
+  the layer is local, in a scan) both kernels are built and lax.cond picks one.
   `interpret` runs a Pallas kernel in Pallas's interpreter (any backend, slowly: for tests);
   `max_segments` bounds the documents of a row for cuDNN (document_offsets)."""
   flash = FLASH_KERNELS[kernel_name]
-  refusal = masks.refused({"attn_logits_soft_cap": soft_cap, "sliding_window_size": window}, kernel_name, flash.takes)
+  refusal = masks.refused({"attn_logits_soft_cap": soft_cap, "sliding_window_size": window,
+                           "chunk_attn_window_size": chunk_window}, kernel_name, flash.takes)
   if refusal:
     raise ValueError(refusal)
   kernel = functools.partial(flash.run, scale=q.shape[3]**-0.5 if scale is None else scale, soft_cap=soft_cap,
                              interpret=interpret, max_segments=max_segments)
 
   def attend_rows(q, k, v, segment_ids):
-    if not window:
-      return kernel(q, k, v, segment_ids, window=None)
-    return jax.lax.cond(sliding, functools.partial(kernel, window=window), functools.partial(kernel, window=None),
+    whole = functools.partial(kernel, window=None, chunk_window=None)
+    if not (window or chunk_window):
+      return whole(q, k, v, segment_ids)
+    return jax.lax.cond(sliding, functools.partial(kernel, window=window, chunk_window=chunk_window), whole,
                         q, k, v, segment_ids)
 
   mesh = jax.sharding.get_abstract_mesh()
@@ -337,43 +340,66 @@ for _flash in FLASH_KERNELS.values():
 
 
 
-def _layer_window(window, sliding, length):
-  """layer_index is traced inside a scan, so the window is a value: the row length when global."""
-  return jnp.where(sliding, window, length) if window else None
+def _layer_value(value, local, length):
+  """layer_index is traced inside a scan, so a local layer's window or chunk is a value: the row
+  length on a layer that is not local."""
+  return jnp.where(local, value, length) if value else None
 
 
-# attention= -> (q, k, v, segment_ids, config, scale, soft_cap, window, sliding) -> context [B, T, N, H].
-# A new kernel is one entry here; pyconfig takes its choices from these keys.
+# attention= -> (q, k, v, segment_ids, config, scale, soft_cap, window, chunk_window, local) -> context
+# [B, T, N, H] (local: whether the layer takes its window or chunk, traced in a scan). A new kernel
+# is one entry here; pyconfig takes its choices from these keys.
 ATTENTIONS = {
-    "dot_product": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding: dot_product_attention(
-        q, k, v, segment_ids, scale, soft_cap, _layer_window(window, sliding, q.shape[1])),
-    "chunked": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding: chunked_attention(
+    "dot_product": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, chunk_window, local:
+        dot_product_attention(q, k, v, segment_ids, scale, soft_cap, _layer_value(window, local, q.shape[1]),
+                              _layer_value(chunk_window, local, q.shape[1])),
+    "chunked": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, chunk_window, local: chunked_attention(
         q, k, v, segment_ids, cfg.max_target_length // cfg.attention_chunk_size, scale, soft_cap,
-        _layer_window(window, sliding, q.shape[1])),
-    "flash": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding: flash_attention(
-        q, k, v, segment_ids, cfg.flash_kernel, scale, soft_cap, window, sliding,
-        max_segments=cfg.max_segments_per_seq),
+        _layer_value(window, local, q.shape[1]), _layer_value(chunk_window, local, q.shape[1])),
+    "flash": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, chunk_window, local: flash_attention(
+        q, k, v, segment_ids, cfg.flash_kernel, scale, soft_cap, window, local,
+        max_segments=cfg.max_segments_per_seq, chunk_window=chunk_window),
 }
 
 
-def _window(cfg, layer_index):
-  """(window or None, whether this layer slides): the family's pattern makes the last of every
-  sliding_window_pattern layers attend to the whole row, the others to a window of the last
-  tokens (and with their own RoPE base). layer_index is traced inside a scan."""
-  window = cfg.sliding_window_size or None
-  return window, window is not None and (layer_index + 1) % cfg.sliding_window_pattern != 0
+def _nope(cfg, layer_index):
+  """Whether the layer has no RoPE: the last of every nope_layer_interval (traced in a scan)."""
+  return bool(cfg.nope_layer_interval) and (layer_index + 1) % cfg.nope_layer_interval == 0
+
+
+def _local(cfg, layer_index):
+  """(window or None, chunk or None, whether this layer takes them; traced in a scan): with a
+  window the family's pattern makes the last of every sliding_window_pattern layers attend to the
+  whole row and the others slide (with their own RoPE base where set); with chunks every layer but
+  the NoPE ones attends within its chunk (Llama 4)."""
+  window, chunk = cfg.sliding_window_size or None, cfg.chunk_attn_window_size or None
+  if window:
+    return window, None, (layer_index + 1) % cfg.sliding_window_pattern != 0
+  return None, chunk, chunk is not None and jnp.logical_not(_nope(cfg, layer_index))
 
 
 def rotate(cfg, x, positions, layer_index):
   """RoPE, as the configuration and the layer say, over all of x's last axis [B, T, heads, d]: a
   sliding layer with a RoPE of its own (local_rope_max_timescale) has it plain, its cos and sin
-  unscaled (OLMo 3's YaRN is its global layers')."""
-  sliding = _window(cfg, layer_index)[1]
-  timescale = rope_timescales(cfg, x.shape[3], sliding)
+  unscaled (OLMo 3's YaRN is its global layers'); a NoPE layer has none."""
+  local = _local(cfg, layer_index)[2]
+  timescale = rope_timescales(cfg, x.shape[3], local)
   factor = rope_attention_factor(cfg)
   if cfg.local_rope_max_timescale and factor != 1:
-    factor = jnp.where(sliding, 1.0, factor)
-  return apply_rope(x, positions, timescale, factor)
+    factor = jnp.where(local, 1.0, factor)
+  rotated = apply_rope(x, positions, timescale, factor)
+  return jnp.where(_nope(cfg, layer_index), x, rotated) if cfg.nope_layer_interval else rotated
+
+
+def tuned_temperature(cfg, q, positions, layer_index):
+  """With temperature_tuning, a NoPE layer's queries [B, T, N, H] times 1 + scale * log(1 +
+  floor((position + 1) / floor)), Llama 4's, which keeps long-range scores from flattening; the
+  positions are each document's own, as RoPE's."""
+  if not cfg.temperature_tuning:
+    return q
+  steps = jnp.floor((positions.astype(jnp.float32) + 1.0) / cfg.temperature_tuning_floor)
+  tuned = (jnp.log1p(steps) * cfg.temperature_tuning_scale + 1.0)[:, :, None, None]
+  return (q * jnp.where(_nope(cfg, layer_index), tuned, 1.0)).astype(q.dtype)
 
 
 def qk_normed(cfg, scale, x):
@@ -411,6 +437,7 @@ def global_attention(cfg, x, positions, segment_ids, layer_index):
     if cfg.qk_norm:
       q, kk = qk_normed(cfg, q_scale, q), qk_normed(cfg, k_scale, kk)
     q, kk = rotate(cfg, q, positions, layer_index), rotate(cfg, kk, positions, layer_index)
+    q = tuned_temperature(cfg, q, positions, layer_index)
     context = attend_heads(cfg, q, kk, v, segment_ids, layer_index, scale)
     wo = kernel_run(out, 0, shards, chunks, k, dtype)  # [n, H, D]
     return jnp.einsum("btnh,nhd->btd", context, wo, preferred_element_type=out_dtype)
@@ -508,8 +535,8 @@ class Attention(nn.Module):
 def attend_heads(cfg, q, k, v, segment_ids, layer_index, scale):
   """The attention of rotated queries q [B, T, N, H] to keys k [B, T, K, H] and values
   v [B, T, K, Hv] (K divides N; Hv may differ from H): the layout, the configured kernel or
-  context parallelism, the layer's window; the context [B, T, N, Hv]."""
-  window, sliding = _window(cfg, layer_index)
+  context parallelism, the layer's window or chunk; the context [B, T, N, Hv]."""
+  window, chunk_window, local = _local(cfg, layer_index)
   split = context_parallel.shards() > 1  # each context shard attends its own queries
   q = nn.with_logical_constraint(q, BATCH_LENGTH_HEADS)
   k = nn.with_logical_constraint(k, BATCH_LENGTH_KV_HEADS if split else BATCH_FULL_LENGTH_KV_HEADS)
@@ -518,9 +545,9 @@ def attend_heads(cfg, q, k, v, segment_ids, layer_index, scale):
   if split:
     context = context_parallel.attention(q, k, v, segment_ids, cfg, scale,
                                          functools.partial(head.soft_cap, cap=soft_cap),
-                                         _layer_window(window, sliding, q.shape[1]))
+                                         _layer_value(window, local, q.shape[1]))
   else:
-    context = ATTENTIONS[cfg.attention](q, k, v, segment_ids, cfg, scale, soft_cap, window, sliding)
+    context = ATTENTIONS[cfg.attention](q, k, v, segment_ids, cfg, scale, soft_cap, window, chunk_window, local)
   context = nn.with_logical_constraint(context, BATCH_LENGTH_HEADS)
   # Where the kernel names its residuals (every context-parallel kernel), a policy that keeps
   # attention_out keeps those (remat.checkpoint_policy): the context once, in the kernel's layout,

@@ -2,7 +2,8 @@
 semantics that every kernel is driven by.
 
 A query at token index q sees a key at token index k of its own packed document (equal segment
-ids) when k <= q, and with a sliding window W when q - k < W too (its own token included). Token
+ids) when k <= q, with a sliding window W when q - k < W too (its own token included), and with
+attention chunks of C tokens (Llama 4) when q // C == k // C: both in the same chunk of the row. Token
 indices are positions in the whole row, in whatever order a kernel holds the tokens (a context
 shard's, a splash kernel's q_sequence). Scores are scale * q.k, through the soft cap where set.
 A kernel takes the documents its own way (a segment-id mask, splash's SegmentIds, cuDNN's
@@ -12,15 +13,16 @@ offsets); the rest of the mask comes from `visible`.
 # The features beyond causal, documents and the query scale, each with the config key that asks
 # for it: a kernel states which it takes (attentions.FlashKernel.takes), and a config asking a
 # kernel for one it lacks is refused naming the key.
-FEATURES = {"soft_cap": "attn_logits_soft_cap", "window": "sliding_window_size"}
+FEATURES = {"soft_cap": "attn_logits_soft_cap", "window": "sliding_window_size", "chunk": "chunk_attn_window_size"}
 
 
-def visible(q_index, k_index, window=None):
+def visible(q_index, k_index, window=None, chunk=None):
   """Whether queries at token indices q_index see keys at k_index (NumPy or JAX arrays of indices,
-  broadcast against each other; `window` None, a number, or a traced one): causal, and within the
-  window."""
+  broadcast against each other; `window` and `chunk` None, a number, or a traced one): causal,
+  within the window and within the chunk."""
   distance = q_index - k_index
-  return distance >= 0 if window is None else (distance >= 0) & (distance < window)
+  seen = distance >= 0 if window is None else (distance >= 0) & (distance < window)
+  return seen if chunk is None else seen & (q_index // chunk == k_index // chunk)
 
 
 def asked(cfg) -> list[str]:
