@@ -277,7 +277,7 @@ def test_exceptions_through_orbax_reach_the_debug_log_only_and_others_are_kept()
   traceback of a failed save: the command says it in one line; other libraries' are printed."""
   from absl import logging as absl_logging
   from etils import epath
-  checkpointing._quiet_orbax_tracebacks()  # as every save and restore does
+  checkpointing.quiet_orbax_tracebacks()  # as every save and restore does
   try:
     ocp.PyTreeCheckpointHandler().metadata(epath.Path("/no/such/checkpoint/state"))
   except Exception as e:  # whatever orbax raises
