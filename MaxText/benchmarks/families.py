@@ -44,8 +44,8 @@ CELLS = (
     # The same with the layer inputs, the one stack remat_policy=full keeps, in host memory.
     ("deepseek3-671b", "v5p-512", "expert 8 x fsdp, capacity_factor=1.25, remat_policy=input_offloaded",
      (*EXPERT_8, "capacity_factor=1.25", "remat_policy=input_offloaded"), 8),
-    # OLMo 3 (MaxText 0.2.5's own train_compile of the plain setting: 32.84 GiB), its MLP in slices,
-    # its layer inputs on the host, and both.
+    # OLMo 3 (MaxText 0.2.5's figure for the plain setting: docs/results/families_tpu.md), its MLP in
+    # slices, its layer inputs on the host, and both.
     ("olmo3-32b", "v5p-64", "fsdp", FSDP, 8),
     ("olmo3-32b", "v5p-64", "fsdp, mlp_chunks=4", (*FSDP, "mlp_chunks=4"), 8),
     ("olmo3-32b", "v5p-64", "fsdp, remat_policy=input_offloaded", (*FSDP, "remat_policy=input_offloaded"), 8),
