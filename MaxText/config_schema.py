@@ -209,6 +209,9 @@ class Model:
              "temperature_tuning_floor)) (Llama 4)")
   temperature_tuning_scale: float = key(0.1, "temperature_tuning: the log's weight (Llama 4's attn_scale)")
   temperature_tuning_floor: int = key(8192, "temperature_tuning: positions per step of the log (Llama 4's floor_scale)")
+  use_qk_norm: bool = key(
+      False, "the RoPE layers normalise each head's rotated queries and keys to unit root mean square, no scale "
+             "(Llama 4 Scout; Hugging Face's L2Norm)")
 
   attention_type: one_of(ATTENTION_TYPES) = key(
       "global", "global (query, key and value heads, GQA) or mla (DeepSeek's multi-head latent attention) "
@@ -244,8 +247,8 @@ class Model:
     require(not self.temperature_tuning or self.nope_layer_interval, self, "temperature_tuning",
             "tunes the NoPE layers' queries: set nope_layer_interval")
     require(self.rope_linear_scaling_factor > 0, self, "rope_linear_scaling_factor", "must be > 0")
-    require(self.rope_high_freq_factor > self.rope_low_freq_factor > 0, self, "rope_high_freq_factor",
-            f"must be > rope_low_freq_factor={self.rope_low_freq_factor} > 0")
+    require(self.rope_high_freq_factor >= self.rope_low_freq_factor > 0, self, "rope_high_freq_factor",
+            f"must be >= rope_low_freq_factor={self.rope_low_freq_factor} > 0")
     require(self.rope_scaling_factor > 0 and self.rope_original_max_position > 0, self, "rope_scaling_factor",
             "and rope_original_max_position must be > 0")
     require(self.normalization_layer_epsilon > 0, self, "normalization_layer_epsilon", "must be > 0")

@@ -29,6 +29,8 @@ class Family:
   mlp_activation: str = "silu"
   # Every layer's MLP is a mixture of num_experts experts (layers/moe.py).
   moe: bool = False
+  # The router's weight scales its one expert's input, not the expert's output (Llama 4; top-1).
+  routed_input_scaling: bool = False
   # With sliding_window_size, the last layer of every this many attends to the whole row and the
   # others to the window (Gemma 2: 2, layers 0, 2, 4, ... sliding; Gemma 3: 6, five local then one global).
   sliding_window_pattern: int = 2
@@ -57,6 +59,20 @@ class Family:
   # the class routes every layer.
   hf_moe_step_key: str = ""
   hf_expert_width_key: str = "moe_intermediate_size"
+  # config.json's key for the dense MLPs' width (base_mlp_dim) and their tensors' prefix under
+  # model.layers.{i}.
+  hf_dense_width_key: str = "intermediate_size"
+  hf_mlp_prefix: str = "mlp."
+  # A layer's experts in one tensor each: [E, D, 2F], gate then up, and [E, F, D], named by
+  # hf_expert_names without {e} (Llama 4's gate_up_proj and down_proj).
+  hf_fused_experts: bool = False
+  # q_proj's and k_proj's features in interleaved RoPE pairs (2j, 2j + 1) in each head: Meta's
+  # layout, which Llama 4's class keeps (the others' half-split, this project's too).
+  hf_rope_interleaved: bool = False
+  # The class has Llama 4's attention: chunks on the RoPE layers, NoPE layers with temperature
+  # tuning, unit-RMS queries and keys (config.json's attention_chunk_size, no_rope_layers,
+  # attn_temperature_tuning, attn_scale, floor_scale, use_qk_norm).
+  hf_llama4_attention: bool = False
   # True or False where the Hugging Face class always or never renormalises the top-k router
   # weights, whatever config.json says (Mixtral has no norm_topk_prob key, DeepSeek-V2 ignores
   # its); None where config.json says.
@@ -81,7 +97,7 @@ class Family:
   hf_topk_method: str = ""
 
   SWITCHES = ("qk_norm", "sandwich_norms", "post_norms", "qk_norm_over_heads", "norm_plus_one", "scale_embedding",
-              "mlp_activation", "moe", "sliding_window_pattern")
+              "mlp_activation", "moe", "routed_input_scaling", "sliding_window_pattern")
 
   def switches(self) -> dict:
     """The layers' switches, as config keys."""
@@ -124,6 +140,22 @@ FAMILIES = {
                                  ("rope_local_base_freq", 10000.0), ("query_pre_attn_scalar", 256),
                                  ("sliding_window", 4096), ("sliding_window_pattern", 6))),
     "deepseek": _DEEPSEEK,
+    # Llama 4 (text): Llama's layer with Llama 4's attention (chunked RoPE layers, a NoPE layer in
+    # every 4 with temperature tuning, Scout's unit-RMS queries and keys) and, on every layer (Scout)
+    # or every other (Maverick, interleave_moe_layer_step 2; the others dense MLPs of
+    # intermediate_size_mlp), a top-1 mixture whose expert's input is weighted by the sigmoid of its
+    # router logit, plus a shared expert.
+    "llama4": dataclasses.replace(
+        _LLAMA, moe=True, routed_input_scaling=True, hf_architecture="Llama4ForCausalLM",
+        hf_model_type="llama4_text",
+        hf_expert_names=("feed_forward.router.weight", "feed_forward.experts.gate_up_proj",
+                         "feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"),
+        hf_num_experts_key="num_local_experts", hf_moe_step_key="interleave_moe_layer_step",
+        hf_expert_width_key="intermediate_size", hf_dense_width_key="intermediate_size_mlp",
+        hf_mlp_prefix="feed_forward.", hf_fused_experts=True, hf_rope_interleaved=True, hf_llama4_attention=True,
+        hf_norm_topk_prob=False, hf_shared_experts="feed_forward.shared_expert.",
+        hf_routing=(("routed_score_func", "sigmoid"), ("shared_experts", 1), ("routed_scaling_factor", 1.0),
+                    ("first_num_dense_layers", 0), ("n_routing_groups", -1), ("topk_routing_group", -1))),
     # OLMo 3: norms after attention and the MLP only, q/k norms over the whole projections, three
     # sliding layers to one global; YaRN on the global layers, plain RoPE on the sliding ones
     # (local_rope_max_timescale: the same base).

@@ -238,6 +238,11 @@ def _validate(v: dict) -> None:
                          and v["base_num_decoder_layers"] % step == 0), "interleave_moe_layer_step",
            f"must divide base_num_decoder_layers={v['base_num_decoder_layers']}, in a mixture of experts "
            f"(decoder_block={v['decoder_block']}) without first_num_dense_layers", v)
+  _require(v["num_experts_per_tok"] == 1 or not FAMILIES[v["decoder_block"]].routed_input_scaling,
+           "num_experts_per_tok", f"must be 1 for decoder_block={v['decoder_block']}, whose router weights its one "
+           "expert's input", v)
+  _require(not v["use_qk_norm"] or v["attention_type"] == "global", "use_qk_norm",
+           f"normalises the heads of attention_type=global, not {v['attention_type']}", v)
   _require(v["expert_exchange"] != "all_to_all" or v["capacity_factor"] is None, "expert_exchange",
            f"all_to_all needs dropless routing (capacity_factor null, not {v['capacity_factor']})", v)
   # MLA's latent keys and values are shared by all heads: no slice of heads stands alone.

@@ -64,6 +64,13 @@ FAMILIES = {"llama": ("decoder_block=llama2", "logits_via_embedding=false"),
                           "mscale_all_dim=0.707", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=24",
                           "first_num_dense_layers=1", "shared_experts=2", "routed_scaling_factor=2.5",
                           "norm_topk_prob=false"),
+            "llama4": ("decoder_block=llama4", "logits_via_embedding=false", "base_num_decoder_layers=4",
+                       "num_experts=4", "num_experts_per_tok=1", "base_moe_mlp_dim=24", "norm_topk_prob=false",
+                       "interleave_moe_layer_step=2", "shared_experts=1", "routed_score_func=sigmoid",
+                       "nope_layer_interval=4", "chunk_attn_window_size=8", "temperature_tuning=true",
+                       "temperature_tuning_floor=4", "temperature_tuning_scale=0.5", "use_qk_norm=true",
+                       "rope_type=llama3.1", "rope_scaling_factor=16", "rope_low_freq_factor=1",
+                       "rope_high_freq_factor=1", "rope_original_max_position=16"),
             "mixtral": ("decoder_block=mixtral", "logits_via_embedding=false", *MOE, "base_moe_mlp_dim=64"),
             "mixtral_tied": ("decoder_block=mixtral", "logits_via_embedding=true", *MOE, "base_moe_mlp_dim=64")}
 # TINY's run keys without its model keys: runs from a converted checkpoint take those saved with it.
@@ -77,7 +84,7 @@ def imported_params(config, hf_path):
     node = params
     for key in entry[0][:-1]:
       node = node.setdefault(key, {})
-    node[entry[0][-1]] = mapping.to_param(config, entry, lambda name: mapping.read_tensor(tensors, name), None)
+    node[entry[0][-1]] = mapping.to_param(config, entry, lambda *name: mapping.read_tensor(tensors, *name), None)
   return params
 
 
@@ -109,16 +116,28 @@ def test_converted_weights_give_the_hugging_face_logits(family, settings):
     ("qwen3_moe_tied", "norm_topk_prob=true"), ("mixtral", "num_experts_per_tok=1"),
     ("deepseek3", "routed_bias=false"), ("deepseek3", "shared_experts=0"), ("deepseek3", "routed_scaling_factor=1"),
     ("deepseek3", "rope_type=default"), ("deepseek2", "norm_topk_prob=true"), ("deepseek2", "mscale_all_dim=1"),
-    ("olmo3", "sliding_window_size=0"), ("olmo3", "local_rope_max_timescale=0"), ("olmo3", "rope_type=default")])
+    ("olmo3", "sliding_window_size=0"), ("olmo3", "local_rope_max_timescale=0"), ("olmo3", "rope_type=default"),
+    ("llama4", "use_qk_norm=false"), ("llama4", "chunk_attn_window_size=0"), ("llama4", "temperature_tuning=false"),
+    ("llama4", "routed_score_func=softmax"), ("llama4", "rope_type=default")])
 def test_without_the_family_feature_the_logits_are_not_matched(family, without):
   """Qwen3's q/k norms, Llama 3.1's RoPE rescaling, each of Gemma 2's and Gemma 3's features (its
   q/k norms and five-to-one pattern are what it adds to gemma2), the experts' routing and
   DeepSeek-V3's correction bias, shared expert, routed scaling and YaRN, and DeepSeek-V2's
-  top-k weights not renormalised and YaRN's score factor (mscale_all_dim), and OLMo 3's window,
-  its sliding layers' plain RoPE and its global layers' YaRN matter: the
+  top-k weights not renormalised and YaRN's score factor (mscale_all_dim), OLMo 3's window,
+  its sliding layers' plain RoPE and its global layers' YaRN, and Llama 4's unit-RMS queries and
+  keys, chunks, temperature tuning, sigmoid router and rescaled RoPE matter: the
   same weights without one miss transformers' logits by over 100 times what the parity test
   allows."""
   logits, golden = logits_and_golden(family, tiny_config(*SHAPE, *FAMILIES[family], without))
+  assert np.abs(logits - golden).max() > 1e-3 * np.abs(golden).max()
+
+
+def test_llama4s_router_weights_its_experts_input_not_their_output(monkeypatch):
+  """The same Llama 4 weights with the router's weight on the experts' output miss transformers'
+  logits as above: the input weighting is what matches them."""
+  monkeypatch.setitem(families.FAMILIES, "llama4",
+                      dataclasses.replace(families.FAMILIES["llama4"], routed_input_scaling=False))
+  logits, golden = logits_and_golden("llama4", tiny_config(*SHAPE, *FAMILIES["llama4"]))
   assert np.abs(logits - golden).max() > 1e-3 * np.abs(golden).max()
 
 

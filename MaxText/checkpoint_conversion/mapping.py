@@ -4,8 +4,9 @@ directory's safetensors one tensor at a time.
 
 Supported: LlamaForCausalLM (Llama 2, 3, 3.1, 3.2), Qwen3ForCausalLM, Gemma2ForCausalLM,
 Gemma3ForCausalLM (Gemma 3's text decoder), Olmo3ForCausalLM, and the mixtures of experts
-Qwen3MoeForCausalLM (every N-th layer routed too), MixtralForCausalLM, DeepseekV2ForCausalLM and
-DeepseekV3ForCausalLM; imported only, the language model of Gemma3ForConditionalGeneration (Gemma 3
+Qwen3MoeForCausalLM (every N-th layer routed too), MixtralForCausalLM, DeepseekV2ForCausalLM,
+DeepseekV3ForCausalLM and Llama4ForCausalLM (Llama 4's text model); imported only, the language
+model of Gemma3ForConditionalGeneration (Gemma 3
 4B, 12B, 27B as published).
 """
 
@@ -49,6 +50,8 @@ def pattern(num_layers: int, period: int) -> list:
 
 def layer_types(config) -> list:
   """Hugging Face's per-layer attention kinds for this config."""
+  if config.chunk_attn_window_size:
+    return ["full_attention" if nope else "chunked_attention" for nope in _nope_layers(config)]
   if not config.sliding_window_size:
     return ["full_attention"] * config.base_num_decoder_layers
   return pattern(config.base_num_decoder_layers, config.sliding_window_pattern)
@@ -61,8 +64,9 @@ _LLAMA31_ROPE_KEYS = ("rope_low_freq_factor", "rope_high_freq_factor")
 _YARN_ROPE_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 # What transformers' YaRN takes where config.json is silent (no mscale: cos and sin scaled by mscale(1)).
 _YARN_DEFAULTS = dict(zip(_YARN_ROPE_KEYS, (32.0, 1.0, 0.0, 0.0)))
-# Llama 4's attention, which no converted family's class has yet: off in every config.json read.
-_LLAMA4_ATTENTION = {"nope_layer_interval": 0, "chunk_attn_window_size": 0, "temperature_tuning": False}
+# Llama 4's attention: off in the config.json of a class without it (Family.hf_llama4_attention).
+_LLAMA4_ATTENTION = {"nope_layer_interval": 0, "chunk_attn_window_size": 0, "temperature_tuning": False,
+                     "use_qk_norm": False}
 _TEMPERATURE_KEYS = ("temperature_tuning_scale", "temperature_tuning_floor")
 # Latent attention's widths (attention_type=mla).
 _MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -169,7 +173,8 @@ def _model_keys(hf: dict, block: str) -> dict:
   window = hf["sliding_window"] if "sliding_attention" in kinds else 0
   linear = rope_type == "linear"
   return {"decoder_block": block,
-          "vocab_size": hf["vocab_size"], "base_emb_dim": hf["hidden_size"], "base_mlp_dim": hf["intermediate_size"],
+          "vocab_size": hf["vocab_size"], "base_emb_dim": hf["hidden_size"],
+          "base_mlp_dim": hf[family.hf_dense_width_key],
           "base_num_query_heads": hf["num_attention_heads"],
           "base_num_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
           "base_num_decoder_layers": hf["num_hidden_layers"],
@@ -189,7 +194,34 @@ def _model_keys(hf: dict, block: str) -> dict:
           "attn_logits_soft_cap": float(hf.get("attn_logit_softcapping") or 0),
           "final_logits_soft_cap": float(hf.get("final_logit_softcapping") or 0),
           "query_pre_attn_scalar": hf.get("query_pre_attn_scalar") or head_dim, "sliding_window_size": window,
-          **_LLAMA4_ATTENTION, **_mla_keys(hf, family), **_moe_keys(hf, family)}
+          **_llama4_keys(hf, family, layers), **_mla_keys(hf, family), **_moe_keys(hf, family)}
+
+
+def _nope_layers(config) -> list:
+  """Whether each layer has no RoPE (nope_layer_interval)."""
+  interval = config.nope_layer_interval
+  return [bool(interval) and (i + 1) % interval == 0 for i in range(config.base_num_decoder_layers)]
+
+
+def _llama4_keys(hf: dict, family, layers: int) -> dict:
+  """Llama 4's attention keys, with its class's defaults where config.json is silent; off for the
+  other families. Its NoPE layers must be the last of every N, its chunked layers the others."""
+  if not family.hf_llama4_attention:
+    return _LLAMA4_ATTENTION
+  uses_rope = hf.get("no_rope_layers") or [int((i + 1) % hf.get("no_rope_layer_interval", 4) != 0)
+                                            for i in range(layers)]
+  interval = next((i + 1 for i, rope in enumerate(uses_rope) if not rope), 0)
+  if list(uses_rope) != [int(not interval or (i + 1) % interval != 0) for i in range(layers)]:
+    interval = f"no_rope_layers {uses_rope} (not supported: only the last of every N layers without RoPE)"
+  chunk = hf.get("attention_chunk_size", 8192) or 0
+  kinds = ["chunked_attention" if rope and chunk else "full_attention" for rope in uses_rope]
+  if hf.get("layer_types") and list(hf["layer_types"]) != kinds:
+    chunk = f"layer_types {hf['layer_types']} (not supported: chunks on the RoPE layers, {kinds})"
+  return {"nope_layer_interval": interval, "chunk_attn_window_size": chunk,
+          "temperature_tuning": bool(hf.get("attn_temperature_tuning", True)) and bool(interval),
+          "temperature_tuning_scale": hf.get("attn_scale", 0.1),
+          "temperature_tuning_floor": hf.get("floor_scale", 8192),
+          "use_qk_norm": bool(hf.get("use_qk_norm", True))}
 
 
 def _mla_keys(hf: dict, family) -> dict:
@@ -220,15 +252,15 @@ def _moe_keys(hf: dict, family) -> dict:
     norm_topk_prob = f"{said} ({family.hf_architecture} ignores it: not supported)"
   step = (hf.get(family.hf_moe_step_key) or 1) if family.hf_moe_step_key else 1
   # Softmax, no bias, groups, scaling or shared experts (Qwen3-MoE's and Mixtral's routing) unless
-  # the family's class or DeepSeek's keys say otherwise; one group is none, and so are the
-  # groups of a class whose topk_method (the one converted) routes without them.
+  # the family's class (hf_routing, over config.json) or DeepSeek's keys say otherwise; one group
+  # is none, and so are the groups of a class whose topk_method (the one converted) routes without them.
   groups = 1 if family.hf_topk_method else hf.get("n_group") or 1
-  routing = {"routed_score_func": "softmax", "routed_bias": False, **dict(family.hf_routing),
+  routing = {"routed_score_func": "softmax", "routed_bias": False,
              "n_routing_groups": groups if groups > 1 else -1,
              "topk_routing_group": hf["topk_group"] if groups > 1 else -1,
              "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
              "shared_experts": hf.get("n_shared_experts") or 0,
-             "first_num_dense_layers": hf.get("first_k_dense_replace", 0)}
+             "first_num_dense_layers": hf.get("first_k_dense_replace", 0), **dict(family.hf_routing)}
   method = hf.get("topk_method") or family.hf_topk_method
   if family.hf_topk_method and method != family.hf_topk_method:
     routing["n_routing_groups"] = (f"topk_method {method} of {family.hf_architecture} (not supported: "
@@ -264,11 +296,16 @@ class Entry(NamedTuple):
   first: int = 0  # the model's index of the stack's first layer: {i} counts from it
   stride: int = 1  # model layers between consecutive stacked layers (a block's position in a block of K: K)
   # Trailing features of the last axis that Hugging Face keeps in interleaved RoPE pairs (2j, 2j+1)
-  # and this project in halves (j, j + n/2): DeepSeek's MLA queries and shared RoPE key.
+  # and this project in halves (j, j + n/2): DeepSeek's MLA queries and shared RoPE key, each head
+  # of Llama 4's queries and keys.
   interleaved: int = 0
   # A Hugging Face copy of a parameter another entry holds (DeepSeek's multi-token prediction
   # layers keep the embedding and the head again): written on export, required but not read on import.
   copy: bool = False
+  # (k, n): Hugging Face keeps a layer's experts in one tensor [experts, in, out], each expert's
+  # [out, in] transposed, and this parameter is the k-th of n equal runs of its out features
+  # (Llama 4's gate_up_proj: the gate's, then the up projection's); (): a tensor per expert.
+  part: tuple = ()
 
 
 def layout(config) -> list:
@@ -323,17 +360,18 @@ def _layer_entries(config, prefix: tuple, hf_prefix: str, layers: tuple, first: 
   if moe_layer:
     (router, gate, up, down), hidden = family.hf_expert_names, config.base_moe_mlp_dim
     experts = layers + (config.num_experts,)
+    part = lambda k, n: {"part": (k, n)} if family.hf_fused_experts else {}
     entries += [entry(("moe_block", "gate", "kernel"), router, (dim, config.num_experts), 1),
-                entry(("moe_block", "wi_0"), gate, (dim, hidden), 1, experts),
-                entry(("moe_block", "wi_1"), up, (dim, hidden), 1, experts),
-                entry(("moe_block", "wo"), down, (dim, hidden), 0, experts)]
+                entry(("moe_block", "wi_0"), gate, (dim, hidden), 1, experts, **part(0, 2)),
+                entry(("moe_block", "wi_1"), up, (dim, hidden), 1, experts, **part(1, 2)),
+                entry(("moe_block", "wo"), down, (dim, hidden), 0, experts, **part(0, 1))]
     if config.routed_bias:
       entries.append(entry(("moe_block", "gate", "bias"), family.hf_router_bias, (config.num_experts,), 0))
     if config.shared_experts:
       entries += _mlp_entries(entry, ("moe_block", "shared_experts"), family.hf_shared_experts, dim,
                               config.shared_experts * hidden)
   else:
-    entries += _mlp_entries(entry, ("mlp",), "mlp.", dim, config.base_mlp_dim)
+    entries += _mlp_entries(entry, ("mlp",), family.hf_mlp_prefix, dim, config.base_mlp_dim)
   if config.sandwich_norms:
     entries.append(entry(("pre_ffw_norm", "scale"), "pre_feedforward_layernorm.weight", (dim,), 0))
   if config.sandwich_norms or config.post_norms:
@@ -359,8 +397,11 @@ def _attention_entries(config, entry) -> list:
                                     config.head_dim)
   attention = lambda *path: ("self_attention", *path)
   if config.attention_type == "global":
-    return [entry(attention("query", "kernel"), "self_attn.q_proj.weight", (dim, heads, head_dim), 1),
-            entry(attention("key", "kernel"), "self_attn.k_proj.weight", (dim, kv_heads, head_dim), 1),
+    pairs = head_dim if FAMILIES[config.decoder_block].hf_rope_interleaved else 0
+    return [entry(attention("query", "kernel"), "self_attn.q_proj.weight", (dim, heads, head_dim), 1,
+                  interleaved=pairs),
+            entry(attention("key", "kernel"), "self_attn.k_proj.weight", (dim, kv_heads, head_dim), 1,
+                  interleaved=pairs),
             entry(attention("value", "kernel"), "self_attn.v_proj.weight", (dim, kv_heads, head_dim), 1),
             entry(attention("out", "kernel"), "self_attn.o_proj.weight", (heads, head_dim, dim), 2)]
   rope, latent, rank = config.qk_rope_head_dim, config.kv_lora_rank, config.q_lora_rank
@@ -389,8 +430,37 @@ def hf_names(config, entry) -> list:
 
 
 def hf_shape(entry) -> tuple:
+  """The shape of one of the entry's Hugging Face tensors: all experts' where they share one."""
   shape, in_axes = entry.shape, entry.in_axes
-  return (math.prod(shape[in_axes:]), math.prod(shape[:in_axes])) if in_axes else shape
+  hf = (math.prod(shape[in_axes:]), math.prod(shape[:in_axes])) if in_axes else shape
+  if entry.part:
+    return (entry.stack[-1], hf[1], hf[0] * entry.part[1])
+  return hf
+
+
+def _region(entry, index) -> tuple | None:
+  """Where stacked element `index` (layer, expert) of a part entry lies in its Hugging Face tensor."""
+  if not entry.part:
+    return None
+  (k, _), out = entry.part, hf_shape(entry)[2] // entry.part[1]
+  return (index[-1], slice(None), slice(k * out, (k + 1) * out))
+
+
+def tensor_groups(config) -> list:
+  """The layout's entries, those that are parts of the same Hugging Face tensors together (in
+  part order), each other entry alone: what to_hf_tensors' results are joined over."""
+  groups = {}
+  for entry in layout(config):
+    groups.setdefault((entry.name, entry.first, entry.stride) if entry.part else entry.path, []).append(entry)
+  return [sorted(group, key=lambda e: e.part) for group in groups.values()]
+
+
+def joined(group: list, tensors: list) -> dict:
+  """One layer's Hugging Face tensors from its group's to_hf_tensors results: the parts of a
+  tensor concatenated along its last axis."""
+  if len(group) == 1:
+    return tensors[0]
+  return {name: np.ascontiguousarray(np.concatenate([part[name] for part in tensors], axis=-1)) for name in tensors[0]}
 
 
 def _layer(config, entry, layer) -> tuple:
@@ -421,14 +491,15 @@ def _from_hf(entry, tensor) -> np.ndarray:
 
 def to_param(config, entry, read, dtype, layer=None) -> np.ndarray:
   """One parameter of this project (layers, experts stacked), or its slice [layer], from its
-  Hugging Face tensors, read one at a time with read(name); dtype None keeps theirs."""
+  Hugging Face tensors, read one at a time with read(name), or read(name, region) for one expert's
+  part of a tensor the experts share (a tuple of indices); dtype None keeps theirs."""
   stack, names = _layer(config, entry, layer)
   if not stack:  # one tensor: no copy of it, unless to another dtype
     tensor = read(names[0])
     return _from_hf(entry, tensor).astype(dtype or tensor.dtype, copy=False)
   out = None
   for index, name in zip(itertools.product(*map(range, stack)), names):
-    tensor = read(name)
+    tensor = read(name, _region(entry, index)).T if entry.part else read(name)
     if out is None:
       out = np.empty(stack + entry.shape, dtype or tensor.dtype)
     out[index] = _from_hf(entry, tensor)
@@ -441,8 +512,10 @@ def to_hf_tensors(config, entry, param, layer=None) -> dict:
   convert = (lambda w: w.reshape(math.prod(shape[:in_axes]), -1).T) if in_axes else (lambda w: w)
   values = param.reshape(-1, *shape)
   inverse = np.argsort(_halves(entry.interleaved))
-  return {name: np.ascontiguousarray(convert(_reorder(entry, value, inverse)))
-          for name, value in zip(_layer(config, entry, layer)[1], values)}
+  names = _layer(config, entry, layer)[1]
+  if entry.part:  # one tensor of all the layer's experts, [experts, in, out] (joined: the whole)
+    return {names[0]: np.ascontiguousarray(np.stack([convert(value).T for value in values]))}
+  return {name: np.ascontiguousarray(convert(_reorder(entry, value, inverse))) for name, value in zip(names, values)}
 
 
 def hf_config(config, dtype: str) -> dict:
@@ -462,9 +535,11 @@ def hf_config(config, dtype: str) -> dict:
   local_base = float(config.local_rope_max_timescale or config.rope_max_timescale)
   local = {"rope_type": "default", "rope_theta": local_base} if config.local_rope_max_timescale else rope
   by_type = {"full_attention": rope, "sliding_attention": local}
-  dense_width = config.base_moe_mlp_dim if family.hf_expert_width_key == "intermediate_size" else config.base_mlp_dim
+  # Mixtral's intermediate_size is its experts' width.
+  widths = {family.hf_dense_width_key: config.base_mlp_dim,
+            **({family.hf_expert_width_key: config.base_moe_mlp_dim} if config.moe else {})}
   return {"architectures": [family.hf_architecture], "model_type": family.hf_model_type,
-          "vocab_size": config.vocab_size, "hidden_size": config.base_emb_dim, "intermediate_size": dense_width,
+          "vocab_size": config.vocab_size, "hidden_size": config.base_emb_dim, **widths,
           "num_hidden_layers": config.base_num_decoder_layers,
           "num_attention_heads": config.base_num_query_heads, "num_key_value_heads": config.base_num_kv_heads,
           "head_dim": config.head_dim, family.hf_activation_key: family.hf_activation,
@@ -481,7 +556,16 @@ def hf_config(config, dtype: str) -> dict:
           "sliding_window": config.sliding_window_size or None, "layer_types": layer_types(config),
           "sliding_window_pattern": config.sliding_window_pattern,
           **(_mla_config(config) if config.attention_type == "mla" else {}),
+          **(_llama4_config(config) if family.hf_llama4_attention else {}),
           **(_moe_config(config) if config.moe else {})}
+
+
+def _llama4_config(config) -> dict:
+  """config.json's Llama 4 attention keys, the NoPE layers listed (its no_rope_layers: 0 for none)."""
+  return {"no_rope_layers": [int(not nope) for nope in _nope_layers(config)],
+          "attention_chunk_size": config.chunk_attn_window_size or None,
+          "attn_temperature_tuning": config.temperature_tuning, "attn_scale": config.temperature_tuning_scale,
+          "floor_scale": config.temperature_tuning_floor, "use_qk_norm": config.use_qk_norm}
 
 
 def _mla_config(config) -> dict:
@@ -532,7 +616,7 @@ def check_exportable(config) -> None:
       if getattr(config, key) != want:
         raise errors.ConfigError(f"{key}={getattr(config, key)!r}: {family.hf_architecture} routes with {key}={want!r}")
   for key, off in _LLAMA4_ATTENTION.items():
-    if getattr(config, key) != off:
+    if getattr(config, key) != off and not family.hf_llama4_attention:
       raise errors.ConfigError(f"{key}={getattr(config, key)!r}: {family.hf_architecture} has no such attention")
   if config.rope_linear_scaling_factor != 1 and config.rope_type != "default":
     raise errors.ConfigError(f"rope_linear_scaling_factor={config.rope_linear_scaling_factor}: config.json holds "
@@ -607,11 +691,14 @@ def tensor_dtype(tensors: dict, name: str) -> np.dtype:
   return np.dtype(DTYPES[tensors[name][2]])
 
 
-def read_tensor(tensors: dict, name: str) -> np.ndarray:
-  """One tensor, copied out of its file, which is closed again: the file's pages read so far do
-  not stay mapped, so memory holds what is being converted, not the whole model."""
+def read_tensor(tensors: dict, name: str, region: tuple | None = None) -> np.ndarray:
+  """One tensor, or its `region` (a tuple of indices) alone, copied out of its file, which is
+  closed again: the file's pages read so far do not stay mapped, so memory holds what is being
+  converted, not the whole model."""
   with safe_open(tensors[name][0], framework="numpy") as handle:
-    return handle.get_tensor(tensors[name][3])
+    if region is None:
+      return handle.get_tensor(tensors[name][3])
+    return handle.get_slice(tensors[name][3])[region]
 
 
 def _after_last_layer(config, name: str) -> bool:

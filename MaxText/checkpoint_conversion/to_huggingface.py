@@ -11,6 +11,7 @@ Parameters are read a layer at a time (sliced.py) and each shard is written once
 holds one layer of one parameter and one shard. The directory is written aside and renamed when complete.
 """
 
+import itertools
 import json
 import os
 import shutil
@@ -57,10 +58,11 @@ def _stored(config) -> dict:
 def _shards(config, stored: dict, max_shard_bytes: int) -> list:
   """Hugging Face tensor names, grouped into files of at most max_shard_bytes (a larger tensor alone)."""
   shards, size = [[]], 0
-  for entry in mapping.layout(config):
+  for group in mapping.tensor_groups(config):
+    entry = group[0]
     dtype = stored[entry[0]][1]
     nbytes = int(np.prod(mapping.hf_shape(entry))) * dtype.itemsize
-    for name in mapping.hf_names(config, entry):
+    for name in dict.fromkeys(mapping.hf_names(config, entry)):  # once each where the experts share one
       if shards[-1] and size + nbytes > max_shard_bytes:
         shards.append([])
         size = 0
@@ -94,9 +96,14 @@ def _write(config, stored: dict, shards: dict, directory: str) -> None:
   """Each shard {file: names} written as soon as its last tensor is converted, then config.json."""
   file_of = {name: file for file, names in shards.items() for name in names}
   pending, total = {file: {} for file in shards}, 0
-  for entry in mapping.layout(config):
-    for layer, param in _layers(config, entry, stored[entry[0]][1]):
-      for name, tensor in mapping.to_hf_tensors(config, entry, param, layer).items():
+  for group in mapping.tensor_groups(config):
+    # The parts of one tensor a layer at a time together: zip_longest runs each to its end,
+    # where its checksums are checked.
+    for slices in itertools.zip_longest(*(_layers(config, entry, stored[entry[0]][1]) for entry in group)):
+      layer = slices[0][0]
+      tensors = [mapping.to_hf_tensors(config, entry, param, layer) for entry, (_, param) in zip(group, slices)]
+      del slices
+      for name, tensor in mapping.joined(group, tensors).items():
         shard = pending[file_of[name]]
         shard[name] = tensor
         total += tensor.nbytes
@@ -104,7 +111,7 @@ def _write(config, stored: dict, shards: dict, directory: str) -> None:
           save_file(shard, os.path.join(directory, file_of[name]), metadata={"format": "pt"})
           os.chmod(os.path.join(directory, file_of[name]), 0o644)  # safetensors makes 0600 files; a model is to share
           shard.clear()
-      del param
+      del tensors
   if len(shards) > 1:
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
       json.dump({"metadata": {"total_size": total}, "weight_map": file_of}, f, indent=2)

@@ -51,8 +51,8 @@ def _write(config, tensors: dict, dtype, path: str) -> None:
     def read(layer, entry=entry, running=running):
       bad = []  # training from it would stop at its first step, naming nothing
 
-      def read_tensor(name):
-        tensor = mapping.read_tensor(tensors, name)
+      def read_tensor(name, region=None):
+        tensor = mapping.read_tensor(tensors, name, region)
         if not np.isfinite(np.asarray(tensor, np.float32)).all():
           bad.append(name)
         return tensor

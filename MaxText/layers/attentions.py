@@ -402,6 +402,17 @@ def tuned_temperature(cfg, q, positions, layer_index):
   return (q * jnp.where(_nope(cfg, layer_index), tuned, 1.0)).astype(q.dtype)
 
 
+def unit_rms(cfg, x, layer_index):
+  """use_qk_norm: each head's rotated queries or keys x [B, T, n, H] over their root mean square,
+  in float32 with no scale, on the RoPE layers (Llama 4 Scout); the NoPE layers' as they are."""
+  if not cfg.use_qk_norm:
+    return x
+  x32 = x.astype(jnp.float32)
+  normed = (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+                                + cfg.normalization_layer_epsilon)).astype(x.dtype)
+  return jnp.where(_nope(cfg, layer_index), x, normed) if cfg.nope_layer_interval else normed
+
+
 def qk_normed(cfg, scale, x):
   """Queries' or keys' RMSNorm over x [B, T, n, H]: each head's features (Qwen3), or with
   qk_norm_over_heads all of the projection's together (OLMo 2/3), its scale [n * H]."""
@@ -436,7 +447,7 @@ def global_attention(cfg, x, positions, segment_ids, layer_index):
     v = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, wv), "value_proj")
     if cfg.qk_norm:
       q, kk = qk_normed(cfg, q_scale, q), qk_normed(cfg, k_scale, kk)
-    q, kk = rotate(cfg, q, positions, layer_index), rotate(cfg, kk, positions, layer_index)
+    q, kk = (unit_rms(cfg, rotate(cfg, y, positions, layer_index), layer_index) for y in (q, kk))
     q = tuned_temperature(cfg, q, positions, layer_index)
     context = attend_heads(cfg, q, kk, v, segment_ids, layer_index, scale)
     wo = kernel_run(out, 0, shards, chunks, k, dtype)  # [n, H, D]

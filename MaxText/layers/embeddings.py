@@ -92,11 +92,14 @@ def rope_timescales(cfg, head_dim: int, sliding=False):
 def _llama31(cfg, timescale):
   """Llama 3.1: pairs whose wavelength exceeds rope_original_max_position / rope_low_freq_factor
   slowed by rope_scaling_factor, those below rope_original_max_position / rope_high_freq_factor
-  kept, a linear blend in wavelength between."""
+  kept, a linear blend in wavelength between (none where the two factors are equal: Llama 4 Scout)."""
   factor, low, high, original = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
                                  cfg.rope_original_max_position)
   wavelength = 2 * jnp.pi * timescale
-  blend = jnp.clip((original / wavelength - low) / (high - low), 0.0, 1.0)  # 0: slowed, 1: kept
+  if high == low:
+    blend = (original / wavelength >= low).astype(timescale.dtype)
+  else:
+    blend = jnp.clip((original / wavelength - low) / (high - low), 0.0, 1.0)  # 0: slowed, 1: kept
   return timescale / ((1 - blend) / factor + blend)
 
 

@@ -1,7 +1,8 @@
 """Mixture of experts: a float32 router picks num_experts_per_tok of num_experts SwiGLU experts
 for each token, and the token's output is the router-weighted sum of theirs (see `route`:
-softmax or sigmoid scores, DeepSeek-V3's correction bias and group-limited choice), plus a dense
-MLP of shared experts run on every token where shared_experts > 0.
+softmax or sigmoid scores, DeepSeek-V3's correction bias and group-limited choice; a family with
+routed_input_scaling weights its one expert's input instead, Llama 4's), plus a dense MLP of
+shared experts run on every token where shared_experts > 0.
 
 Dropless (capacity_factor null, the default): the token copies are sorted by expert and each
 projection is one grouped matmul, `jax.lax.ragged_dot` with the experts' group sizes, so compute
@@ -339,6 +340,8 @@ def _local_moe(x, logits, bias, kernels, cfg, token_axes: tuple, expert_axes: tu
   rows, length, width = x.shape
   k = cfg.num_experts_per_tok
   _, weights, experts = route(logits, bias, cfg)
+  if cfg.routed_input_scaling:  # top-1 (pyconfig): the token's one copy is its input times its weight
+    x, weights = x * weights.astype(x.dtype), jnp.ones_like(weights)
   flat_x = x.reshape(-1, width)
   if all_to_all:
     out, copies = _all_to_all_copies(flat_x, experts, kernels, gather, cfg, expert_axes)

@@ -1,6 +1,6 @@
 """Writes the Hugging Face parity assets: python tests/assets/hf/make_golden.py [NAME ...] (all,
 or only the named ones; needs torch and transformers, which are not runtime dependencies; any
-versions that have Qwen3, Gemma 2, Gemma 3, Qwen3-MoE, Mixtral and DeepSeek-V2 and V3; Gemma 3's RoPE per layer type
+versions that have Qwen3, Gemma 2, Gemma 3, Qwen3-MoE, Mixtral, DeepSeek-V2 and V3 and Llama 4; Gemma 3's RoPE per layer type
 needs transformers 5).
 
 For each family, a small randomly initialised transformers model saved as Hugging Face does
@@ -102,6 +102,18 @@ MODELS = {
         v_head_dim=6, eos_token_id=95, tie_word_embeddings=False, initializer_range=0.2,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
                              beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.707))),
+    # Llama 4 with every piece biting: 4 layers, routed and dense alternating (Maverick's
+    # interleave_moe_layer_step 2) with the NoPE layer 3 routed; chunks of 8 of the 24 tokens on the
+    # RoPE layers; temperature tuning stepping every 4 positions; Scout's unit-RMS queries and keys;
+    # Llama 3.1's RoPE rescaling with equal frequency factors (Scout's), over a short original context;
+    # top-1 of 4 experts by a decisive router, and the shared expert.
+    "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM, dict(
+        num_hidden_layers=4, tie_word_embeddings=False, intermediate_size=24, intermediate_size_mlp=64,
+        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=4,
+        attention_chunk_size=8, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5, use_qk_norm=True,
+        initializer_range=0.2, eos_token_id=95,
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=16.0, low_freq_factor=1.0,
+                             high_freq_factor=1.0, original_max_position_embeddings=16))),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
         tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)),
     "mixtral_tied": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
@@ -122,7 +134,7 @@ def main():
       for param_name, param in model.named_parameters():
         if param_name.endswith("norm.weight"):
           param.uniform_(0.5, 1.5)
-        elif param_name.endswith("mlp.gate.weight"):  # a decisive router: no near-ties among the top k
+        elif param_name.endswith(("mlp.gate.weight", "router.weight")):  # a decisive router: no near-ties in the top k
           param.normal_(0, 1.0)
       for buffer_name, buffer in model.named_buffers():
         # Positive, as transformers zeroes the masked groups' scores rather than excluding them.
