@@ -154,6 +154,12 @@ FAMILIES = {
         hf_expert_width_key="intermediate_size", hf_dense_width_key="intermediate_size_mlp",
         hf_mlp_prefix="feed_forward.", hf_fused_experts=True, hf_rope_interleaved=True, hf_llama4_attention=True,
         hf_norm_topk_prob=False, hf_shared_experts="feed_forward.shared_expert.",
+        hf_multimodal_architecture="Llama4ForConditionalGeneration",
+        hf_text_config_defaults=(("vocab_size", 202048), ("hidden_size", 5120), ("intermediate_size", 8192),
+                                 ("intermediate_size_mlp", 16384), ("num_hidden_layers", 48),
+                                 ("num_attention_heads", 40), ("num_key_value_heads", 8), ("head_dim", 128),
+                                 ("rms_norm_eps", 1e-5), ("rope_theta", 500000.0), ("num_local_experts", 16),
+                                 ("num_experts_per_tok", 1), ("interleave_moe_layer_step", 1)),
         hf_routing=(("routed_score_func", "sigmoid"), ("shared_experts", 1), ("routed_scaling_factor", 1.0),
                     ("first_num_dense_layers", 0), ("n_routing_groups", -1), ("topk_routing_group", -1))),
     # OLMo 3: norms after attention and the MLP only, q/k norms over the whole projections, three

@@ -323,13 +323,14 @@ def test_bf16_weights_stay_bf16_unless_convert_dtype_asks(tmp_path, convert_dtyp
 
 @pytest.mark.parametrize("model_name", ["llama3.2-1b", "qwen3-0.6b", "gemma2-2b", "gemma3-1b", "gemma3-4b",
                                         "gemma3-27b", "deepseek3-671b", "deepseek2-16b", "olmo3-7b", "olmo3-32b",
-                                        "kimi-k2-1t"])
+                                        "kimi-k2-1t", "llama4-17b-16e", "llama4-17b-128e"])
 def test_a_published_config_json_gives_the_model_file_keys(tmp_path, model_name):
   """config.json as the Hub publishes it (transcribed in tests/assets/hf/published_configs.json;
   Gemma 2's names neither a tied head nor layer_types, which transformers takes as tied and
   sliding on even layers; OLMo 3's keys its YaRN by neither layer type, which transformers gives
   the global layers alone; Gemma 3 4B's and 27B's are Gemma3ForConditionalGeneration, whose
-  text_config names only what differs from transformers' defaults): with model_name it agrees
+  text_config names only what differs from transformers' defaults; Llama 4's are
+  Llama4ForConditionalGeneration, listing no_rope_layers empty for the default, one in four): with model_name it agrees
   with configs/models/NAME.yml, and without it to_maxtext resolves the same model keys."""
   (tmp_path / "config.json").write_text(json.dumps(
       json.loads((ASSETS / "published_configs.json").read_text())[model_name]))

@@ -6,8 +6,7 @@ Supported: LlamaForCausalLM (Llama 2, 3, 3.1, 3.2), Qwen3ForCausalLM, Gemma2ForC
 Gemma3ForCausalLM (Gemma 3's text decoder), Olmo3ForCausalLM, and the mixtures of experts
 Qwen3MoeForCausalLM (every N-th layer routed too), MixtralForCausalLM, DeepseekV2ForCausalLM,
 DeepseekV3ForCausalLM and Llama4ForCausalLM (Llama 4's text model); imported only, the language
-model of Gemma3ForConditionalGeneration (Gemma 3
-4B, 12B, 27B as published).
+model of Gemma3ForConditionalGeneration (Gemma 3 4B, 12B, 27B as published).
 """
 
 import glob
