@@ -1,5 +1,5 @@
 """Pipeline stages on 8 simulated devices give one device's loss and gradients (GPipe, circular
-and 1F1B; dense, Gemma 2, a mixture of experts and one routing every other layer); 1F1B's memory does not grow with the
+and 1F1B; dense, Gemma 2, a mixture of experts and Llama 4 routing every other layer); 1F1B's memory does not grow with the
 microbatches; a run saved pipelined resumes without a pipeline; the schedule's bubble; bad
 pipeline settings are one-line config errors."""
 
@@ -32,11 +32,14 @@ MODELS = {
     "moe": ("base_num_decoder_layers=5", "first_num_dense_layers=1", "decoder_block=qwen3_moe", "num_experts=4",
             "num_experts_per_tok=2", "base_moe_mlp_dim=24", "load_balance_loss_weight=0.1",
             "router_z_loss_weight=0.01", "routed_score_func=sigmoid", "routed_bias=true", "shared_experts=1"),
-    # Every other layer routed: stages of whole blocks (a dense layer and a routed one), the
-    # routed layers' loads reported in the block's stored layout.
-    "interleaved": ("base_num_decoder_layers=4", "interleave_moe_layer_step=2", "decoder_block=qwen3_moe",
-                    "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=24", "load_balance_loss_weight=0.1",
-                    "routed_score_func=sigmoid", "routed_bias=true"),
+    # Llama 4, every other layer routed: stages of whole blocks (a dense layer and a routed one),
+    # the routed layers' loads reported in the block's stored layout; its chunks, NoPE layer 3 with
+    # temperature tuning and unit-RMS queries and keys, each at its layer's index within its stage.
+    "interleaved": ("base_num_decoder_layers=4", "interleave_moe_layer_step=2", "decoder_block=llama4",
+                    "num_experts=4", "num_experts_per_tok=1", "base_moe_mlp_dim=24", "shared_experts=1",
+                    "load_balance_loss_weight=0.1", "routed_score_func=sigmoid", "routed_bias=true",
+                    "nope_layer_interval=4", "chunk_attn_window_size=4", "temperature_tuning=true",
+                    "temperature_tuning_floor=2", "use_qk_norm=true"),
 }
 # The one-device reference's own overrides.
 REFERENCE = {name: ("gradient_accumulation_steps=4", "per_device_batch_size=4") for name in ("moe", "interleaved")}
