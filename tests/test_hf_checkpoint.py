@@ -632,13 +632,36 @@ def test_a_new_family_is_one_registry_entry(monkeypatch, tmp_path):
     ("deepseek2", ("n_routing_groups=4", "topk_routing_group=2"),
      r"^n_routing_groups=4: DeepseekV2ForCausalLM routes with n_routing_groups=-1"),
     ("deepseek2", ("mtp_num_layers=1",), r"^mtp_num_layers=1: DeepseekV2ForCausalLM has no multi-token prediction"),
-    ("llama", ("chunk_attn_window_size=4",), r"^chunk_attn_window_size=4: LlamaForCausalLM has no such attention")],
+    ("llama", ("chunk_attn_window_size=4",), r"^chunk_attn_window_size=4: LlamaForCausalLM has no such attention"),
+    ("llama", ("use_qk_norm=true",), r"^use_qk_norm=True: LlamaForCausalLM has no such attention"),
+    ("llama4", ("routed_bias=true",), r"^routed_bias=True: Llama4ForCausalLM routes with routed_bias=False"),
+    ("llama4", ("shared_experts=2",), r"^shared_experts=2: Llama4ForCausalLM routes with shared_experts=1")],
     ids=["mixtral unnormalised", "gemma2 local base", "llama3.1 and linear", "qwen3_moe sigmoid", "qwen3 mla",
-         "deepseek2 renormalised", "deepseek2 groups", "deepseek2 mtp", "llama chunks"])
+         "deepseek2 renormalised", "deepseek2 groups", "deepseek2 mtp", "llama chunks", "llama unit-RMS q/k",
+         "llama4 correction bias", "llama4 two shared experts"])
 def test_an_export_the_hugging_face_class_cannot_express_is_refused(family, settings, message):
   with pytest.raises(errors.ConfigError, match=message):
     mapping.check_exportable(tiny_config(*SHAPE, *FAMILIES[family], *settings))
   mapping.check_exportable(tiny_config(*SHAPE, *FAMILIES[family]))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda hf: edit_config(hf, no_rope_layers=[1, 0, 1, 1]),
+     "nope_layer_interval=no_rope_layers [1, 0, 1, 1] (not supported: only the last of every N layers without RoPE)"),
+    (lambda hf: edit_config(hf, layer_types=["full_attention"] * 4),
+     "chunk_attn_window_size=layer_types ['full_attention', 'full_attention', 'full_attention', 'full_attention'] "
+     "(not supported: chunks on the RoPE layers"),
+    (lambda hf: reshape_tensor(hf, "model.layers.3.feed_forward.experts.gate_up_proj"),
+     "tensor model.layers.3.feed_forward.experts.gate_up_proj has shape (3, 32, 48), expected (4, 32, 48)")],
+    ids=["NoPE layers off the pattern", "no chunks on the RoPE layers", "experts' tensor mis-shaped"])
+def test_a_llama4_directory_this_project_cannot_express_is_one_line_and_writes_nothing(tmp_path, damage, message):
+  hf, output = tmp_path / "hf", tmp_path / "out"
+  shutil.copytree(ASSETS / "llama4", hf)
+  damage(hf)
+  with pytest.raises(errors.ConfigError, match=re.escape(message)) as error:
+    to_maxtext.convert(to_maxtext.resolve_config(
+        [BASE_YML, f"hf_model_path={hf}", f"base_output_directory={output}", "run_name=a"]))
+  assert "\n" not in str(error.value) and not output.exists()
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -1,6 +1,6 @@
 """Pipeline stages on 8 simulated devices give one device's loss and gradients (GPipe, circular
-and 1F1B; dense, Gemma 2, a mixture of experts and Llama 4 routing every other layer); 1F1B's memory does not grow with the
-microbatches; a run saved pipelined resumes without a pipeline; the schedule's bubble; bad
+and 1F1B; dense, Gemma 2, a mixture of experts and Llama 4 routing every other layer); 1F1B's
+memory does not grow with the microbatches; a run saved pipelined resumes without a pipeline; the schedule's bubble; bad
 pipeline settings are one-line config errors."""
 
 import jax
