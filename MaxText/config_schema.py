@@ -209,6 +209,10 @@ class Model:
              "temperature_tuning_floor)) (Llama 4)")
   temperature_tuning_scale: float = key(0.1, "temperature_tuning: the log's weight (Llama 4's attn_scale)")
   temperature_tuning_floor: int = key(8192, "temperature_tuning: positions per step of the log (Llama 4's floor_scale)")
+  attention_bias: bool = key(False, "the query, key, value and output projections add a learned bias (GPT-OSS)")
+  attention_sink: bool = key(
+      False, "each query head's softmax has one more score, a learned logit per head whose value is zero "
+             "(GPT-OSS's sinks)", doc="Stored as self_attention/sinks [heads], float32 whatever weight_dtype.")
   use_qk_norm: bool = key(
       False, "the RoPE layers normalise each head's rotated queries and keys to unit root mean square, no scale "
              "(Llama 4 Scout; Hugging Face's L2Norm)")

@@ -33,12 +33,13 @@ def attention_mask(query_index, segment_ids, window=None, chunk_window=None):
   return (allowed[None] & same_doc)[:, None]
 
 
-def attend(q, k, v, mask, scale, soft_cap):
-  """softmax(soft_cap(scale * q.k) where mask) . v over [B, T, N, H] rows, GQA, values [B, T, K, Hv].
-  Without a cap and with Hv = H, jax.nn.dot_product_attention (which can pick a fused
-  implementation); with a cap (Gemma 2) or values of another width (MLA), neither of which it
+def attend(q, k, v, mask, scale, soft_cap, sinks=None):
+  """softmax(soft_cap(scale * q.k) where mask) . v over [B, T, N, H] rows, GQA, values [B, T, K, Hv];
+  with sinks [N], each head's softmax has one more score, its sink, whose value is nothing (GPT-OSS).
+  Without a cap or sinks and with Hv = H, jax.nn.dot_product_attention (which can pick a fused
+  implementation); with a cap (Gemma 2), sinks or values of another width (MLA), none of which it
   takes, the scores are formed here."""
-  if not soft_cap and v.shape[3] == q.shape[3]:
+  if not soft_cap and sinks is None and v.shape[3] == q.shape[3]:
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
   batch, length, heads, head_dim = q.shape
   kv_heads = k.shape[2]
@@ -47,17 +48,25 @@ def attend(q, k, v, mask, scale, soft_cap):
   if soft_cap:
     scores = head.soft_cap(scores, soft_cap)
   scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  if sinks is None:
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  else:  # head n = kv_head * groups + group, as q's reshape
+    sink = sinks.astype(jnp.float32).reshape(kv_heads, -1)[None, :, :, None, None]
+    top = jax.lax.stop_gradient(jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink))
+    exp = jnp.exp(scores - top)
+    probs = (exp / (jnp.sum(exp, axis=-1, keepdims=True) + jnp.exp(sink - top))).astype(v.dtype)
   return jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(batch, length, heads, v.shape[3])
 
 
-def dot_product_attention(q, k, v, segment_ids, scale=None, soft_cap=0.0, window=None, chunk_window=None):
+def dot_product_attention(q, k, v, segment_ids, scale=None, soft_cap=0.0, window=None, chunk_window=None,
+                          sinks=None):
   """All T x T scores at once: fastest, with memory quadratic in the sequence length."""
   mask = attention_mask(jnp.arange(q.shape[1]), segment_ids, window, chunk_window)
-  return attend(q, k, v, mask, q.shape[3]**-0.5 if scale is None else scale, soft_cap)
+  return attend(q, k, v, mask, q.shape[3]**-0.5 if scale is None else scale, soft_cap, sinks)
 
 
-def chunked_attention(q, k, v, segment_ids, num_chunks, scale=None, soft_cap=0.0, window=None, chunk_window=None):
+def chunked_attention(q, k, v, segment_ids, num_chunks, scale=None, soft_cap=0.0, window=None, chunk_window=None,
+                      sinks=None):
   """The same attention, its queries in num_chunks chunks, each checkpointed: forward and
   backward hold one chunk's [T / num_chunks, T] scores instead of [T, T]. Chunk j takes
   positions t with t % num_chunks == j, so under sequence sharding every device works on
@@ -69,7 +78,7 @@ def chunked_attention(q, k, v, segment_ids, num_chunks, scale=None, soft_cap=0.0
 
   @jax.checkpoint
   def attend_chunk(q_chunk, q_index):
-    return attend(q_chunk, k, v, attention_mask(q_index, segment_ids, window, chunk_window), scale, soft_cap)
+    return attend(q_chunk, k, v, attention_mask(q_index, segment_ids, window, chunk_window), scale, soft_cap, sinks)
 
   out = jax.lax.map(lambda args: attend_chunk(*args), (chunks, index))  # [chunks, B, T / chunks, N, Hv]
   return jnp.moveaxis(out, 0, 2).reshape(*q.shape[:3], v.shape[3])
@@ -139,24 +148,25 @@ def _one_width(q, k, v):
   return (jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[3])]) for x in (q, k, v))
 
 
-def splash_rows(kernel, q, k, v, q_segments, k_segments, scale):
+def splash_rows(kernel, q, k, v, q_segments, k_segments, scale, sinks=None):
   """A splash kernel over rows [B, Tq, N, H] of queries and [B, T, K, H] of keys and values
-  [B, T, K, Hv], and their segment ids [B, Tq] and [B, T]."""
+  [B, T, K, Hv], their segment ids [B, Tq] and [B, T], and the heads' sinks [N] or None."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # noqa: PLC0415 (TPU kernels)
   v_width = v.shape[3]
   q, k, v = (jnp.swapaxes(x, 1, 2) for x in _one_width(q * scale, k, v))  # the kernel's [N, T, H] per row
-  out = jax.vmap(kernel)(q, k, v, segment_ids=splash.SegmentIds(q_segments, k_segments))
+  out = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids, sinks=sinks))(
+      q, k, v, splash.SegmentIds(q_segments, k_segments))
   return jnp.swapaxes(out, 1, 2)[..., :v_width]
 
 
-def _splash_attention(q, k, v, segment_ids, scale, soft_cap, window, chunk_window, interpret, max_segments):
+def _splash_attention(q, k, v, segment_ids, scale, soft_cap, window, chunk_window, interpret, max_segments, sinks):
   """TPU: Pallas splash attention on one device's whole rows, [B, T, N, H] in and out; the
-  blocks a window or a chunk empties are skipped like those above the diagonal."""
+  blocks a window or a chunk empties are skipped like those above the diagonal; sinks its own."""
   kernel = splash_kernel(np.arange(q.shape[1]), soft_cap, window, interpret=interpret, chunk_window=chunk_window)
-  return splash_rows(kernel, q, k, v, segment_ids, segment_ids, scale)
+  return splash_rows(kernel, q, k, v, segment_ids, segment_ids, scale, sinks)
 
 
-def _triton_attention(q, k, v, segment_ids, scale, soft_cap, window, chunk_window, interpret, max_segments):
+def _triton_attention(q, k, v, segment_ids, scale, soft_cap, window, chunk_window, interpret, max_segments, sinks):
   """GPU: JAX's Pallas (Triton) flash attention, which takes segment ids as they are. It has no
   GQA, so each device repeats its key and value heads; their gradients sum back over the
   repeats. It has no soft cap and no window either (FLASH_KERNELS says so: pyconfig refuses
@@ -194,7 +204,7 @@ def documents_per_row(segment_ids: np.ndarray) -> np.ndarray:
   return 1 + np.count_nonzero(segment_ids[:, 1:] != segment_ids[:, :-1], axis=1)
 
 
-def _cudnn_attention(q, k, v, segment_ids, scale, soft_cap, window, chunk_window, interpret, max_segments):
+def _cudnn_attention(q, k, v, segment_ids, scale, soft_cap, window, chunk_window, interpret, max_segments, sinks):
   """GPU: cuDNN's fused flash attention (about twice the Triton kernel's speed on an H200), with
   GQA, values of another width (MLA) and a sliding window of its own. Packed documents go in as
   offsets and lengths (document_offsets): each document is its own causal sequence, which is
@@ -223,7 +233,7 @@ SPLASH_MATMULS = {"splash_mha_fwd": (2, -2, ("block_q", "block_kv")),
 
 class FlashKernel(NamedTuple):
   """A fused kernel over one device's whole rows [B, T, N, H]: (q, k, v, segment_ids, scale,
-  soft_cap, window, chunk_window, interpret, max_segments) -> context; the platform it runs on, the
+  soft_cap, window, chunk_window, interpret, max_segments, sinks) -> context; the platform it runs on, the
   masks.FEATURES it takes (what else a config asks of it is refused naming the key), its FLOPs
   as the cost model counts them (pallas kernel name prefix, or for a primitive of its own the
   primitive's name -> its FLASH matmuls entry: flash_kernel_flops), and whether its forward
@@ -239,7 +249,7 @@ class FlashKernel(NamedTuple):
 
 # flash_kernel= -> its FlashKernel; unset, each platform's fastest (DEFAULT_FLASH_KERNEL).
 FLASH_KERNELS = {
-    "splash": FlashKernel("tpu", _splash_attention, frozenset({"soft_cap", "window", "chunk"}), SPLASH_MATMULS,
+    "splash": FlashKernel("tpu", _splash_attention, frozenset({"soft_cap", "window", "chunk", "sink"}), SPLASH_MATMULS,
                           names_residuals=True),
     "cudnn": FlashKernel("gpu", _cudnn_attention, frozenset({"window"}), {},
                          {"dot_product_attention_fwd_wrapper": (2, 1, None),
@@ -264,7 +274,7 @@ def check_documents(cfg, segment_ids: np.ndarray) -> None:
 
 
 def flash_attention(q, k, v, segment_ids, kernel_name, scale=None, soft_cap=0.0, window=None, sliding=True,
-                    interpret=False, max_segments=1, chunk_window=None):
+                    interpret=False, max_segments=1, chunk_window=None, sinks=None):
   """Fused attention, causal within each packed document: blocks of queries against blocks
   of keys, never a whole [T, T] score matrix; blocks the causal mask empties are skipped.
   Under a mesh the kernel (a FLASH_KERNELS name) runs per device in shard_map, on its rows (batch over
@@ -277,13 +287,14 @@ def flash_attention(q, k, v, segment_ids, kernel_name, scale=None, soft_cap=0.0,
   `max_segments` bounds the documents of a row for cuDNN (document_offsets)."""
   flash = FLASH_KERNELS[kernel_name]
   refusal = masks.refused({"attn_logits_soft_cap": soft_cap, "sliding_window_size": window,
-                           "chunk_attn_window_size": chunk_window}, kernel_name, flash.takes)
+                           "chunk_attn_window_size": chunk_window, "attention_sink": sinks is not None},
+                          kernel_name, flash.takes)
   if refusal:
     raise ValueError(refusal)
-  kernel = functools.partial(flash.run, scale=q.shape[3]**-0.5 if scale is None else scale, soft_cap=soft_cap,
-                             interpret=interpret, max_segments=max_segments)
 
-  def attend_rows(q, k, v, segment_ids):
+  def attend_rows(q, k, v, segment_ids, sinks):
+    kernel = functools.partial(flash.run, scale=q.shape[3]**-0.5 if scale is None else scale, soft_cap=soft_cap,
+                               interpret=interpret, max_segments=max_segments, sinks=sinks)
     whole = functools.partial(kernel, window=None, chunk_window=None)
     if not (window or chunk_window):
       return whole(q, k, v, segment_ids)
@@ -292,14 +303,15 @@ def flash_attention(q, k, v, segment_ids, kernel_name, scale=None, soft_cap=0.0,
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return attend_rows(q, k, v, segment_ids)
+    return attend_rows(q, k, v, segment_ids, sinks)
   batch, _, heads, _ = nn.logical_to_mesh_axes(BATCH_LENGTH_HEADS)
   kv_heads = nn.logical_to_mesh_axes(BATCH_FULL_LENGTH_KV_HEADS)[2]
   rows = jax.sharding.PartitionSpec(batch, None, heads, None)
   return jax.shard_map(attend_rows, in_specs=(rows, jax.sharding.PartitionSpec(batch, None, kv_heads, None),
                                          jax.sharding.PartitionSpec(batch, None, kv_heads, None),
-                                         jax.sharding.PartitionSpec(batch, None)),
-                       out_specs=rows, check_vma=False)(q, k, v, segment_ids)
+                                         jax.sharding.PartitionSpec(batch, None),
+                                         None if sinks is None else jax.sharding.PartitionSpec(heads)),
+                       out_specs=rows, check_vma=False)(q, k, v, segment_ids, sinks)
 
 
 def causal_pairs(length: int, block_q: int, block_k: int) -> int:
@@ -346,19 +358,20 @@ def _layer_value(value, local, length):
   return jnp.where(local, value, length) if value else None
 
 
-# attention= -> (q, k, v, segment_ids, config, scale, soft_cap, window, chunk_window, local) -> context
-# [B, T, N, H] (local: whether the layer takes its window or chunk, traced in a scan). A new kernel
-# is one entry here; pyconfig takes its choices from these keys.
+# attention= -> (q, k, v, segment_ids, config, scale, soft_cap, window, chunk_window, local, sinks) ->
+# context [B, T, N, H] (local: whether the layer takes its window or chunk, traced in a scan; sinks
+# [N] or None). A new kernel is one entry here; pyconfig takes its choices from these keys.
 ATTENTIONS = {
-    "dot_product": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, chunk_window, local:
+    "dot_product": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, chunk_window, local, sinks:
         dot_product_attention(q, k, v, segment_ids, scale, soft_cap, _layer_value(window, local, q.shape[1]),
-                              _layer_value(chunk_window, local, q.shape[1])),
-    "chunked": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, chunk_window, local: chunked_attention(
-        q, k, v, segment_ids, cfg.max_target_length // cfg.attention_chunk_size, scale, soft_cap,
-        _layer_value(window, local, q.shape[1]), _layer_value(chunk_window, local, q.shape[1])),
-    "flash": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, chunk_window, local: flash_attention(
+                              _layer_value(chunk_window, local, q.shape[1]), sinks),
+    "chunked": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, chunk_window, local, sinks:
+        chunked_attention(q, k, v, segment_ids, cfg.max_target_length // cfg.attention_chunk_size, scale, soft_cap,
+                          _layer_value(window, local, q.shape[1]), _layer_value(chunk_window, local, q.shape[1]),
+                          sinks),
+    "flash": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, chunk_window, local, sinks: flash_attention(
         q, k, v, segment_ids, cfg.flash_kernel, scale, soft_cap, window, local,
-        max_segments=cfg.max_segments_per_seq, chunk_window=chunk_window),
+        max_segments=cfg.max_segments_per_seq, chunk_window=chunk_window, sinks=sinks),
 }
 
 
@@ -421,17 +434,19 @@ def qk_normed(cfg, scale, x):
   return rms_norm_with(cfg, scale, x.reshape(*x.shape[:2], -1)).reshape(x.shape)
 
 
-def global_attention(cfg, x, positions, segment_ids, layer_index):
+def global_attention(cfg, x, positions, segment_ids, layer_index, sinks):
   """attention_type=global: q, k and v projected from x, RoPE over each whole head; base_num_kv_heads
   divides base_num_query_heads (GQA, MQA at 1). With attention_head_chunks > 1, projections
   included, in that many slices of its key/value heads, each with the query heads that share them
   (linears.sum_of_slices); slice k is the k-th run of every tensor shard's own heads
   (linears.kernel_run), so no head moves between devices."""
   dim, heads, kv_heads, head_dim = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
-  projections = (kernel(cfg, "query", (dim, heads, head_dim), ("embed", "q_heads", "kv")),
-                 kernel(cfg, "key", (dim, kv_heads, head_dim), ("embed", "kv_heads", "kv")),
-                 kernel(cfg, "value", (dim, kv_heads, head_dim), ("embed", "kv_heads", "kv")))
-  out = kernel(cfg, "out", (heads, head_dim, dim), ("heads", "kv", "embed"), num_in_axes=2)
+  projections = (kernel(cfg, "query", (dim, heads, head_dim), ("embed", "q_heads", "kv"), bias=cfg.attention_bias),
+                 kernel(cfg, "key", (dim, kv_heads, head_dim), ("embed", "kv_heads", "kv"), bias=cfg.attention_bias),
+                 kernel(cfg, "value", (dim, kv_heads, head_dim), ("embed", "kv_heads", "kv"), bias=cfg.attention_bias))
+  out = kernel(cfg, "out", (heads, head_dim, dim), ("heads", "kv", "embed"), num_in_axes=2, bias=cfg.attention_bias)
+  if cfg.attention_bias:  # each projection's kernel and bias: kernel_run slices both by heads
+    projections, (out, out_bias) = tuple(zip(*projections)), out
   if cfg.qk_norm:  # before RoPE
     heads_normed = (heads, kv_heads) if cfg.qk_norm_over_heads else (1, 1)
     q_scale = norm_scale(cfg, "query_norm", heads_normed[0] * head_dim)
@@ -440,20 +455,28 @@ def global_attention(cfg, x, positions, segment_ids, layer_index):
   shards = sharding.logical_shards(cfg.to_dict(), "kv_heads")
   scale = (cfg.query_pre_attn_scalar or head_dim)**-0.5
 
+  def project(x, k, kernels, biases=None):
+    """x's projections by this slice's kernels [D, n, H], plus its biases [n, H] where given."""
+    y = jnp.einsum("btd,dnh->btnh", x, kernel_run(kernels, 1, shards, chunks, k, dtype))
+    return y if biases is None else y + kernel_run(biases, 0, shards, chunks, k, dtype)
+
   def attention_slice(x, k, out_dtype):
-    wq, wk, wv = (kernel_run(w, 1, shards, chunks, k, dtype) for w in projections)  # [D, n, H]
-    q = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, wq), "query_proj")
-    kk = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, wk), "key_proj")
-    v = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, wv), "value_proj")
+    q, kk, v = (checkpoint_name(project(x, k, *w), name) for w, name in zip(
+        zip(*projections) if cfg.attention_bias else ((w,) for w in projections),
+        ("query_proj", "key_proj", "value_proj")))
     if cfg.qk_norm:
       q, kk = qk_normed(cfg, q_scale, q), qk_normed(cfg, k_scale, kk)
     q, kk = (unit_rms(cfg, rotate(cfg, y, positions, layer_index), layer_index) for y in (q, kk))
     q = tuned_temperature(cfg, q, positions, layer_index)
-    context = attend_heads(cfg, q, kk, v, segment_ids, layer_index, scale)
+    head_sinks = None if sinks is None else kernel_run(sinks, 0, shards, chunks, k, jnp.float32)
+    context = attend_heads(cfg, q, kk, v, segment_ids, layer_index, scale, head_sinks)
     wo = kernel_run(out, 0, shards, chunks, k, dtype)  # [n, H, D]
     return jnp.einsum("btnh,nhd->btd", context, wo, preferred_element_type=out_dtype)
 
-  return checkpoint_name(sum_of_slices(cfg, x, chunks, attention_slice), "out_proj")
+  out_proj = sum_of_slices(cfg, x, chunks, attention_slice)
+  if cfg.attention_bias:  # once, not once per slice
+    out_proj = out_proj + weights_as(out_bias, dtype)
+  return checkpoint_name(out_proj, "out_proj")
 
 
 def mla_scale(cfg) -> float:
@@ -466,7 +489,7 @@ def mla_scale(cfg) -> float:
   return scale
 
 
-def mla_attention(cfg, x, positions, segment_ids, layer_index):
+def mla_attention(cfg, x, positions, segment_ids, layer_index, sinks):
   """attention_type=mla, DeepSeek-V2/V3's multi-head latent attention (MaxText's parameter names).
 
   Queries: x query, or with q_lora_rank > 0 rmsnorm(x wq_a) wq_b, each head's [qk_nope_head_dim]
@@ -498,7 +521,7 @@ def mla_attention(cfg, x, positions, segment_ids, layer_index):
   k = checkpoint_name(jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_pe, (*kv.shape[:3], rope))], axis=-1),
                       "key_proj")
   v = checkpoint_name(kv[..., nope:], "value_proj")
-  context = attend_heads(cfg, q, k, v, segment_ids, layer_index, mla_scale(cfg))
+  context = attend_heads(cfg, q, k, v, segment_ids, layer_index, mla_scale(cfg), sinks)
   wo = weights_as(kernel(cfg, "out", (heads, v_dim, dim), ("heads", "kv", "embed"), num_in_axes=2), dtype)
   return checkpoint_name(jnp.einsum("btnh,nhd->btd", context, wo), "out_proj")
 
@@ -517,10 +540,10 @@ def mla_macs(cfg) -> tuple[int, int]:
 
 
 class AttentionType(NamedTuple):
-  """layer: (config, x [B, T, D], positions, segment ids, layer index) -> the attention's output
-  [B, T, D], its parameters made in the calling module; macs: config -> (multiply-adds per token
-  of its projections, per (query, key) pair of its scores and context, all heads), the cost
-  model's count (costs.ATTENTION_MACS)."""
+  """layer: (config, x [B, T, D], positions, segment ids, layer index, the heads' sinks [N] or
+  None) -> the attention's output [B, T, D], its parameters made in the calling module; macs:
+  config -> (multiply-adds per token of its projections, per (query, key) pair of its scores and
+  context, all heads), the cost model's count (costs.ATTENTION_MACS)."""
   layer: Callable
   macs: Callable
 
@@ -540,13 +563,18 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, layer_index):
-    return ATTENTION_TYPES[self.config.attention_type].layer(self.config, x, positions, segment_ids, layer_index)
+    cfg = self.config
+    # float32 whatever weight_dtype, as the router: a logit among scores, not a weight to cast.
+    sinks = self.param("sinks", nn.with_logical_partitioning(nn.initializers.zeros_init(), ("heads",)),
+                       (cfg.base_num_query_heads,), jnp.float32) if cfg.attention_sink else None
+    return ATTENTION_TYPES[cfg.attention_type].layer(cfg, x, positions, segment_ids, layer_index, sinks)
 
 
-def attend_heads(cfg, q, k, v, segment_ids, layer_index, scale):
+def attend_heads(cfg, q, k, v, segment_ids, layer_index, scale, sinks=None):
   """The attention of rotated queries q [B, T, N, H] to keys k [B, T, K, H] and values
-  v [B, T, K, Hv] (K divides N; Hv may differ from H): the layout, the configured kernel or
-  context parallelism, the layer's window or chunk; the context [B, T, N, Hv]."""
+  v [B, T, K, Hv] (K divides N; Hv may differ from H), with the heads' sinks [N] where given: the
+  layout, the configured kernel or context parallelism, the layer's window or chunk; the context
+  [B, T, N, Hv]."""
   window, chunk_window, local = _local(cfg, layer_index)
   split = context_parallel.shards() > 1  # each context shard attends its own queries
   q = nn.with_logical_constraint(q, BATCH_LENGTH_HEADS)
@@ -558,7 +586,8 @@ def attend_heads(cfg, q, k, v, segment_ids, layer_index, scale):
                                          functools.partial(head.soft_cap, cap=soft_cap),
                                          _layer_value(window, local, q.shape[1]))
   else:
-    context = ATTENTIONS[cfg.attention](q, k, v, segment_ids, cfg, scale, soft_cap, window, chunk_window, local)
+    context = ATTENTIONS[cfg.attention](q, k, v, segment_ids, cfg, scale, soft_cap, window, chunk_window, local,
+                                        sinks)
   context = nn.with_logical_constraint(context, BATCH_LENGTH_HEADS)
   # Where the kernel names its residuals (every context-parallel kernel), a policy that keeps
   # attention_out keeps those (remat.checkpoint_policy): the context once, in the kernel's layout,

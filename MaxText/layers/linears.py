@@ -111,21 +111,28 @@ def _kernel_param(module, shape, axes, weight_dtype, num_in_axes, in_last):
 
 class Kernel(nn.Module):
   """A projection's kernel [*in, *out], or [*out, *in] with in_last, as the parameter `kernel`
-  under this module's name: for layers that contract it themselves, a slice at a time."""
+  under this module's name: for layers that contract it themselves, a slice at a time. With
+  `bias`, (kernel, bias [*out] beside it, zeros at first)."""
 
   shape: tuple
   axes: tuple
   weight_dtype: jnp.dtype
   num_in_axes: int = 1
   in_last: bool = False
+  bias: bool = False
 
   @nn.compact
   def __call__(self):
-    return _kernel_param(self, self.shape, self.axes, self.weight_dtype, self.num_in_axes, self.in_last)
+    kernel = _kernel_param(self, self.shape, self.axes, self.weight_dtype, self.num_in_axes, self.in_last)
+    if not self.bias:
+      return kernel
+    out = slice(None, -self.num_in_axes) if self.in_last else slice(self.num_in_axes, None)
+    init = nn.with_logical_partitioning(nn.initializers.zeros_init(), self.axes[out])
+    return kernel, self.param("bias", init, self.shape[out], self.weight_dtype)
 
 
-def kernel(cfg, name, shape, axes, num_in_axes=1, in_last=False):
-  return Kernel(shape, axes, jnp.dtype(cfg.weight_dtype), num_in_axes, in_last, name=name)()
+def kernel(cfg, name, shape, axes, num_in_axes=1, in_last=False, bias=False):
+  return Kernel(shape, axes, jnp.dtype(cfg.weight_dtype), num_in_axes, in_last, bias, name=name)()
 
 
 class DenseGeneral(nn.Module):
