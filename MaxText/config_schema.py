@@ -209,6 +209,9 @@ class Model:
              "temperature_tuning_floor)) (Llama 4)")
   temperature_tuning_scale: float = key(0.1, "temperature_tuning: the log's weight (Llama 4's attn_scale)")
   temperature_tuning_floor: int = key(8192, "temperature_tuning: positions per step of the log (Llama 4's floor_scale)")
+  mlp_activations_limit: float = key(
+      0.0, "> 0: GPT-OSS's clamped gated unit, act(min(gate, limit)) * (clip(up, -limit, limit) + 1) (GPT-OSS: 7); "
+           "<= 0: act(gate) * up")
   attention_bias: bool = key(False, "the query, key, value and output projections add a learned bias (GPT-OSS)")
   attention_sink: bool = key(
       False, "each query head's softmax has one more score, a learned logit per head whose value is zero "
@@ -350,6 +353,11 @@ class MoE:
                                 affects="model")
   routed_scaling_factor: float = key(1.0, "the combine weights times this, after norm_topk_prob (DeepSeek-V3: 2.5)",
                                      affects="model")
+  mlp_bias: bool = key(False, "the router's logits and every routed expert's three projections add a learned bias "
+                             "(GPT-OSS)", affects="model",
+                       doc="Stored as the gate's logit_bias [experts] and the MoE block's wi_0_bias, wi_1_bias "
+                           "[experts, base_moe_mlp_dim] and wo_bias [experts, base_emb_dim]; a copy's wo_bias is "
+                           "weighted as its output. Dropless routing only, and no dense MLP layers.")
   shared_experts: int = key(0, "> 0: a dense SwiGLU of width shared_experts * base_moe_mlp_dim on every token, added "
                                "to the routed experts' output (DeepSeek)", affects="model")
   first_num_dense_layers: int = key(

@@ -241,6 +241,11 @@ def _validate(v: dict) -> None:
   _require(v["num_experts_per_tok"] == 1 or not FAMILIES[v["decoder_block"]].routed_input_scaling,
            "num_experts_per_tok", f"must be 1 for decoder_block={v['decoder_block']}, whose router weights its one "
            "expert's input", v)
+  dense_mlps = (v["first_num_dense_layers"] or v["interleave_moe_layer_step"] > 1 or v["shared_experts"]
+                or not FAMILIES[v["decoder_block"]].moe)
+  _require(not v["mlp_bias"] or (not dense_mlps and v["capacity_factor"] is None), "mlp_bias",
+           "biases the routed experts of a dropless mixture (capacity_factor null) with no dense MLPs (no "
+           "first_num_dense_layers, interleave_moe_layer_step or shared_experts)", v)
   _require(not v["use_qk_norm"] or v["attention_type"] == "global", "use_qk_norm",
            f"normalises the heads of attention_type=global, not {v['attention_type']}", v)
   _require(v["expert_exchange"] != "all_to_all" or v["capacity_factor"] is None, "expert_exchange",

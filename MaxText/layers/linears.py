@@ -11,8 +11,19 @@ from MaxText import remat, sharding
 
 BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
 
-# mlp_activation -> the gate's nonlinearity: SwiGLU (Llama, Qwen) or GeGLU with tanh GELU (Gemma)
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+# mlp_activation -> the gate's nonlinearity: SwiGLU (Llama, Qwen), GeGLU with tanh GELU (Gemma),
+# or x sigmoid(1.702 x) (GPT-OSS's, the sigmoid approximation of GELU)
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+               "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x)}
+
+
+def gated(cfg, gate, up):
+  """The gated unit act(gate) * up; with mlp_activations_limit > 0 GPT-OSS's: the gate clamped
+  above at the limit, the up projection within +-limit and plus one."""
+  act, limit = ACTIVATIONS[cfg.mlp_activation], cfg.mlp_activations_limit
+  if limit > 0:
+    return act(jnp.minimum(gate, limit)) * (jnp.clip(up, -limit, limit) + 1)
+  return act(gate) * up
 
 
 def kernel_init(num_in_axes: int, in_last: bool = False):
@@ -157,7 +168,7 @@ class DenseGeneral(nn.Module):
 
 
 class MlpBlock(nn.Module):
-  """wo(act(wi_0 x) * wi_1 x), act from mlp_activation; wo is stored [D, mlp], as wi_0 and wi_1.
+  """wo(gated(wi_0 x, wi_1 x)), act from mlp_activation; wo is stored [D, mlp], as wi_0 and wi_1.
   With mlp_chunks > 1, in that many slices of its hidden units (sum_of_slices); slice k is the
   k-th run of every tensor shard's own units (kernel_run), so no unit moves between devices.
   `units` is its hidden width, base_mlp_dim where None (a MoE's shared experts set their own)."""
@@ -171,14 +182,14 @@ class MlpBlock(nn.Module):
     dim, units = cfg.base_emb_dim, self.units or cfg.base_mlp_dim
     kernels = (kernel(cfg, "wi_0", (dim, units), ("embed", "mlp")), kernel(cfg, "wi_1", (dim, units), ("embed", "mlp")),
                kernel(cfg, "wo", (dim, units), ("embed", "mlp"), in_last=True))
-    chunks, act = cfg.mlp_chunks, ACTIVATIONS[cfg.mlp_activation]
+    chunks = cfg.mlp_chunks
     shards = sharding.logical_shards(cfg.to_dict(), "mlp")
 
     def mlp_slice(x, k, out_dtype):
       wi_0, wi_1, wo = (kernel_run(w, 1, shards, chunks, k, jnp.dtype(cfg.dtype)) for w in kernels)
       gate = checkpoint_name(jnp.einsum("btd,dm->btm", x, wi_0), "mlpwi_0")
       up = checkpoint_name(jnp.einsum("btd,dm->btm", x, wi_1), "mlpwi_1")
-      h = nn.with_logical_constraint(act(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
+      h = nn.with_logical_constraint(gated(cfg, gate, up), ("activation_batch", "activation_length", "activation_mlp"))
       return jnp.einsum("btm,dm->btd", h, wo, preferred_element_type=out_dtype)
 
     # Named once whole: a policy that keeps the MLP's output keeps it, not a partial sum per slice.

@@ -38,7 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from MaxText import sharding
-from MaxText.layers.linears import ACTIVATIONS, DenseGeneral, MlpBlock, sum_of_slices, weights_as
+from MaxText.layers.linears import DenseGeneral, MlpBlock, gated, sum_of_slices, weights_as
 
 TOKENS = ("activation_batch", "activation_length", "activation_embed")
 # Sown per MoE layer, averaged over layers: the Switch/MaxText load-balancing loss, the router
@@ -100,20 +100,26 @@ def _experts_here(kernels, gather: tuple) -> int:
   return kernels[0].shape[0] * math.prod(jax.lax.axis_size(a) for a in gather[0])
 
 
-def _swiglu(x, kernels, gather: tuple, matmul, cfg):
-  """wo(act(wi_0 x) * wi_1 x) per expert; the kernels (wi_0, wi_1, wo) are [E, D, F] shards, whole
+def _swiglu(x, kernels, gather: tuple, matmul, cfg, biases=()):
+  """wo(gated(wi_0 x, wi_1 x)) per expert; the kernels (wi_0, wi_1, wo) are [E, D, F] shards, whole
   once gathered over `gather` (see MoeBlock._routed), and `matmul(a, w, axis, out_dtype)`
-  contracts a's last dimension with w's `axis`. With mlp_chunks > 1, one slice of F at a time
-  (linears.sum_of_slices), each slice of the kernels gathered inside its step: the gathered
-  experts then take 1/mlp_chunks of their whole size (docs/design/moe.md)."""
+  contracts a's last dimension with w's `axis`. With mlp_bias, biases are (wi_0's and wi_1's
+  [E, F] shards, rows_of: such a bias -> each row's expert's, added to the projections). With
+  mlp_chunks > 1, one slice of F at a time (linears.sum_of_slices), each slice of the kernels
+  gathered inside its step: the gathered experts then take 1/mlp_chunks of their whole size
+  (docs/design/moe.md)."""
   width = kernels[0].shape[2] // cfg.mlp_chunks
-  act = ACTIVATIONS[cfg.mlp_activation]
 
   def expert_slice(x, k, out_dtype):
     wi_0, wi_1, wo = (_gathered(jax.lax.dynamic_slice_in_dim(w, k * width, width, axis=2), gather) for w in kernels)
-    gate = checkpoint_name(matmul(x, wi_0, 1, None), "mlpwi_0")
-    up = checkpoint_name(matmul(x, wi_1, 1, None), "mlpwi_1")
-    return matmul(act(gate) * up, wo, 2, out_dtype)
+    gate, up = matmul(x, wi_0, 1, None), matmul(x, wi_1, 1, None)
+    if biases:
+      *in_biases, rows_of = biases
+      b_0, b_1 = (rows_of(_gathered(jax.lax.dynamic_slice_in_dim(b, k * width, width, axis=1),
+                                    (gather[0], gather[2]))).astype(gate.dtype) for b in in_biases)
+      gate, up = gate + b_0, up + b_1
+    gate, up = checkpoint_name(gate, "mlpwi_0"), checkpoint_name(up, "mlpwi_1")
+    return matmul(gated(cfg, gate, up), wo, 2, out_dtype)
 
   # Each slice keeps its gate and up projections ([rows, F / mlp_chunks] each): the experts are
   # sliced to bound the gathered kernels, not these. Inside the shard_map the layer's recomputed
@@ -188,9 +194,10 @@ def _tokamax_ragged_dot_general(a, w, group_sizes, dims, preferred_element_type=
 RAGGED_DOT_GENERAL = {"gpu": _tokamax_ragged_dot_general}
 
 
-def _grouped_swiglu(rows, group_sizes, kernels, gather, cfg):
+def _grouped_swiglu(rows, group_sizes, kernels, gather, cfg, in_biases=()):
   """The experts' SwiGLU on rows [M, D] grouped by expert, group_sizes[e] rows for expert e, each
-  projection one grouped matmul; rows past the groups give 0."""
+  projection one grouped matmul, with the input projections' biases where given; rows past the
+  groups give 0."""
 
   def matmul(a, w, axis, out_dtype):
     dims = jax.lax.RaggedDotDimensionNumbers((([1], [axis]), ([], [])), lhs_ragged_dimensions=[0],
@@ -198,10 +205,13 @@ def _grouped_swiglu(rows, group_sizes, kernels, gather, cfg):
     return RAGGED_DOT_GENERAL.get(cfg.platform, jax.lax.ragged_dot_general)(a, w, group_sizes, dims,
                                                                             preferred_element_type=out_dtype)
 
-  return _swiglu(rows, kernels, gather, matmul, cfg)
+  if in_biases:  # each row's expert: group e's rows are group_sizes[e] in a row (past them, the last's)
+    row_experts = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=rows.shape[0])
+    in_biases = (*in_biases, lambda b: jnp.take(b, row_experts, axis=0))
+  return _swiglu(rows, kernels, gather, matmul, cfg, in_biases)
 
 
-def _dropless_copies(x, experts, kernels, gather, cfg):
+def _dropless_copies(x, experts, kernels, gather, cfg, in_biases=()):
   """(rows [N * k, D], copies [N * k]): the expert outputs of every copy, sorted by expert, and
   each row's copy (its index in (token, choice) order). `experts` are this shard's expert
   indices; a copy outside [0, local experts) belongs to another shard's experts, sorts last and
@@ -211,7 +221,7 @@ def _dropless_copies(x, experts, kernels, gather, cfg):
   flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
   order = jnp.argsort(flat, stable=True)
   group_sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-  return _grouped_swiglu(jnp.take(x, order // k, axis=0), group_sizes, kernels, gather, cfg), order
+  return _grouped_swiglu(jnp.take(x, order // k, axis=0), group_sizes, kernels, gather, cfg, in_biases), order
 
 
 def _ragged_all_to_all_by_gather(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
@@ -235,7 +245,7 @@ def _ragged_all_to_all_by_gather(operand, output, input_offsets, send_sizes, out
 RAGGED_ALL_TO_ALL = {"cpu": _ragged_all_to_all_by_gather}
 
 
-def _all_to_all_copies(x, experts, kernels, gather, cfg, axes: tuple):
+def _all_to_all_copies(x, experts, kernels, gather, cfg, axes: tuple, in_biases=()):
   """(rows [N * k, D], copies [N * k]) as _dropless_copies, from the devices holding the experts:
   this device's copies, sorted by (global) expert, go to their experts' devices in one ragged
   all-to-all over `axes`, each device runs its experts on the copies it received (grouped by
@@ -257,14 +267,14 @@ def _all_to_all_copies(x, experts, kernels, gather, cfg, axes: tuple):
   buffer = jnp.zeros((every.shape[0] * flat.size, x.shape[-1]), x.dtype)
   received = exchange(jnp.take(x, order // k, axis=0), buffer, exclusive(counts, 0), counts,
                       expert_start + sender_start[me], received_sizes)
-  out = _grouped_swiglu(received, totals[me], kernels, gather, cfg)
+  out = _grouped_swiglu(received, totals[me], kernels, gather, cfg, in_biases)
   returned = exchange(out, jnp.zeros((flat.size, x.shape[-1]), out.dtype),
                       (mine(expert_start)[None] + mine(sender_start)).reshape(-1), received_sizes,
                       mine(exclusive(every, 1)).reshape(-1), counts)
   return returned, order
 
 
-def _dropping_copies(x, experts, kernels, gather, cfg, rows: int):
+def _dropping_copies(x, experts, kernels, gather, cfg, rows: int, in_biases=()):
   """(rows [slots, D], copies [slots]) under capacity_factor > 0: each expert's capacity slots
   per row and the copy filling each (N * k, a zero row, for an empty slot). A dropped copy, and
   as in _dropless_copies a copy of another shard's experts, has no slot."""
@@ -289,7 +299,9 @@ def _dropping_copies(x, experts, kernels, gather, cfg, rows: int):
   # are 1.25 times them).
   source = jnp.full(slots + 1, copies, jnp.int32).at[slot].set(jnp.arange(copies, dtype=jnp.int32))[:slots]
   buffer = jnp.take(x, source // k, axis=0, mode="fill", fill_value=0).reshape(num_experts, rows * cap, -1)
-  return _swiglu(buffer, kernels, gather, _einsum, cfg).reshape(slots, -1), source
+  if in_biases:  # the buffer is [E, slots per expert, D]
+    in_biases = (*in_biases, lambda b: b[:, None, :])
+  return _swiglu(buffer, kernels, gather, _einsum, cfg, in_biases).reshape(slots, -1), source
 
 
 def _combine(out, copies, weights, k: int):
@@ -321,11 +333,12 @@ def _router_stats(logits, bias, cfg, token_axes: tuple) -> dict:
           "moe_imbalance": jnp.max(load) / jnp.mean(load), EXPERT_LOAD: load}
 
 
-def _local_moe(x, logits, bias, kernels, cfg, token_axes: tuple, expert_axes: tuple, mlp_axes: tuple,
+def _local_moe(x, logits, bias, kernels, in_biases, cfg, token_axes: tuple, expert_axes: tuple, mlp_axes: tuple,
                all_to_all: bool, gather: tuple = ((), (), ())):
   """One device's tokens x [b, t, D] and router logits [b, t, E], the correction bias (or None),
-  and its experts' kernels (whole once gathered over `gather`: _swiglu) ->
-  (outputs [b, t, D], the router's statistics over all devices' tokens).
+  and its experts' kernels (whole once gathered over `gather`: _swiglu) and their input
+  projections' biases (mlp_bias; else ()) -> (outputs [b, t, D], the router's statistics over all
+  devices' tokens).
 
   Expert parallelism (see MoeBlock._exchange): with all_to_all, each copy of a token travels to
   the device holding its expert and back (_all_to_all_copies). Otherwise the expert axes that
@@ -344,14 +357,14 @@ def _local_moe(x, logits, bias, kernels, cfg, token_axes: tuple, expert_axes: tu
     x, weights = x * weights.astype(x.dtype), jnp.ones_like(weights)
   flat_x = x.reshape(-1, width)
   if all_to_all:
-    out, copies = _all_to_all_copies(flat_x, experts, kernels, gather, cfg, expert_axes)
+    out, copies = _all_to_all_copies(flat_x, experts, kernels, gather, cfg, expert_axes, in_biases)
   else:
     if expert_axes:  # this device's experts are [first, first + local experts)
       experts = experts - jax.lax.axis_index(expert_axes) * _experts_here(kernels, gather)
     if dropless(cfg.capacity_factor):
-      out, copies = _dropless_copies(flat_x, experts, kernels, gather, cfg)
+      out, copies = _dropless_copies(flat_x, experts, kernels, gather, cfg, in_biases)
     else:
-      out, copies = _dropping_copies(flat_x, experts, kernels, gather, cfg, rows)
+      out, copies = _dropping_copies(flat_x, experts, kernels, gather, cfg, rows, in_biases)
   out = _combine(out, copies, weights.reshape(-1), k)
   out = out.reshape(rows, length, width)
   # Partial sums: over the experts held elsewhere, and over slices of every expert's hidden units.
@@ -375,13 +388,18 @@ class Gate(DenseGeneral):
   kernel (Hugging Face's e_score_correction_bias), is float32 whatever weight_dtype: the update
   steps of routed_bias_update_rate (1e-3) would vanish in bfloat16 next to a bias near 1. No
   gradient reaches it (it only orders the scores for top-k); optimizers.create_optimizer leaves
-  it alone and the train step moves it by the load (update_routed_bias)."""
+  it alone and the train step moves it by the load (update_routed_bias). With logit_bias the
+  logits add a trained bias, `logit_bias` (GPT-OSS's router bias, mlp_bias)."""
 
   routed_bias: bool = False
+  logit_bias: bool = False
 
   @nn.compact
   def __call__(self, x):
     logits = super().__call__(x)
+    if self.logit_bias:
+      init = nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,))
+      logits = logits + self.param("logit_bias", init, tuple(self.features), self.weight_dtype).astype(logits.dtype)
     if not self.routed_bias:
       return logits, None
     init = nn.with_logical_partitioning(nn.initializers.zeros_init(), (None,))
@@ -414,7 +432,8 @@ class MoeBlock(nn.Module):
   Parameters (MaxText's names): gate/kernel [D, E] (the router), with routed_bias gate/bias [E],
   shared_experts/{wi_0, wi_1, wo}/kernel [D, shared_experts * moe_mlp] (linears.MlpBlock) where
   shared_experts > 0, wi_0 and wi_1 [E, D, moe_mlp]
-  (input D), wo [E, D, moe_mlp] (input moe_mlp; MaxText's is [E, moe_mlp, D]). All three keep D
+  (input D), wo [E, D, moe_mlp] (input moe_mlp; MaxText's is [E, moe_mlp, D]); with mlp_bias the
+  gate's logit_bias [E], wi_0_bias and wi_1_bias [E, moe_mlp] and wo_bias [E, D]. All three keep D
   off the minor dimension: where FSDP shards D (below) and D/fsdp < 128 (2048 over 32), TPU
   layouts pad it to 128 lanes, and wo's gradient and optimizer buffers would take twice their
   size.
@@ -431,7 +450,7 @@ class MoeBlock(nn.Module):
     # The router in float32 whatever the activation dtype: the top-k choice is a comparison of
     # nearby probabilities, which bfloat16 would blur.
     logits, bias = Gate((experts,), ("embed", None), jnp.float32, weight_dtype, routed_bias=cfg.routed_bias,
-                        name="gate")(x)
+                        logit_bias=cfg.mlp_bias, name="gate")(x)
 
     # Where the experts divide over the expert and FSDP axes, FSDP shards the experts and D stays
     # whole: FSDP's gather then joins whole experts along a major axis, in the stored layout, and
@@ -452,14 +471,24 @@ class MoeBlock(nn.Module):
       return cast(self.param(name, init, (experts, width, hidden), weight_dtype), dtype)
 
     kernels = kernel("wi_0", 1), kernel("wi_1", 1), kernel("wo", 2)
-    out, stats = self._routed(x.astype(dtype), logits, bias, kernels, axes)
+    in_biases = ()
+    if cfg.mlp_bias:
+      zeros = lambda name, shape, axes: self.param(
+          name, nn.with_logical_partitioning(nn.initializers.zeros_init(), axes), shape, weight_dtype)
+      in_biases = tuple(zeros(name, (experts, hidden), (axes[0], axes[2])) for name in ("wi_0_bias", "wi_1_bias"))
+      wo_bias = zeros("wo_bias", (experts, width), (axes[0], None))
+    out, stats = self._routed(x.astype(dtype), logits, bias, kernels, in_biases, axes)
+    if cfg.mlp_bias:  # each copy's output bias, times its weight: at the tokens, where no expert is remote
+      _, weights, chosen = route(logits, bias, cfg)
+      combine = jnp.sum(jax.nn.one_hot(chosen, experts, dtype=jnp.float32) * weights[..., None], axis=-2)
+      out = out + jnp.einsum("bte,ed->btd", combine, wo_bias.astype(jnp.float32)).astype(out.dtype)
     for name, value in stats.items():
       self.sow("intermediates", name, value)
     if cfg.shared_experts:
       out = out + MlpBlock(cfg, units=cfg.shared_experts * hidden, name="shared_experts")(x)
     return nn.with_logical_constraint(out, TOKENS)
 
-  def _routed(self, x, logits, bias, kernels, kernel_axes: tuple):
+  def _routed(self, x, logits, bias, kernels, in_biases, kernel_axes: tuple):
     """The routed experts' output and statistics; `kernel_axes` are the kernels' logical axes.
     Each device runs its experts (`exp`) on its share of the hidden units (`mlp`). The rest of
     the kernels' sharding (FSDP's) is gathered: before the layer with one slice of hidden units,
@@ -467,7 +496,7 @@ class MoeBlock(nn.Module):
     cfg = self.config
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-      return _local_moe(x, logits, bias, kernels, cfg, (), (), (), all_to_all=False)
+      return _local_moe(x, logits, bias, kernels, in_biases, cfg, (), (), (), all_to_all=False)
     batch, length, expert_axes, mlp = map(sharding.axes_of, (*TOKENS[:2], "exp", "mlp"))
     token_axes = batch + length
     mlp_axes = tuple(a for a in mlp if a not in token_axes + expert_axes)
@@ -481,9 +510,11 @@ class MoeBlock(nn.Module):
     all_to_all = self._exchange(mesh, token_axes, expert_axes) == "all_to_all"
     body = functools.partial(_local_moe, cfg=cfg, token_axes=token_axes, expert_axes=expert_axes, mlp_axes=mlp_axes,
                              all_to_all=all_to_all, gather=gather)
-    return jax.shard_map(body, in_specs=(tokens, tokens, PartitionSpec(), (kernel_spec,) * 3),
+    bias_spec = PartitionSpec(kernel_spec[0], kernel_spec[2])
+    return jax.shard_map(body, in_specs=(tokens, tokens, PartitionSpec(), (kernel_spec,) * 3,
+                                         (bias_spec,) * len(in_biases)),
                          out_specs=(tokens, {n: PartitionSpec() for n in (*AUX_NAMES, EXPERT_LOAD)}))(
-                             x, logits, bias, kernels)
+                             x, logits, bias, kernels, in_biases)
 
   def _exchange(self, mesh, token_axes: tuple, expert_axes: tuple) -> str:
     """How expert parallelism moves the tokens: all_to_all where the expert axes all shard the
