@@ -180,6 +180,8 @@ class Model:
   beta_fast: float = key(32.0, "yarn: frequencies turning more than this many times over the original context are "
                                "kept")
   beta_slow: float = key(1.0, "yarn: frequencies turning fewer times than this are slowed by rope_scaling_factor")
+  rope_truncate: bool = key(True, "yarn: the blend's bounds rounded outwards to whole pairs (Hugging Face's truncate; "
+                                  "GPT-OSS: false)")
   mscale: float = key(0.0, "yarn: RoPE's cos and sin are scaled by mscale(mscale) / mscale(mscale_all_dim) where "
                            "both are > 0, else by mscale(1); mscale(m) = 0.1 m ln(rope_scaling_factor) + 1")
   mscale_all_dim: float = key(0.0, "yarn with attention_type=mla: > 0 multiplies the softmax scale by "

@@ -63,9 +63,20 @@ class Family:
   # model.layers.{i}.
   hf_dense_width_key: str = "intermediate_size"
   hf_mlp_prefix: str = "mlp."
-  # A layer's experts in one tensor each: [E, D, 2F], gate then up, and [E, F, D], named by
-  # hf_expert_names without {e} (Llama 4's gate_up_proj and down_proj).
-  hf_fused_experts: bool = False
+  # A layer's experts in one tensor each, named by hf_expert_names without {e}: [E, D, 2F] of the
+  # gate and up projections, "halves" (the gate's features, then the up projection's: Llama 4) or
+  # "interleaved" (feature j of the gate at 2j, of the up projection at 2j + 1: GPT-OSS), and
+  # [E, F, D]; "": a tensor per expert.
+  hf_fused_experts: str = ""
+  # With mlp_bias, under model.layers.{i}: the router's bias, the experts' gate and up projections'
+  # biases [E, 2F] (laid out as their kernels) and the down projection's [E, D] (GPT-OSS).
+  hf_expert_biases: tuple = ()
+  # config.json's key for mlp_activations_limit (GPT-OSS: swiglu_limit); "": the class has none.
+  hf_activation_limit_key: str = ""
+  # The class has attention sinks (self_attn.sinks) and, where config.json's attention_bias says,
+  # the q, k, v and o projections' biases (GPT-OSS).
+  hf_sinks: bool = False
+  hf_attention_bias: bool = False
   # q_proj's and k_proj's features in interleaved RoPE pairs (2j, 2j + 1) in each head: Meta's
   # layout, which Llama 4's class keeps (the others' half-split, this project's too).
   hf_rope_interleaved: bool = False
@@ -152,7 +163,7 @@ FAMILIES = {
                          "feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"),
         hf_num_experts_key="num_local_experts", hf_moe_step_key="interleave_moe_layer_step",
         hf_expert_width_key="intermediate_size", hf_dense_width_key="intermediate_size_mlp",
-        hf_mlp_prefix="feed_forward.", hf_fused_experts=True, hf_rope_interleaved=True, hf_llama4_attention=True,
+        hf_mlp_prefix="feed_forward.", hf_fused_experts="halves", hf_rope_interleaved=True, hf_llama4_attention=True,
         hf_norm_topk_prob=False, hf_shared_experts="feed_forward.shared_expert.",
         hf_multimodal_architecture="Llama4ForConditionalGeneration",
         hf_text_config_defaults=(("vocab_size", 202048), ("hidden_size", 5120), ("intermediate_size", 8192),
@@ -181,6 +192,19 @@ FAMILIES = {
         hf_expert_names=("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
                          "mlp.experts.{e}.down_proj.weight")),
     # Mixtral's experts are w1 (gate), w3 (up) and w2 (down), intermediate_size wide.
+    # GPT-OSS: Llama's layer with biased projections and sinks in its attention, every other layer
+    # sliding (a window of 128), YaRN without rounding its blend's bounds; every layer a mixture of
+    # experts with biases, chosen by softmax over the top-k router logits, whose gated unit is
+    # clamped, x sigmoid(1.702 x), times (up + 1).
+    "gpt_oss": dataclasses.replace(
+        _LLAMA, moe=True, mlp_activation="quick_gelu", hf_architecture="GptOssForCausalLM", hf_model_type="gpt_oss",
+        hf_sliding_by_default=True,
+        hf_expert_names=("mlp.router.weight", "mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj",
+                         "mlp.experts.down_proj"),
+        hf_expert_biases=("mlp.router.bias", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias"),
+        hf_fused_experts="interleaved", hf_num_experts_key="num_local_experts",
+        hf_expert_width_key="intermediate_size", hf_norm_topk_prob=True, hf_activation_limit_key="swiglu_limit",
+        hf_sinks=True, hf_attention_bias=True),
     "mixtral": dataclasses.replace(
         _LLAMA, moe=True, hf_architecture="MixtralForCausalLM", hf_model_type="mixtral",
         hf_expert_names=("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",

@@ -71,6 +71,11 @@ FAMILIES = {"llama": ("decoder_block=llama2", "logits_via_embedding=false"),
                        "temperature_tuning_floor=4", "temperature_tuning_scale=0.5", "use_qk_norm=true",
                        "rope_type=llama3.1", "rope_scaling_factor=16", "rope_low_freq_factor=1",
                        "rope_high_freq_factor=1", "rope_original_max_position=16"),
+            "gpt_oss": ("decoder_block=gpt_oss", "logits_via_embedding=false", "base_num_decoder_layers=4", *MOE,
+                        "base_moe_mlp_dim=64", "norm_topk_prob=true", "sliding_window_size=4", "attention_bias=true",
+                        "attention_sink=true", "mlp_bias=true", "mlp_activations_limit=1.5", "rope_type=yarn",
+                        "rope_scaling_factor=4", "rope_original_max_position=64", "beta_fast=32", "beta_slow=1",
+                        "rope_truncate=false"),
             "mixtral": ("decoder_block=mixtral", "logits_via_embedding=false", *MOE, "base_moe_mlp_dim=64"),
             "mixtral_tied": ("decoder_block=mixtral", "logits_via_embedding=true", *MOE, "base_moe_mlp_dim=64")}
 # TINY's run keys without its model keys: runs from a converted checkpoint take those saved with it.
@@ -118,14 +123,18 @@ def test_converted_weights_give_the_hugging_face_logits(family, settings):
     ("deepseek3", "rope_type=default"), ("deepseek2", "norm_topk_prob=true"), ("deepseek2", "mscale_all_dim=1"),
     ("olmo3", "sliding_window_size=0"), ("olmo3", "local_rope_max_timescale=0"), ("olmo3", "rope_type=default"),
     ("llama4", "use_qk_norm=false"), ("llama4", "chunk_attn_window_size=0"), ("llama4", "temperature_tuning=false"),
-    ("llama4", "routed_score_func=softmax"), ("llama4", "rope_type=default")])
+    ("llama4", "routed_score_func=softmax"), ("llama4", "rope_type=default"),
+    ("gpt_oss", "attention_sink=false"), ("gpt_oss", "attention_bias=false"), ("gpt_oss", "mlp_bias=false"),
+    ("gpt_oss", "mlp_activations_limit=0"), ("gpt_oss", "rope_truncate=true"), ("gpt_oss", "sliding_window_size=0")])
 def test_without_the_family_feature_the_logits_are_not_matched(family, without):
   """Qwen3's q/k norms, Llama 3.1's RoPE rescaling, each of Gemma 2's and Gemma 3's features (its
   q/k norms and five-to-one pattern are what it adds to gemma2), the experts' routing and
   DeepSeek-V3's correction bias, shared expert, routed scaling and YaRN, and DeepSeek-V2's
   top-k weights not renormalised and YaRN's score factor (mscale_all_dim), OLMo 3's window,
-  its sliding layers' plain RoPE and its global layers' YaRN, and Llama 4's unit-RMS queries and
-  keys, chunks, temperature tuning, sigmoid router and rescaled RoPE matter: the
+  its sliding layers' plain RoPE and its global layers' YaRN, Llama 4's unit-RMS queries and
+  keys, chunks, temperature tuning, sigmoid router and rescaled RoPE, and GPT-OSS's sinks,
+  attention biases, router and expert biases, clamped gated unit, YaRN bounds left unrounded and
+  window matter: the
   same weights without one miss transformers' logits by over 100 times what the parity test
   allows."""
   logits, golden = logits_and_golden(family, tiny_config(*SHAPE, *FAMILIES[family], without))

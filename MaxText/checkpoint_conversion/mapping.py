@@ -85,7 +85,7 @@ def _expected(config) -> dict:
   if config.rope_type not in ("llama3.1", "yarn"):
     unused.update(_RESCALED_ROPE_KEYS)
   if config.rope_type != "yarn":
-    unused.update(_YARN_ROPE_KEYS)
+    unused.update((*_YARN_ROPE_KEYS, "rope_truncate"))
   if not config.temperature_tuning:
     unused.update(_TEMPERATURE_KEYS)
   # Latent attention's scores are scaled by its query and key width; head_dim it does not use.
@@ -156,6 +156,7 @@ def _model_keys(hf: dict, block: str) -> dict:
   if local.get("rope_type", "default") != "default":
     local_base = f"sliding layers' rope_type {local['rope_type']} (not supported)"
   rope_type = rope.get("rope_type", rope.get("type", "default"))
+  limit = float(hf.get(family.hf_activation_limit_key, 0.0)) if family.hf_activation_limit_key else 0.0
   # transformers' YaRN scales cos and sin by attention_factor, by default the one mscale() gives.
   factor = rope.get("attention_factor")
   if rope_type == "yarn" and factor is not None and not math.isclose(factor, yarn_mscale(rope.get("factor", 1.0)),
@@ -190,6 +191,9 @@ def _model_keys(hf: dict, block: str) -> dict:
           "rope_original_max_position": rope.get("original_max_position_embeddings"),
           **{key: default if rope_type == "yarn" and rope.get(key) is None else rope.get(key)
              for key, default in _YARN_DEFAULTS.items()},
+          "rope_truncate": bool(rope.get("truncate", True)),
+          "attention_bias": bool(hf.get("attention_bias")) if family.hf_attention_bias else False,
+          "attention_sink": family.hf_sinks, "mlp_activations_limit": limit,
           "attn_logits_soft_cap": float(hf.get("attn_logit_softcapping") or 0),
           "final_logits_soft_cap": float(hf.get("final_logit_softcapping") or 0),
           "query_pre_attn_scalar": hf.get("query_pre_attn_scalar") or head_dim, "sliding_window_size": window,
@@ -265,6 +269,7 @@ def _moe_keys(hf: dict, family) -> dict:
     routing["n_routing_groups"] = (f"topk_method {method} of {family.hf_architecture} (not supported: "
                                    f"{family.hf_topk_method} is)")
   return {**routing, "num_experts": experts, "num_experts_per_tok": hf["num_experts_per_tok"],
+          "mlp_bias": bool(family.hf_expert_biases),
           "base_moe_mlp_dim": hf[family.hf_expert_width_key], "norm_topk_prob": norm_topk_prob,
           "interleave_moe_layer_step": step,
           **({"decoder_block": f"{family.hf_architecture} with dense layers (mlp_only_layers "
@@ -305,6 +310,11 @@ class Entry(NamedTuple):
   # [out, in] transposed, and this parameter is the k-th of n equal runs of its out features
   # (Llama 4's gate_up_proj: the gate's, then the up projection's); (): a tensor per expert.
   part: tuple = ()
+  # With part, the n parameters' features alternate instead (feature j of part k at j * n + k:
+  # GPT-OSS's gate_up_proj).
+  strided: bool = False
+  # Hugging Face keeps the (unstacked) tensor flat, one axis (attention biases [heads * head_dim]).
+  flat: bool = False
 
 
 def layout(config) -> list:
@@ -354,16 +364,24 @@ def _layer_entries(config, prefix: tuple, hf_prefix: str, layers: tuple, first: 
 
   pre_norm = [] if config.post_norms else [entry(("pre_self_attention_norm", "scale"), "input_layernorm.weight",
                                                  (dim,), 0)]
-  entries = [*_attention_entries(config, entry), *pre_norm,
+  sinks = [entry(("self_attention", "sinks"), "self_attn.sinks", (config.base_num_query_heads,), 0)]
+  entries = [*_attention_entries(config, entry), *(sinks if config.attention_sink else []), *pre_norm,
              entry(("post_self_attention_norm", "scale"), "post_attention_layernorm.weight", (dim,), 0)]
   if moe_layer:
     (router, gate, up, down), hidden = family.hf_expert_names, config.base_moe_mlp_dim
     experts = layers + (config.num_experts,)
-    part = lambda k, n: {"part": (k, n)} if family.hf_fused_experts else {}
+    part = lambda k, n: ({"part": (k, n), "strided": family.hf_fused_experts == "interleaved"}
+                         if family.hf_fused_experts else {})
     entries += [entry(("moe_block", "gate", "kernel"), router, (dim, config.num_experts), 1),
                 entry(("moe_block", "wi_0"), gate, (dim, hidden), 1, experts, **part(0, 2)),
                 entry(("moe_block", "wi_1"), up, (dim, hidden), 1, experts, **part(1, 2)),
                 entry(("moe_block", "wo"), down, (dim, hidden), 0, experts, **part(0, 1))]
+    if config.mlp_bias:
+      router_bias, gate_up_bias, down_bias = family.hf_expert_biases
+      entries += [entry(("moe_block", "gate", "logit_bias"), router_bias, (config.num_experts,), 0),
+                  entry(("moe_block", "wi_0_bias"), gate_up_bias, (hidden,), 0, experts, **part(0, 2)),
+                  entry(("moe_block", "wi_1_bias"), gate_up_bias, (hidden,), 0, experts, **part(1, 2)),
+                  entry(("moe_block", "wo_bias"), down_bias, (dim,), 0, experts, **part(0, 1))]
     if config.routed_bias:
       entries.append(entry(("moe_block", "gate", "bias"), family.hf_router_bias, (config.num_experts,), 0))
     if config.shared_experts:
@@ -397,12 +415,17 @@ def _attention_entries(config, entry) -> list:
   attention = lambda *path: ("self_attention", *path)
   if config.attention_type == "global":
     pairs = head_dim if FAMILIES[config.decoder_block].hf_rope_interleaved else 0
+    biases = [entry(attention(name, "bias"), f"self_attn.{hf}_proj.bias", (n, head_dim), 0, interleaved=rope,
+                    flat=True) for name, hf, n, rope in (("query", "q", heads, pairs), ("key", "k", kv_heads, pairs),
+                                                         ("value", "v", kv_heads, 0))]
     return [entry(attention("query", "kernel"), "self_attn.q_proj.weight", (dim, heads, head_dim), 1,
                   interleaved=pairs),
             entry(attention("key", "kernel"), "self_attn.k_proj.weight", (dim, kv_heads, head_dim), 1,
                   interleaved=pairs),
             entry(attention("value", "kernel"), "self_attn.v_proj.weight", (dim, kv_heads, head_dim), 1),
-            entry(attention("out", "kernel"), "self_attn.o_proj.weight", (heads, head_dim, dim), 2)]
+            entry(attention("out", "kernel"), "self_attn.o_proj.weight", (heads, head_dim, dim), 2),
+            *((*biases, entry(attention("out", "bias"), "self_attn.o_proj.bias", (dim,), 0))
+              if config.attention_bias else ())]
   rope, latent, rank = config.qk_rope_head_dim, config.kv_lora_rank, config.q_lora_rank
   qk = config.qk_nope_head_dim + rope
   query = ([entry(attention("wq_a", "kernel"), "self_attn.q_a_proj.weight", (dim, rank), 1),
@@ -432,17 +455,22 @@ def hf_shape(entry) -> tuple:
   """The shape of one of the entry's Hugging Face tensors: all experts' where they share one."""
   shape, in_axes = entry.shape, entry.in_axes
   hf = (math.prod(shape[in_axes:]), math.prod(shape[:in_axes])) if in_axes else shape
-  if entry.part:
-    return (entry.stack[-1], hf[1], hf[0] * entry.part[1])
+  if entry.flat:
+    return (math.prod(shape),)
+  if entry.part:  # each expert's [out, in] (or [out]) transposed, its out features n times
+    *rest, out = hf[::-1]
+    return (entry.stack[-1], *rest, out * entry.part[1])
   return hf
 
 
-def _region(entry, index) -> tuple | None:
-  """Where stacked element `index` (layer, expert) of a part entry lies in its Hugging Face tensor."""
-  if not entry.part:
-    return None
-  (k, _), out = entry.part, hf_shape(entry)[2] // entry.part[1]
-  return (index[-1], slice(None), slice(k * out, (k + 1) * out))
+def _expert_part(entry, read, name: str, index: tuple) -> np.ndarray:
+  """Stacked element `index` (layer, expert) of a part entry, as Hugging Face's tensor of that
+  expert alone would hold it ([out, in]), read from the layer's tensor of all experts."""
+  (k, n), shape = entry.part, hf_shape(entry)
+  if entry.strided:
+    return read(name, (index[-1],))[..., k::n].T
+  out = shape[-1] // n
+  return read(name, (index[-1], *[slice(None)] * (len(shape) - 2), slice(k * out, (k + 1) * out))).T
 
 
 def tensor_groups(config) -> list:
@@ -456,10 +484,14 @@ def tensor_groups(config) -> list:
 
 def joined(group: list, tensors: list) -> dict:
   """One layer's Hugging Face tensors from its group's to_hf_tensors results: the parts of a
-  tensor concatenated along its last axis."""
+  tensor joined along its last axis, one after the other or alternating (strided)."""
   if len(group) == 1:
     return tensors[0]
-  return {name: np.ascontiguousarray(np.concatenate([part[name] for part in tensors], axis=-1)) for name in tensors[0]}
+  if group[0].strided:
+    join = lambda parts: np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)
+  else:
+    join = lambda parts: np.concatenate(parts, axis=-1)
+  return {name: np.ascontiguousarray(join([part[name] for part in tensors])) for name in tensors[0]}
 
 
 def _layer(config, entry, layer) -> tuple:
@@ -485,7 +517,8 @@ def _reorder(entry, w, order) -> np.ndarray:
 
 
 def _from_hf(entry, tensor) -> np.ndarray:
-  return _reorder(entry, tensor.T.reshape(entry.shape) if entry.in_axes else tensor, _halves(entry.interleaved))
+  return _reorder(entry, tensor.T.reshape(entry.shape) if entry.in_axes else tensor.reshape(entry.shape),
+                  _halves(entry.interleaved))
 
 
 def to_param(config, entry, read, dtype, layer=None) -> np.ndarray:
@@ -498,7 +531,7 @@ def to_param(config, entry, read, dtype, layer=None) -> np.ndarray:
     return _from_hf(entry, tensor).astype(dtype or tensor.dtype, copy=False)
   out = None
   for index, name in zip(itertools.product(*map(range, stack)), names):
-    tensor = read(name, _region(entry, index)).T if entry.part else read(name)
+    tensor = _expert_part(entry, read, name, index) if entry.part else read(name)
     if out is None:
       out = np.empty(stack + entry.shape, dtype or tensor.dtype)
     out[index] = _from_hf(entry, tensor)
@@ -509,6 +542,8 @@ def to_hf_tensors(config, entry, param, layer=None) -> dict:
   """The inverse of to_param: {Hugging Face name: tensor} of one parameter or of its slice [layer]."""
   shape, in_axes = entry.shape, entry.in_axes
   convert = (lambda w: w.reshape(math.prod(shape[:in_axes]), -1).T) if in_axes else (lambda w: w)
+  if entry.flat:
+    convert = lambda w: w.reshape(-1)
   values = param.reshape(-1, *shape)
   inverse = np.argsort(_halves(entry.interleaved))
   names = _layer(config, entry, layer)[1]
@@ -526,7 +561,7 @@ def hf_config(config, dtype: str) -> dict:
                 original_max_position_embeddings=config.rope_original_max_position)
   if config.rope_type == "yarn":
     rope.update(rope_type="yarn", factor=config.rope_scaling_factor,
-                original_max_position_embeddings=config.rope_original_max_position,
+                original_max_position_embeddings=config.rope_original_max_position, truncate=config.rope_truncate,
                 **{key: getattr(config, key) or None for key in _YARN_ROPE_KEYS})
   if config.rope_linear_scaling_factor != 1:
     rope.update(rope_type="linear", factor=config.rope_linear_scaling_factor)
@@ -548,7 +583,8 @@ def hf_config(config, dtype: str) -> dict:
           "rope_parameters": by_type if family.hf_rope_by_layer_type else rope,
           **({"rope_local_base_freq": local_base} if family.hf_rope_by_layer_type else {}),
           # dtype for transformers 5, torch_dtype for 4
-          "attention_bias": False, "torch_dtype": dtype, "dtype": dtype,
+          "attention_bias": config.attention_bias, "torch_dtype": dtype, "dtype": dtype,
+          **({family.hf_activation_limit_key: config.mlp_activations_limit} if family.hf_activation_limit_key else {}),
           "query_pre_attn_scalar": query_scalar(config),
           "attn_logit_softcapping": config.attn_logits_soft_cap or None,
           "final_logit_softcapping": config.final_logits_soft_cap or None,
@@ -617,6 +653,19 @@ def check_exportable(config) -> None:
   for key, off in _LLAMA4_ATTENTION.items():
     if getattr(config, key) != off and not family.hf_llama4_attention:
       raise errors.ConfigError(f"{key}={getattr(config, key)!r}: {family.hf_architecture} has no such attention")
+  has = {"attention_bias": family.hf_attention_bias, "attention_sink": family.hf_sinks}
+  for key, takes in has.items():
+    if getattr(config, key) and not takes:
+      raise errors.ConfigError(f"{key}=True: {family.hf_architecture} has no such attention")
+  if config.attention_sink != family.hf_sinks:
+    raise errors.ConfigError(f"attention_sink={config.attention_sink}: {family.hf_architecture} always has sinks")
+  if config.moe and config.mlp_bias != bool(family.hf_expert_biases):
+    raise errors.ConfigError(f"mlp_bias={config.mlp_bias}: {family.hf_architecture}'s experts "
+                             f"{'always have' if family.hf_expert_biases else 'have no'} biases")
+  if (config.mlp_activations_limit > 0) != bool(family.hf_activation_limit_key):
+    clamps = "always clamps" if family.hf_activation_limit_key else "has no clamp on"
+    raise errors.ConfigError(f"mlp_activations_limit={config.mlp_activations_limit}: {family.hf_architecture} "
+                             f"{clamps} its gated unit")
   if config.rope_linear_scaling_factor != 1 and config.rope_type != "default":
     raise errors.ConfigError(f"rope_linear_scaling_factor={config.rope_linear_scaling_factor}: config.json holds "
                              f"one RoPE scaling, and rope_type={config.rope_type!r} is another")

@@ -106,11 +106,15 @@ def _llama31(cfg, timescale):
 def _yarn(cfg, timescale):
   """YaRN (Hugging Face's _compute_yarn_parameters): pair i is kept while it turns more than
   beta_fast times over rope_original_max_position tokens, slowed by rope_scaling_factor below
-  beta_slow turns, blended linearly in i between; the bounds are rounded outwards to whole pairs."""
+  beta_slow turns, blended linearly in i between; the bounds are rounded outwards to whole pairs
+  unless rope_truncate is off (GPT-OSS)."""
   dim, base, original = 2 * timescale.shape[0], cfg.rope_max_timescale, cfg.rope_original_max_position
   # The feature index d whose wavelength base^(d / dim) * 2pi makes `turns` turns over the context.
   index = lambda turns: dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
-  low, high = max(math.floor(index(cfg.beta_fast)), 0), min(math.ceil(index(cfg.beta_slow)), dim - 1)
+  low, high = index(cfg.beta_fast), index(cfg.beta_slow)
+  if cfg.rope_truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
   slowed = jnp.clip((jnp.arange(timescale.shape[0], dtype=jnp.float32) - low) / ((high - low) or 1e-3), 0.0, 1.0)
   return 1 / ((1 - slowed) / timescale + slowed / (cfg.rope_scaling_factor * timescale))
 

@@ -1,6 +1,6 @@
 """Writes the Hugging Face parity assets: python tests/assets/hf/make_golden.py [NAME ...] (all,
 or only the named ones; needs torch and transformers, which are not runtime dependencies; any
-versions that have Qwen3, Gemma 2, Gemma 3, Qwen3-MoE, Mixtral, DeepSeek-V2 and V3 and Llama 4; Gemma 3's RoPE per layer type
+versions that have Qwen3, Gemma 2, Gemma 3, Qwen3-MoE, Mixtral, DeepSeek-V2 and V3, Llama 4 and GPT-OSS; Gemma 3's RoPE per layer type
 needs transformers 5).
 
 For each family, a small randomly initialised transformers model saved as Hugging Face does
@@ -114,6 +114,15 @@ MODELS = {
         initializer_range=0.2, eos_token_id=95,
         rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=16.0, low_freq_factor=1.0,
                              high_freq_factor=1.0, original_max_position_embeddings=16))),
+    # GPT-OSS with every piece biting: 4 layers, sliding (a window of 4) and full alternating;
+    # random sinks and q/k/v/o biases; YaRN with its blend's bounds not rounded (its upper bound,
+    # 2.0 pairs at this width and original context, would round to 3); top-2 of 4 experts with random router and expert biases; a clamp (1.5) that the
+    # gate and up projections reach.
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, dict(
+        num_hidden_layers=4, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        swiglu_limit=1.5, initializer_range=0.2,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+                             beta_fast=32.0, beta_slow=1.0, truncate=False))),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
         tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)),
     "mixtral_tied": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
@@ -136,6 +145,8 @@ def main():
           param.uniform_(0.5, 1.5)
         elif param_name.endswith(("mlp.gate.weight", "router.weight")):  # a decisive router: no near-ties in the top k
           param.normal_(0, 1.0)
+        elif param_name.endswith(("_bias", ".bias", "sinks")):  # GPT-OSS's biases and sinks, zero at first
+          param.normal_(0, 0.5)
       for buffer_name, buffer in model.named_buffers():
         # Positive, as transformers zeroes the masked groups' scores rather than excluding them.
         if buffer_name.endswith("e_score_correction_bias"):
