@@ -673,6 +673,49 @@ def test_a_llama4_directory_this_project_cannot_express_is_one_line_and_writes_n
   assert "\n" not in str(error.value) and not output.exists()
 
 
+def test_gpt_oss_experts_in_mxfp4_import_dequantized_as_transformers_does(tmp_path):
+  """GPT-OSS as published: its experts' projections in MXFP4 (4-bit values in 32-value blocks
+  with a power-of-two scale each; transformers' own loading of the asset gives its golden
+  logits) import, an expert at a time, to bfloat16 parameters whose logits are transformers'."""
+  converted = to_maxtext.convert(to_maxtext.resolve_config(
+      [BASE_YML, f"hf_model_path={ASSETS / 'gpt_oss_mxfp4'}", f"base_output_directory={tmp_path}", "run_name=a"]))
+  params = restore(converted)
+  assert params["decoder"]["layers"]["moe_block"]["wi_0"].dtype == ml_dtypes.bfloat16
+  config = tiny_config(*SHAPE, *FAMILIES["gpt_oss"])
+  golden = np.load(ASSETS / "gpt_oss_mxfp4" / "golden.npz")
+  tokens = golden["tokens"]
+  logits = np.asarray(Transformer(config).apply({"params": params}, tokens,
+                                                np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape),
+                                                np.ones_like(tokens)))
+  scale = np.abs(golden["logits"]).max()
+  np.testing.assert_allclose(logits / scale, golden["logits"] / scale, rtol=0, atol=1e-5)
+
+
+def damage_mxfp4(hf, name, change):
+  tensors = load_file(hf / "model.safetensors")
+  tensors = change(tensors, name)
+  save_file(tensors, hf / "model.safetensors")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t, n: {**t, n + "_scales": t[n + "_scales"][:, :-1]},
+     "tensor model.layers.2.mlp.experts.down_proj_scales has shape (4, 31, 2), not its blocks' (4, 32, 2) "
+     "(model.layers.2.mlp.experts.down_proj_blocks, MXFP4)"),
+    (lambda t, n: {k: v for k, v in t.items() if k != n + "_scales"},
+     "tensor model.layers.2.mlp.experts.down_proj_blocks (MXFP4) has no model.layers.2.mlp.experts.down_proj_scales"),
+    (lambda t, n: {**t, n + "_blocks": t[n + "_blocks"].astype(np.int32)},
+     "are I32 (4, 32, 2, 16) and U8 (4, 32, 2), not MXFP4")],
+    ids=["scales unlike the blocks", "blocks without scales", "blocks not bytes"])
+def test_a_damaged_mxfp4_tensor_is_one_line_naming_it_and_writes_nothing(tmp_path, change, message):
+  hf, output = tmp_path / "hf", tmp_path / "out"
+  shutil.copytree(ASSETS / "gpt_oss_mxfp4", hf)
+  damage_mxfp4(hf, "model.layers.2.mlp.experts.down_proj", change)
+  with pytest.raises(errors.ConfigError, match=re.escape(message)) as error:
+    to_maxtext.convert(to_maxtext.resolve_config(
+        [BASE_YML, f"hf_model_path={hf}", f"base_output_directory={output}", "run_name=a"]))
+  assert "\n" not in str(error.value) and not output.exists()
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(topk_method="group_limited_greedy", n_group=4, topk_group=2),
      "n_routing_groups=topk_method group_limited_greedy of DeepseekV2ForCausalLM (not supported: greedy is): "),

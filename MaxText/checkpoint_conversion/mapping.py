@@ -729,24 +729,71 @@ def tensor_index(hf_path: str) -> dict:
   if _multimodal_family(read_config(hf_path)):
     tensors = {causal + name[len(prefix):]: value for name, value in tensors.items()
                for prefix, causal in LANGUAGE_MODEL_PREFIXES.items() if name.startswith(prefix)}
+  return _mxfp4_pairs(tensors, hf_path)
+
+
+# An MXFP4 tensor (GPT-OSS's published experts): NAME_blocks [..., out, G, 16] bytes, each two
+# 4-bit values (E2M1: FP4_VALUES[nibble], the low nibble first), and NAME_scales [..., out, G] bytes,
+# each block of 32 values' power of two plus 127; transformers dequantizes it to NAME [..., G * 32, out].
+MXFP4 = "MXFP4"
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+
+
+def _mxfp4_pairs(tensors: dict, hf_path: str) -> dict:
+  """The index with each MXFP4 pair as the one tensor it dequantizes to, its entry (None, its
+  shape, MXFP4, (the blocks' entry, the scales' entry)); a pair whose halves do not match is a
+  config error naming the tensor."""
+  for packed in [name for name in tensors if name.endswith("_blocks")]:
+    name = packed[:-len("_blocks")]
+    scales = name + "_scales"
+    if scales not in tensors:
+      raise errors.ConfigError(f"hf_model_path={hf_path!r}: tensor {packed} (MXFP4) has no {scales}")
+    (_, block_shape, block_type, _), (_, scale_shape, scale_type, _) = tensors[packed], tensors[scales]
+    if block_type != "U8" or scale_type != "U8" or len(block_shape) < 3 or block_shape[-1] != 16:
+      raise errors.ConfigError(f"hf_model_path={hf_path!r}: tensors {packed} and {scales} are {block_type} "
+                               f"{block_shape} and {scale_type} {scale_shape}, not MXFP4 (bytes [..., G, 16] and "
+                               "[..., G])")
+    if block_shape[:-1] != scale_shape:
+      raise errors.ConfigError(f"hf_model_path={hf_path!r}: tensor {scales} has shape {scale_shape}, not its "
+                               f"blocks' {block_shape[:-1]} ({packed}, MXFP4)")
+    *prefix, out, groups, _ = block_shape
+    tensors[name] = (None, (*prefix, groups * 32, out), MXFP4, (tensors.pop(packed), tensors.pop(scales)))
   return tensors
 
 
-DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16}  # safetensors' names
+def dequantized(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+  """MXFP4 blocks [..., out, G, 16] and scales [..., out, G] -> bfloat16 [..., G * 32, out], as
+  transformers' convert_moe_packed_tensors."""
+  values = np.stack([FP4_VALUES[blocks & 15], FP4_VALUES[blocks >> 4]], axis=-1).reshape(*blocks.shape[:-1], 32)
+  values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+  return np.swapaxes(values.reshape(*blocks.shape[:-2], -1), -1, -2).astype(ml_dtypes.bfloat16)
+
+
+DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,  # safetensors' names
+          MXFP4: ml_dtypes.bfloat16}  # dequantized as transformers does
 
 
 def tensor_dtype(tensors: dict, name: str) -> np.dtype:
   return np.dtype(DTYPES[tensors[name][2]])
 
 
+def _read(entry: tuple, region: tuple | None) -> np.ndarray:
+  with safe_open(entry[0], framework="numpy") as handle:
+    return handle.get_tensor(entry[3]) if region is None else handle.get_slice(entry[3])[region]
+
+
 def read_tensor(tensors: dict, name: str, region: tuple | None = None) -> np.ndarray:
   """One tensor, or its `region` (a tuple of indices) alone, copied out of its file, which is
   closed again: the file's pages read so far do not stay mapped, so memory holds what is being
-  converted, not the whole model."""
-  with safe_open(tensors[name][0], framework="numpy") as handle:
-    if region is None:
-      return handle.get_tensor(tensors[name][3])
-    return handle.get_slice(tensors[name][3])[region]
+  converted, not the whole model. An MXFP4 tensor's region is dequantized from the blocks and
+  scales of its first index (an expert's) alone."""
+  if tensors[name][2] != MXFP4:
+    return _read(tensors[name], region)
+  blocks, scales = tensors[name][3]
+  first = None if region is None else region[:1]
+  whole = dequantized(_read(blocks, first), _read(scales, first))
+  return whole if region is None else whole[(Ellipsis,) if len(region) == 1 else (Ellipsis, *region[1:])]
 
 
 def _after_last_layer(config, name: str) -> bool:

@@ -9,6 +9,7 @@ continuation of a prompt (golden.npz), which tests/test_hf_checkpoint.py compare
 project's model on the converted weights.
 """
 
+import json
 import os
 import sys
 
@@ -123,11 +124,54 @@ MODELS = {
         swiglu_limit=1.5, initializer_range=0.2,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
                              beta_fast=32.0, beta_slow=1.0, truncate=False))),
+    # The same GPT-OSS with its experts in MXFP4, as the published checkpoints keep them (see
+    # mxfp4_experts).
+    "gpt_oss_mxfp4": (transformers.GptOssConfig, transformers.GptOssForCausalLM, dict(
+        num_hidden_layers=4, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        swiglu_limit=1.5, initializer_range=0.2,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+                             beta_fast=32.0, beta_slow=1.0, truncate=False))),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
         tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)),
     "mixtral_tied": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
         tie_word_embeddings=True, num_local_experts=4, num_experts_per_tok=2)),
 }
+
+
+def mxfp4_experts(model, directory):
+  """Random MXFP4 experts: each layer's gate_up_proj and down_proj made of random 4-bit values and
+  block scales (2^-5 to 2^-3), loaded into the model as transformers' own dequantization gives
+  them, and saved as the published checkpoints keep them (NAME_blocks, NAME_scales bytes, the
+  quantization_config), in place of the model's float tensors."""
+  from safetensors.torch import load_file, save_file
+  from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+  rng = np.random.default_rng(1)
+  packed = {}
+  for name, param in model.named_parameters():
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+      experts, inputs, outputs = param.shape
+      blocks = torch.as_tensor(rng.integers(0, 256, (experts, outputs, inputs // 32, 16)), dtype=torch.uint8)
+      scales = torch.as_tensor(rng.integers(122, 125, (experts, outputs, inputs // 32)), dtype=torch.uint8)
+      with torch.no_grad():
+        param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+      packed |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
+  model.save_pretrained(directory, safe_serialization=True)
+  tensors = {n: t for n, t in load_file(os.path.join(directory, "model.safetensors")).items()
+             if f"{n}_blocks" not in packed}
+  save_file({**tensors, **packed}, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+  config = os.path.join(directory, "config.json")
+  with open(config) as f:
+    settings = json.load(f)
+  settings["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                       "model.layers.*.mlp.router",
+                                                                                       "model.embed_tokens", "lm_head"]}
+  with open(config, "w") as f:
+    json.dump(settings, f, indent=2)
+
+
+# Written their own way after the random initialisation: name -> (model, directory) -> None.
+SAVED_BY = {"gpt_oss_mxfp4": mxfp4_experts}
 
 
 def main():
@@ -151,7 +195,8 @@ def main():
         # Positive, as transformers zeroes the masked groups' scores rather than excluding them.
         if buffer_name.endswith("e_score_correction_bias"):
           buffer.uniform_(0.0, 0.5)
-    model.save_pretrained(os.path.join(here, name), safe_serialization=True)
+    SAVED_BY.get(name, lambda model, directory: model.save_pretrained(directory, safe_serialization=True))(
+        model, os.path.join(here, name))
     with torch.no_grad():
       logits = model(torch.as_tensor(tokens)).logits.numpy()
       prompt = torch.as_tensor(tokens[:1, :PROMPT])
