@@ -332,7 +332,8 @@ def test_bf16_weights_stay_bf16_unless_convert_dtype_asks(tmp_path, convert_dtyp
 
 @pytest.mark.parametrize("model_name", ["llama3.2-1b", "qwen3-0.6b", "gemma2-2b", "gemma3-1b", "gemma3-4b",
                                         "gemma3-27b", "deepseek3-671b", "deepseek2-16b", "olmo3-7b", "olmo3-32b",
-                                        "kimi-k2-1t", "llama4-17b-16e", "llama4-17b-128e"])
+                                        "kimi-k2-1t", "llama4-17b-16e", "llama4-17b-128e", "gpt-oss-20b",
+                                        "gpt-oss-120b"])
 def test_a_published_config_json_gives_the_model_file_keys(tmp_path, model_name):
   """config.json as the Hub publishes it (transcribed in tests/assets/hf/published_configs.json;
   Gemma 2's names neither a tied head nor layer_types, which transformers takes as tied and
