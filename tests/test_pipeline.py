@@ -1,7 +1,7 @@
 """Pipeline stages on 8 simulated devices give one device's loss and gradients (GPipe, circular
-and 1F1B; dense, Gemma 2, a mixture of experts and Llama 4 routing every other layer); 1F1B's
-memory does not grow with the microbatches; a run saved pipelined resumes without a pipeline; the schedule's bubble; bad
-pipeline settings are one-line config errors."""
+and 1F1B; dense, Gemma 2, a mixture of experts, Llama 4 routing every other layer and GPT-OSS);
+1F1B's memory does not grow with the microbatches; a run saved pipelined resumes without a
+pipeline; the schedule's bubble; bad pipeline settings are one-line config errors."""
 
 import jax
 import numpy as np
@@ -40,9 +40,15 @@ MODELS = {
                     "load_balance_loss_weight=0.1", "routed_score_func=sigmoid", "routed_bias=true",
                     "nope_layer_interval=4", "chunk_attn_window_size=4", "temperature_tuning=true",
                     "temperature_tuning_floor=2", "use_qk_norm=true"),
+    # GPT-OSS: sliding and full layers alternating across the stages, sinks (zero at first, each
+    # still a term of every softmax), biased attention and experts, the clamped gated unit.
+    "gpt_oss": ("base_num_decoder_layers=4", "decoder_block=gpt_oss", "num_experts=4", "num_experts_per_tok=2",
+                "base_moe_mlp_dim=32", "sliding_window_size=6", "attention_bias=true", "attention_sink=true",
+                "mlp_bias=true", "mlp_activations_limit=1.5", "load_balance_loss_weight=0.1"),
 }
 # The one-device reference's own overrides.
-REFERENCE = {name: ("gradient_accumulation_steps=4", "per_device_batch_size=4") for name in ("moe", "interleaved")}
+REFERENCE = {name: ("gradient_accumulation_steps=4", "per_device_batch_size=4")
+             for name in ("moe", "interleaved", "gpt_oss")}
 _PP2, _PP4 = "ici_pipeline_parallelism=2", "ici_pipeline_parallelism=4"
 CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
     "gpipe pp2 fsdp2 data2 m4": ("llama", (_PP2, "ici_fsdp_parallelism=2", "ici_data_parallelism=2",
@@ -63,6 +69,8 @@ CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
         "interleaved", (_PP2, "ici_expert_parallelism=2", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=4")),
     "interleaved 1f1b pp2 fsdp4 m4": ("interleaved", (_PP2, "ici_fsdp_parallelism=4", "pipeline_schedule=1f1b",
                                                       "num_pipeline_microbatches=4")),
+    "gpt_oss 1f1b pp2 tensor2 fsdp2 m4": ("gpt_oss", (_PP2, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2",
+                                                       "pipeline_schedule=1f1b", "num_pipeline_microbatches=4")),
 }
 
 
