@@ -478,7 +478,8 @@ def tensor_groups(config) -> list:
   part order), each other entry alone: what to_hf_tensors' results are joined over."""
   groups = {}
   for entry in layout(config):
-    groups.setdefault((entry.name, entry.first, entry.stride) if entry.part else entry.path, []).append(entry)
+    groups.setdefault((entry.name, entry.first, entry.stride) if entry.part else (entry.path, entry.name),
+                      []).append(entry)
   return [sorted(group, key=lambda e: e.part) for group in groups.values()]
 
 
