@@ -43,18 +43,25 @@ class Chip(NamedTuple):
   torus_dims: int = 0  # TPU only: 3 (v4, v5p) or 2 (v5e, v6e)
   cores_per_chip: int = 1  # TensorCores the slice name counts per chip
   max_chips: int = 0  # largest slice
+  peak_int8_tops: float = 0.0  # dense int8, per chip; 0: no faster than bfloat16
+  peak_fp8_tflops: float = 0.0  # dense fp8; 0: no native fp8 (XLA computes it in bfloat16)
+
+  def peak_tflops(self, precision: str = "bf16") -> float:
+    """Dense peak for matmuls of `precision` (bf16, int8 or fp8): bfloat16's where the chip has no faster one."""
+    faster = {"int8": self.peak_int8_tops, "fp8": self.peak_fp8_tflops}.get(precision, 0.0)
+    return faster or self.peak_bf16_tflops
 
 
 # Generation name -> chip, from the vendors' published specifications (memory, peak FLOP/s
 # and HBM bandwidth are the vendors' figures, not measured here; H100 and H200 are the SXM parts).
 CHIPS = {
     "v4": Chip(32, 275, 1228, 3, 2, 4096),
-    "v5e": Chip(16, 197, 819, 2, 1, 256),
-    "v5p": Chip(95, 459, 2765, 3, 2, 8192),
-    "v6e": Chip(32, 918, 1640, 2, 1, 256),
-    "A100": Chip(80, 312, 2039),
-    "H100": Chip(80, 989, 3350),
-    "H200": Chip(141, 989, 4800),
+    "v5e": Chip(16, 197, 819, 2, 1, 256, peak_int8_tops=394),
+    "v5p": Chip(95, 459, 2765, 3, 2, 8192, peak_int8_tops=918),
+    "v6e": Chip(32, 918, 1640, 2, 1, 256, peak_int8_tops=1836),
+    "A100": Chip(80, 312, 2039, peak_int8_tops=624),
+    "H100": Chip(80, 989, 3350, peak_int8_tops=1979, peak_fp8_tflops=1979),
+    "H200": Chip(141, 989, 4800, peak_int8_tops=1979, peak_fp8_tflops=1979),
 }
 SLICE_GENERATIONS = {"v4": "v4", "v5e": "v5e", "v5litepod": "v5e", "v5p": "v5p", "v6e": "v6e"}
 # A fragment of JAX's device_kind -> generation; the first fragment found wins ("v5 lite"

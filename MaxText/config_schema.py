@@ -25,6 +25,7 @@ from MaxText.input_pipeline.input_pipeline import DATASET_TYPES
 from MaxText.layers.attentions import ATTENTION_TYPES, ATTENTIONS, FLASH_KERNELS
 from MaxText.layers.context_parallel import STRATEGIES
 from MaxText.layers.embeddings import ROPE_TYPES
+from MaxText.layers.quantizations import QUANTIZATIONS
 
 
 class _Names:
@@ -318,6 +319,24 @@ class Execution:
 
   def check(self):
     at_least(self, 1, "attention_chunk_size", "mlp_chunks", "attention_head_chunks", "max_segments_per_seq")
+
+
+@section("Low-precision matmuls (qwix)")
+class Quantization:
+  """Every weight matmul of the layers (the attention's and MLA's projections, the MLP, the
+  experts' grouped matmuls, multi-token prediction's projection) in a low-precision type, its
+  backward products too (layers/quantizations.py, docs/guides/quantization.md); the router, the
+  head and the attention's scores stay in `dtype`. Parameters, optimizer state and checkpoints
+  are unchanged."""
+  quantization: one_of(QUANTIZATIONS) = key(
+      "", "'' (none), int8, fp8 (e4m3 throughout) or fp8_full (e4m3 forward, e5m2 gradients): MaxText's names")
+  quantization_local_shard_count: int = key(
+      -1, "the weight gradient's product takes one scale per this many tiles of its tokens (MaxText's); -1: the "
+          "devices of one host")
+
+  def check(self):
+    require(self.quantization_local_shard_count == -1 or self.quantization_local_shard_count >= 1, self,
+            "quantization_local_shard_count", "must be >= 1, or -1 for the devices of one host")
 
 
 @section("Mixture of experts")

@@ -141,6 +141,28 @@ def matmul_flops(jaxpr) -> float:
   return _executed(jaxpr, _products(_dot_flops))
 
 
+def precision(eqn) -> str:
+  """The type a matrix product multiplies in: int8 or fp8 where both operands are (quantization),
+  else bf16 (whatever wider type: the chip's bfloat16 rate bounds it)."""
+  types = {str(v.aval.dtype) for v in eqn.invars[:2]}
+  if types == {"int8"}:
+    return "int8"
+  return "fp8" if all(t.startswith("float8") for t in types) else "bf16"
+
+
+def flops_by_precision(jaxpr) -> dict:
+  """matmul_flops split by the type each product multiplies in ({bf16, int8, fp8: FLOPs}, the
+  last two where any); fused kernels count as bf16."""
+  split = {kind: _executed(jaxpr, _products(lambda eqn, kind=kind: _dot_flops(eqn) if (
+      "bf16" if _fused(eqn) else precision(eqn)) == kind else 0.0)) for kind in ("bf16", "int8", "fp8")}
+  return {kind: flops for kind, flops in split.items() if flops or kind == "bf16"}
+
+
+def seconds_at_peak(by_precision: dict, chip, devices: int) -> float:
+  """The least time the products take on `devices` chips, each precision's at its own peak."""
+  return sum(flops / devices / (chip.peak_tflops(kind) * 1e12) for kind, flops in by_precision.items())
+
+
 def kernel_flops(jaxpr) -> float:
   """The part of matmul_flops in fused kernels (Pallas's and PRIMITIVE_FLOPS')."""
   return _executed(jaxpr, _products(lambda eqn: _dot_flops(eqn) if _fused(eqn) else 0.0))
@@ -275,7 +297,9 @@ def memory_report(stats: dict, mesh) -> tuple[dict, str | None]:
 
 def flops_report(config, jaxpr) -> dict:
   """The model's FLOPs per step, those the traced step executes (recomputation, masked attention
-  blocks and all) and the bytes each device sends in shard_map collectives, by mesh axes."""
+  blocks and all; and by the type they multiply in) and the bytes each device sends in shard_map
+  collectives, by mesh axes."""
   return {"model_flops_per_step": training_flops_per_step(config), "traced_flops_per_step": matmul_flops(jaxpr),
+          "traced_flops_by_precision": flops_by_precision(jaxpr),
           "collective_bytes_per_device": {axes: sent / config.num_devices
                                           for axes, sent in collective_bytes(jaxpr).items()}}

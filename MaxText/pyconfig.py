@@ -100,7 +100,7 @@ def type_name(kind) -> str:
     elif typing.get_origin(option) is typing.Literal:
       words.append(f"one of {', '.join(map(str, typing.get_args(option)))}")
     elif typing.get_origin(option) is typing.Annotated:
-      words.append(f"one of {', '.join(option.__metadata__[0])}")
+      words.append(f"one of {', '.join(name or repr(name) for name in option.__metadata__[0])}")
     elif typing.get_origin(option) is list:
       item = type_name(typing.get_args(option)[0])
       words.append(f"a list of names from {item.removeprefix('one of ')}" if item.startswith("one of ")

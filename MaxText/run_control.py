@@ -252,6 +252,11 @@ def record_run_files(config, tokenizer) -> None:
       logging.warning("run %s was trained with global batches of %s rows and resumes with %d: the batches from "
                       "here on are not those of an uninterrupted run", config.run_dir, batch,
                       config.global_batch_size_to_train_on)
+    quantized = before.get("quantization")
+    if quantized not in (None, config.quantization):
+      logging.warning("run %s was trained with quantization=%r and resumes with %r: its parameters go on, the "
+                      "matmuls from here on are %s", config.run_dir, quantized, config.quantization,
+                      config.quantization or "unquantized")
     trained_on = before.get("grain_train_files")
     if config.dataset_type == "grain" and trained_on is not None and _sources(trained_on) != _sources(
         config.grain_train_files):

@@ -176,3 +176,13 @@ def logical_to_sharding(logical_specs, mesh, config):
 def batch_sharding(mesh, config) -> NamedSharding:
   """Sharding of every [batch, length] input array: batch over data+fsdp, length over context."""
   return logical_to_sharding(PartitionSpec(*BATCH), mesh, config)
+
+
+def as_cotangent_of(x, like):
+  """x, a per-shard cotangent, as like's: its dtype, summed over the manual mesh axes (shard_map)
+  x varies over and like does not (like is the same on each of their shards, so its cotangent
+  is the sum of theirs, as JAX's own transpose makes it), marked varying over those like does."""
+  varying = lambda y: jax.typeof(y).manual_axis_type.varying
+  summed, missing = tuple(sorted(varying(x) - varying(like))), tuple(sorted(varying(like) - varying(x)))
+  x = (jax.lax.psum(x, summed) if summed else x).astype(like.dtype)
+  return jax.lax.pcast(x, missing, to="varying") if missing else x

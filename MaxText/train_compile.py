@@ -13,7 +13,18 @@ or N simulated CPU devices: JAX_NUM_CPU_DEVICES=N python -m MaxText.train_compil
 
 import sys
 
-from MaxText import costs, errors, hlo_network, launch, metrics, run_control, runtime, sharding, train_step
+from MaxText import (
+  accelerators,
+  costs,
+  errors,
+  hlo_network,
+  launch,
+  metrics,
+  run_control,
+  runtime,
+  sharding,
+  train_step,
+)
 from MaxText.layers import pipeline
 
 
@@ -49,14 +60,21 @@ def main(argv):
   print("\n".join(f"  {shape:28s} {size / 2**20:12,.1f} MiB" for shape, size in report["largest_vocab_arrays"]))
   report.update(costs.flops_report(config, train_step.trace_train_step(trainer, config).jaxpr))
   model_flops, step_flops = report["model_flops_per_step"], report["traced_flops_per_step"]
-  peak = costs.peak_tflops(device.device_kind)
+  by_precision = report["traced_flops_by_precision"]
+  chip = accelerators.chip_of(device.device_kind)
   print(f"FLOPs per step, all devices: model {model_flops:.4g}; matmuls and attention kernels as traced "
         f"{step_flops:.4g} ({step_flops / model_flops - 1:+.1%}: recomputation, and the causal mask's half of the "
         "attention products)")
-  if peak:
-    seconds = step_flops / config.num_devices / (peak * 1e12)
-    print(f"at the {device.device_kind} peak of {peak:g} TFLOP/s: a step takes at least {seconds:.3g} s, "
-          f"MFU at most {model_flops / step_flops:.1%}")
+  if len(by_precision) > 1:
+    print("  of which multiplied in " + ", ".join(f"{kind} {flops:.4g}" for kind, flops in by_precision.items()))
+  if chip:
+    seconds = costs.seconds_at_peak(by_precision, chip, config.num_devices)
+    peaks = ", ".join(f"{kind} {chip.peak_tflops(kind):g}" + (" (no native fp8: XLA multiplies in bfloat16)"
+                                                               if kind == "fp8" and not chip.peak_fp8_tflops else "")
+                      for kind in by_precision)
+    print(f"at the {device.device_kind} peak ({peaks} TFLOP/s): a step takes at least {seconds:.3g} s, "
+          f"MFU at most {model_flops / (seconds * config.num_devices * chip.peak_bf16_tflops * 1e12):.1%} of the "
+          "bf16 peak")
   if report["collective_bytes_per_device"]:
     print("collectives called in shard_map, GiB sent per device per step, by the mesh axes they run over (as "
           "traced): " + ", ".join(f"{axes} {bytes_ / 2**30:.3f}"

@@ -16,7 +16,7 @@ from MaxText import costs, head, remat, sharding
 from MaxText.errors import ConfigError
 from MaxText.layers import context_parallel, masks
 from MaxText.layers.embeddings import apply_rope, rope_attention_factor, rope_timescales, yarn_mscale
-from MaxText.layers.linears import kernel, kernel_run, sum_of_slices, weights_as
+from MaxText.layers.linears import kernel, kernel_run, matmul, sum_of_slices, weights_as
 from MaxText.layers.normalizations import norm_scale, rms_norm_with
 
 BATCH_LENGTH_HEADS = ("activation_batch", "activation_length", "activation_heads", None)
@@ -457,7 +457,7 @@ def global_attention(cfg, x, positions, segment_ids, layer_index, sinks):
 
   def project(x, k, kernels, biases=None):
     """x's projections by this slice's kernels [D, n, H], plus its biases [n, H] where given."""
-    y = jnp.einsum("btd,dnh->btnh", x, kernel_run(kernels, 1, shards, chunks, k, dtype))
+    y = matmul(cfg, "btd,dnh->btnh", x, kernel_run(kernels, 1, shards, chunks, k, dtype))
     return y if biases is None else y + kernel_run(biases, 0, shards, chunks, k, dtype)
 
   def attention_slice(x, k, out_dtype):
@@ -471,7 +471,7 @@ def global_attention(cfg, x, positions, segment_ids, layer_index, sinks):
     head_sinks = None if sinks is None else kernel_run(sinks, 0, shards, chunks, k, jnp.float32)
     context = attend_heads(cfg, q, kk, v, segment_ids, layer_index, scale, head_sinks)
     wo = kernel_run(out, 0, shards, chunks, k, dtype)  # [n, H, D]
-    return jnp.einsum("btnh,nhd->btd", context, wo, preferred_element_type=out_dtype)
+    return matmul(cfg, "btnh,nhd->btd", context, wo, out_dtype)
 
   out_proj = sum_of_slices(cfg, x, chunks, attention_slice)
   if cfg.attention_bias:  # once, not once per slice
@@ -507,15 +507,17 @@ def mla_attention(cfg, x, positions, segment_ids, layer_index, sinks):
     wq_a = kernel(cfg, "wq_a", (dim, cfg.q_lora_rank), ("embed", "q_lora_up_proj"))
     q_norm = norm_scale(cfg, "q_norm", cfg.q_lora_rank)
     wq_b = kernel(cfg, "wq_b", (cfg.q_lora_rank, heads, nope + rope), ("q_lora", "q_heads", "kv"))
-    q = jnp.einsum("btr,rnh->btnh", rms_norm_with(cfg, q_norm, x @ weights_as(wq_a, dtype)), weights_as(wq_b, dtype))
+    low_rank = rms_norm_with(cfg, q_norm, matmul(cfg, "btd,dr->btr", x, weights_as(wq_a, dtype)))
+    q = matmul(cfg, "btr,rnh->btnh", low_rank, weights_as(wq_b, dtype))
   else:
-    q = jnp.einsum("btd,dnh->btnh", x, weights_as(kernel(cfg, "query", (dim, heads, nope + rope),
-                                                         ("embed", "q_heads", "kv")), dtype))
+    q = matmul(cfg, "btd,dnh->btnh", x, weights_as(kernel(cfg, "query", (dim, heads, nope + rope),
+                                                          ("embed", "q_heads", "kv")), dtype))
   q = checkpoint_name(q, "query_proj")
-  kv_a = x @ weights_as(kernel(cfg, "wkv_a", (dim, latent + rope), ("embed", "kv_lora_up_proj")), dtype)
+  kv_a = matmul(cfg, "btd,dr->btr", x, weights_as(kernel(cfg, "wkv_a", (dim, latent + rope),
+                                                            ("embed", "kv_lora_up_proj")), dtype))
   compressed = rms_norm_with(cfg, norm_scale(cfg, "kv_norm", latent), kv_a[..., :latent])
   wkv_b = kernel(cfg, "wkv_b", (latent, heads, nope + v_dim), ("kv_lora", "kv_heads", "kv_head_dim"))
-  kv = jnp.einsum("btr,rnh->btnh", compressed, weights_as(wkv_b, dtype))
+  kv = matmul(cfg, "btr,rnh->btnh", compressed, weights_as(wkv_b, dtype))
   k_pe = rotate(cfg, kv_a[..., None, latent:], positions, layer_index)  # [B, T, 1, rope]
   q = jnp.concatenate([q[..., :nope], rotate(cfg, q[..., nope:], positions, layer_index)], axis=-1)
   k = checkpoint_name(jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_pe, (*kv.shape[:3], rope))], axis=-1),
@@ -523,7 +525,7 @@ def mla_attention(cfg, x, positions, segment_ids, layer_index, sinks):
   v = checkpoint_name(kv[..., nope:], "value_proj")
   context = attend_heads(cfg, q, k, v, segment_ids, layer_index, mla_scale(cfg), sinks)
   wo = weights_as(kernel(cfg, "out", (heads, v_dim, dim), ("heads", "kv", "embed"), num_in_axes=2), dtype)
-  return checkpoint_name(jnp.einsum("btnh,nhd->btd", context, wo), "out_proj")
+  return checkpoint_name(matmul(cfg, "btnh,nhd->btd", context, wo), "out_proj")
 
 
 def global_macs(cfg) -> tuple[int, int]:

@@ -1,6 +1,9 @@
 """Projections, the gated MLP (SwiGLU, GeGLU), and a layer's output as a sum over slices of its
 units (mlp_chunks, attention_head_chunks): the MLP and the attention are each written once, over
-the k-th slice of their kernels, the unsliced layer being the one slice."""
+the k-th slice of their kernels, the unsliced layer being the one slice. `matmul` is the one
+seam every weight matmul of the layers goes through (quantization: layers/quantizations.py)."""
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -8,6 +11,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import remat, sharding
+from MaxText.layers import quantizations
 
 BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
 
@@ -15,6 +19,29 @@ BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed
 # or x sigmoid(1.702 x) (GPT-OSS's, the sigmoid approximation of GELU)
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
                "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x)}
+
+
+@functools.cache
+def _dot_dims(spec: str):
+  """An einsum "x,w->out" of two operands without repeated letters, as (dot_general's dimension
+  numbers, the permutation of dot_general's output (batch, x's free, w's free axes) into out)."""
+  inputs, out = spec.split("->")
+  x, w = inputs.split(",")
+  batch = [c for c in x if c in w and c in out]
+  contract = [c for c in x if c in w and c not in out]
+  result = batch + [c for c in x if c not in w] + [c for c in w if c not in x]
+  dims = (([x.index(c) for c in contract], [w.index(c) for c in contract]),
+          ([x.index(c) for c in batch], [w.index(c) for c in batch]))
+  return dims, tuple(result.index(c) for c in out)
+
+
+def matmul(cfg, spec: str, x, w, out_dtype=None):
+  """jnp.einsum(spec, x, w) of activations x and a weight w (cast to the compute dtype), the
+  result in out_dtype (None: x's): the seam of every weight matmul of the layers, quantized as
+  cfg.quantization says."""
+  dims, order = _dot_dims(spec)
+  out = quantizations.dot_general(cfg, x, w, dims, out_dtype)
+  return out if order == tuple(range(out.ndim)) else jnp.transpose(out, order)
 
 
 def gated(cfg, gate, up):
@@ -187,10 +214,10 @@ class MlpBlock(nn.Module):
 
     def mlp_slice(x, k, out_dtype):
       wi_0, wi_1, wo = (kernel_run(w, 1, shards, chunks, k, jnp.dtype(cfg.dtype)) for w in kernels)
-      gate = checkpoint_name(jnp.einsum("btd,dm->btm", x, wi_0), "mlpwi_0")
-      up = checkpoint_name(jnp.einsum("btd,dm->btm", x, wi_1), "mlpwi_1")
+      gate = checkpoint_name(matmul(cfg, "btd,dm->btm", x, wi_0), "mlpwi_0")
+      up = checkpoint_name(matmul(cfg, "btd,dm->btm", x, wi_1), "mlpwi_1")
       h = nn.with_logical_constraint(gated(cfg, gate, up), ("activation_batch", "activation_length", "activation_mlp"))
-      return jnp.einsum("btm,dm->btd", h, wo, preferred_element_type=out_dtype)
+      return matmul(cfg, "btm,dm->btd", h, wo, out_dtype)
 
     # Named once whole: a policy that keeps the MLP's output keeps it, not a partial sum per slice.
     return checkpoint_name(sum_of_slices(cfg, x, chunks, mlp_slice), "mlpwo")

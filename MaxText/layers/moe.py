@@ -38,7 +38,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from MaxText import sharding
-from MaxText.layers.linears import DenseGeneral, MlpBlock, gated, sum_of_slices, weights_as
+from MaxText.layers import quantizations
+from MaxText.layers.linears import DenseGeneral, MlpBlock, gated, matmul, sum_of_slices, weights_as
 
 TOKENS = ("activation_batch", "activation_length", "activation_embed")
 # Sown per MoE layer, averaged over layers: the Switch/MaxText load-balancing loss, the router
@@ -100,9 +101,9 @@ def _experts_here(kernels, gather: tuple) -> int:
   return kernels[0].shape[0] * math.prod(jax.lax.axis_size(a) for a in gather[0])
 
 
-def _swiglu(x, kernels, gather: tuple, matmul, cfg, biases=()):
+def _swiglu(x, kernels, gather: tuple, product, cfg, biases=()):
   """wo(gated(wi_0 x, wi_1 x)) per expert; the kernels (wi_0, wi_1, wo) are [E, D, F] shards, whole
-  once gathered over `gather` (see MoeBlock._routed), and `matmul(a, w, axis, out_dtype)`
+  once gathered over `gather` (see MoeBlock._routed), and `product(a, w, axis, out_dtype)`
   contracts a's last dimension with w's `axis`. With mlp_bias, biases are (wi_0's and wi_1's
   [E, F] shards, rows_of: such a bias -> each row's expert's, added to the projections). With
   mlp_chunks > 1, one slice of F at a time (linears.sum_of_slices), each slice of the kernels
@@ -112,14 +113,14 @@ def _swiglu(x, kernels, gather: tuple, matmul, cfg, biases=()):
 
   def expert_slice(x, k, out_dtype):
     wi_0, wi_1, wo = (_gathered(jax.lax.dynamic_slice_in_dim(w, k * width, width, axis=2), gather) for w in kernels)
-    gate, up = matmul(x, wi_0, 1, None), matmul(x, wi_1, 1, None)
+    gate, up = product(x, wi_0, 1, None), product(x, wi_1, 1, None)
     if biases:
       *in_biases, rows_of = biases
       b_0, b_1 = (rows_of(_gathered(jax.lax.dynamic_slice_in_dim(b, k * width, width, axis=1),
                                     (gather[0], gather[2]))).astype(gate.dtype) for b in in_biases)
       gate, up = gate + b_0, up + b_1
     gate, up = checkpoint_name(gate, "mlpwi_0"), checkpoint_name(up, "mlpwi_1")
-    return matmul(gated(cfg, gate, up), wo, 2, out_dtype)
+    return product(gated(cfg, gate, up), wo, 2, out_dtype)
 
   # Each slice keeps its gate and up projections ([rows, F / mlp_chunks] each): the experts are
   # sliced to bound the gathered kernels, not these. Inside the shard_map the layer's recomputed
@@ -129,19 +130,10 @@ def _swiglu(x, kernels, gather: tuple, matmul, cfg, biases=()):
                                        keep=("mlpwi_0", "mlpwi_1")), "mlpwo")
 
 
-def _einsum(a, w, axis, out_dtype):
-  """a [E, C, in] times each expert's kernel of w [E, D, F], whose input is `axis`."""
-  return jnp.einsum("eci,eio->eco" if axis == 1 else "eci,eoi->eco", a, w, preferred_element_type=out_dtype)
-
-
-def _as_cotangent_of(x, like):
-  """x, a per-shard cotangent, as like's: its dtype, summed over the manual mesh axes (shard_map)
-  x varies over and like does not (like is the same on each of their shards, so its cotangent
-  is the sum of theirs, as JAX's own transpose makes it), marked varying over those like does."""
-  varying = lambda y: jax.typeof(y).manual_axis_type.varying
-  summed, missing = tuple(sorted(varying(x) - varying(like))), tuple(sorted(varying(like) - varying(x)))
-  x = (jax.lax.psum(x, summed) if summed else x).astype(like.dtype)
-  return jax.lax.pcast(x, missing, to="varying") if missing else x
+def _einsum(cfg):
+  """(a [E, C, in], w [E, D, F], axis, out_dtype) -> a times each expert's kernel of w, whose
+  input is `axis`."""
+  return lambda a, w, axis, out_dtype: matmul(cfg, "eci,eio->eco" if axis == 1 else "eci,eoi->eco", a, w, out_dtype)
 
 
 def _zero_past_groups(x, group_sizes):
@@ -174,7 +166,7 @@ def _tokamax_ragged_dot_bwd(out_dtype, residuals, d_out):
                                                 rhs_group_dimensions=[])
   d_a = _zero_past_groups(tokamax.ragged_dot_general(d_out, w, group_sizes, rhs_transposed), group_sizes)
   d_w = tokamax.ragged_dot_general(a, d_out, group_sizes, per_group)
-  return _as_cotangent_of(d_a, a), _as_cotangent_of(d_w, w), None
+  return sharding.as_cotangent_of(d_a, a), sharding.as_cotangent_of(d_w, w), None
 
 
 _tokamax_ragged_dot.defvjp(_tokamax_ragged_dot_fwd, _tokamax_ragged_dot_bwd)
@@ -199,16 +191,14 @@ def _grouped_swiglu(rows, group_sizes, kernels, gather, cfg, in_biases=()):
   projection one grouped matmul, with the input projections' biases where given; rows past the
   groups give 0."""
 
-  def matmul(a, w, axis, out_dtype):
-    dims = jax.lax.RaggedDotDimensionNumbers((([1], [axis]), ([], [])), lhs_ragged_dimensions=[0],
-                                             rhs_group_dimensions=[0])
-    return RAGGED_DOT_GENERAL.get(cfg.platform, jax.lax.ragged_dot_general)(a, w, group_sizes, dims,
-                                                                            preferred_element_type=out_dtype)
+  def grouped(a, w, axis, out_dtype):
+    return quantizations.ragged_dot(cfg, a, w, group_sizes, axis, out_dtype,
+                                    RAGGED_DOT_GENERAL.get(cfg.platform, jax.lax.ragged_dot_general))
 
   if in_biases:  # each row's expert: group e's rows are group_sizes[e] in a row (past them, the last's)
     row_experts = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=rows.shape[0])
     in_biases = (*in_biases, lambda b: jnp.take(b, row_experts, axis=0))
-  return _swiglu(rows, kernels, gather, matmul, cfg, in_biases)
+  return _swiglu(rows, kernels, gather, grouped, cfg, in_biases)
 
 
 def _dropless_copies(x, experts, kernels, gather, cfg, in_biases=()):
@@ -301,7 +291,7 @@ def _dropping_copies(x, experts, kernels, gather, cfg, rows: int, in_biases=()):
   buffer = jnp.take(x, source // k, axis=0, mode="fill", fill_value=0).reshape(num_experts, rows * cap, -1)
   if in_biases:  # the buffer is [E, slots per expert, D]
     in_biases = (*in_biases, lambda b: b[:, None, :])
-  return _swiglu(buffer, kernels, gather, _einsum, cfg, in_biases).reshape(slots, -1), source
+  return _swiglu(buffer, kernels, gather, _einsum(cfg), cfg, in_biases).reshape(slots, -1), source
 
 
 def _combine(out, copies, weights, k: int):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from MaxText.layers import moe
 from MaxText.layers.blocks import layer_kind
 from MaxText.layers.decoders import layer_class
-from MaxText.layers.linears import BATCH_LENGTH_EMBED, kernel_init, weights_as
+from MaxText.layers.linears import BATCH_LENGTH_EMBED, kernel_init, matmul, weights_as
 from MaxText.layers.normalizations import rms_norm
 
 # The projection [2D, D] is sharded like an MLP's output projection [mlp, embed].
@@ -46,7 +46,7 @@ class MtpLayer(nn.Module):
                              axis=-1)
     kernel = self.param("projection", nn.with_logical_partitioning(kernel_init(1), PROJECTION_AXES),
                         (2 * cfg.base_emb_dim, cfg.base_emb_dim), jnp.dtype(cfg.weight_dtype))
-    x = nn.with_logical_constraint(jnp.einsum("btc,cd->btd", joined, weights_as(kernel, dtype)), BATCH_LENGTH_EMBED)
+    x = nn.with_logical_constraint(matmul(cfg, "btc,cd->btd", joined, weights_as(kernel, dtype)), BATCH_LENGTH_EMBED)
     x = layer_class(cfg, True, False)(cfg, layer_kind(cfg, self.layer_index).moe, name="transformer_layer")(
         x, positions, segment_ids, self.layer_index)
     return x, rms_norm(cfg, "shared_head_norm")(x)
