@@ -163,6 +163,19 @@ def seconds_at_peak(by_precision: dict, chip, devices: int) -> float:
   return sum(flops / devices / (chip.peak_tflops(kind) * 1e12) for kind, flops in by_precision.items())
 
 
+def compiled_products(hlo_text: str) -> dict:
+  """{"<lhs type> x <rhs type>": count} of the matrix products in compiled HLO text (dot, and the
+  convolution a TPU compiles a matmul to), by their operands' element types as the compiled
+  program holds them: whether the quantized products survived into what runs."""
+  types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo_text))
+  types.update(re.findall(r"\b(param_[\d.]+): (\w+)\[", hlo_text))  # fused computations' parameters
+  counts = {}
+  for lhs, rhs in re.findall(r"= \w+\[[^=]*? (?:dot|convolution)\(%([\w.\-]+), %([\w.\-]+)\)", hlo_text):
+    key = f"{types.get(lhs, '?')} x {types.get(rhs, '?')}"
+    counts[key] = counts.get(key, 0) + 1
+  return dict(sorted(counts.items()))
+
+
 def kernel_flops(jaxpr) -> float:
   """The part of matmul_flops in fused kernels (Pallas's and PRIMITIVE_FLOPS')."""
   return _executed(jaxpr, _products(lambda eqn: _dot_flops(eqn) if _fused(eqn) else 0.0))

@@ -67,6 +67,9 @@ def main(argv):
         "attention products)")
   if len(by_precision) > 1:
     print("  of which multiplied in " + ", ".join(f"{kind} {flops:.4g}" for kind, flops in by_precision.items()))
+    report["compiled_products"] = costs.compiled_products(compiled.as_text())
+    print("  the compiled step's matrix products by operand types: "
+          + ", ".join(f"{types} {count}" for types, count in report["compiled_products"].items()))
   if chip:
     seconds = costs.seconds_at_peak(by_precision, chip, config.num_devices)
     peaks = ", ".join(f"{kind} {chip.peak_tflops(kind):g}" + (" (no native fp8: XLA multiplies in bfloat16)"

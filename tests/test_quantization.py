@@ -69,10 +69,13 @@ def test_int8_runs_the_layers_seven_projections_forward_and_both_backward_produc
   """q, k, v, out and the MLP's three: forward and the activations' and the weight's gradient
   products (21), and what remat_policy=full recomputes of the forward, all on int8 operands; the
   unquantized step's the same products in float32."""
-  quantized = layer_dots(compiled_step_text("quantization=int8", "quantization_local_shard_count=1"))
+  hlo = compiled_step_text("quantization=int8", "quantization_local_shard_count=1")
+  quantized = layer_dots(hlo)
   assert len(quantized) >= 21 and all(result == "s32" for result, _ in quantized), quantized
-  plain = layer_dots(compiled_step_text())
-  assert len(plain) == len(quantized) and all(result == "f32" for result, _ in plain), plain
+  plain = compiled_step_text()
+  assert len(layer_dots(plain)) == len(quantized) and all(result == "f32" for result, _ in layer_dots(plain))
+  # The cost model's count of the compiled products by operand types (train_compile prints it).
+  assert costs.compiled_products(hlo)["s8 x s8"] == len(quantized) and "s8 x s8" not in costs.compiled_products(plain)
 
 
 def equations(jaxpr):
