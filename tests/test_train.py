@@ -121,7 +121,8 @@ def test_train_compile_reports_the_train_step_memory(tmp_path, capsys):
   host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   assert stats.pop("fits") is True and stats.pop("device_memory_bytes") == host
   assert stats.pop("model_flops_per_step") == costs.training_flops_per_step(tiny_config())
-  assert stats.pop("traced_flops_per_step") > 0 and "MFU" not in stdout
+  traced = stats.pop("traced_flops_per_step")
+  assert traced > 0 and "MFU" not in stdout and stats.pop("traced_flops_by_precision") == {"bf16": traced}
   # One device: the shard_maps' collectives run over axes of size 1 and send nothing; none printed.
   assert stats.pop("collective_bytes_per_device") == {} and "collectives called" not in stdout
   # Nor does the compiled step, whose count is printed all the same.
