@@ -168,3 +168,4 @@ def test_the_cost_model_splits_the_traced_flops_by_precision_and_bounds_the_step
   v5p = accelerators.CHIPS["v5p"]
   np.testing.assert_allclose(costs.seconds_at_peak(quantized, v5p, 4),
                              (quantized["bf16"] / 459 + quantized["int8"] / 918) / 4 / 1e12, rtol=1e-12)
+
