@@ -506,6 +506,31 @@ def test_decode_skips_a_stray_step_directory_and_refuses_destroyed_parameters(tm
     decode._check_not_destroyed(zeroed, "checkpoints/12")
 
 
+def test_decode_says_when_the_model_gives_one_token_from_the_first_step(tmp_path, reference, text_cache, caplog):
+  """Parameters damaged but finite and not zero (every array one constant: each token's logit
+  the same) continue with token 0 from a flat distribution at every step: decode says so; the
+  trained ones do not draw the warning."""
+  config = pyconfig.initialize([BASE_YML, *RUN, text_cache, f"base_output_directory={reference[0]}",
+                                "run_name=ref", "max_decode_length=6"])
+  params = checkpointing.load_model_parameters(config, checkpointing.latest_checkpoint(config))
+  with caplog.at_level(logging.WARNING):
+    decode.continuation(config, params, [5, 6, 7])
+  assert "decode: the model gives" not in caplog.text
+  constant = jax.tree.map(lambda p: np.full_like(p, 0.02), params)
+  with caplog.at_level(logging.WARNING):
+    assert decode.continuation(config, constant, [5, 6, 7]) == [0] * 6
+  assert f"token 0 at every step from a flat distribution (every token's probability 1/{config.vocab_size})" in \
+      caplog.text
+
+
+@pytest.mark.parametrize("tokens, chosen, spreads, said", [
+    ([3, 3, 3], [0.999, 0.995, 0.999], [0.9, 0.9, 0.9], "token 3 at every step with probability at least 0.995"),
+    ([3, 3, 3], [0.9, 0.995, 0.999], [0.9, 0.9, 0.9], None),  # sure only at times
+    ([3, 4, 3], [1.0, 1.0, 1.0], [0.9, 0.9, 0.9], None)])
+def test_a_degenerate_continuation_is_one_token_certain_or_flat_at_every_step(tokens, chosen, spreads, said):
+  assert decode.degenerate(tokens, chosen, spreads, 100) == said
+
+
 def test_decode_of_another_runs_checkpoint_uses_that_runs_tokenizer(tmp_path, reference, text_cache):
   prompt = ("prompt=ROMEO:", "max_decode_length=4")
   own = pyconfig.initialize([BASE_YML, *RUN, text_cache, f"base_output_directory={reference[0]}", "run_name=ref",
