@@ -490,11 +490,15 @@ def test_an_unsupported_architecture_is_one_line_listing_every_supported_one(tmp
     (("base_num_kv_heads=4",), "base_num_kv_heads=4: "),
     (("base_num_kv_heads=4",), "(leave base_num_kv_heads out: config.json sets every model key)"),
     (("logits_via_embedding=false",), "logits_via_embedding=False: "),
-])
+    # Blamed on the key given, checked beside config.json's others (DeepSeek-V3's topk_group 2), not
+    # beside base.yml's defaults (topk_routing_group=-1).
+    (("n_routing_groups=2",), "n_routing_groups=2: "),
+], ids=["model file clash", "model file fix", "override clash", "override fix", "tied head", "beside config.json"])
 def test_a_model_key_config_json_contradicts_is_one_line_and_writes_nothing(tmp_path, args, message):
   output = tmp_path / "out"
+  asset = "deepseek3" if "n_routing_groups=2" in args else "qwen3"
   with pytest.raises(errors.ConfigError, match=re.escape(message)) as error:
-    run_command("checkpoint_conversion.to_maxtext", f"hf_model_path={ASSETS / 'qwen3'}",
+    run_command("checkpoint_conversion.to_maxtext", f"hf_model_path={ASSETS / asset}",
                 f"base_output_directory={output}", "run_name=a", *args)
   assert "\n" not in str(error.value)
   assert not output.exists()

@@ -27,15 +27,20 @@ from MaxText.families import FAMILIES
 def resolve_config(argv):
   """The config of argv with, unless it names a model_name, every model key from config.json."""
   argv = mapping.tool_argv(argv)
-  config = pyconfig.initialize(argv)
-  if not config.hf_model_path:
+  # The model keys given are checked with config.json's under them, not with base.yml's defaults
+  # (n_routing_groups=4 given for a model whose config.json names its topk_group).
+  given_model_keys = lambda arg: arg.partition("=")[0] in pyconfig.MODEL_KEYS
+  first = pyconfig.initialize([argv[0], *(arg for arg in argv[1:] if not given_model_keys(arg))])
+  if not first.hf_model_path:
     raise errors.ConfigError("hf_model_path='': give the Hugging Face model directory to import")
-  hf = mapping.read_config(config.hf_model_path)
-  if config.model_name == "default":
-    keys = mapping.model_keys(hf, config.hf_model_path)
+  hf = mapping.read_config(first.hf_model_path)
+  if first.model_name == "default":
+    keys = mapping.model_keys(hf, first.hf_model_path)
     # Whole floats as integers: config.json writes rope_theta 10000.0 for the integer key rope_max_timescale.
     config = pyconfig.initialize([argv[0], *(f"{k}={int(v) if isinstance(v, float) and v.is_integer() else v}"
                                              for k, v in keys.items() if v is not None), *argv[1:]])
+  else:
+    config = pyconfig.initialize(argv)
   mapping.check_shape(config, hf, config.hf_model_path)
   return config
 
