@@ -334,9 +334,15 @@ class Quantization:
       -1, "the weight gradient's product takes one scale per this many tiles of its tokens (MaxText's); -1: the "
           "devices of one host")
 
+  quantization_skip_layers: list[int] = key(
+      [], "decoder layers whose matmuls stay unquantized (negative from the end: [0, -1] keeps the first and the "
+          "last, as Megatron does)")
+
   def check(self):
     require(self.quantization_local_shard_count == -1 or self.quantization_local_shard_count >= 1, self,
             "quantization_local_shard_count", "must be >= 1, or -1 for the devices of one host")
+    require(not self.quantization_skip_layers or self.quantization, self, "quantization_skip_layers",
+            "keeps layers out of quantization: set quantization")
 
 
 @section("Mixture of experts")

@@ -241,6 +241,9 @@ def _validate(v: dict) -> None:
   _require(v["num_experts_per_tok"] == 1 or not FAMILIES[v["decoder_block"]].routed_input_scaling,
            "num_experts_per_tok", f"must be 1 for decoder_block={v['decoder_block']}, whose router weights its one "
            "expert's input", v)
+  layers = v["base_num_decoder_layers"]
+  _require(all(-layers <= i < layers for i in v["quantization_skip_layers"]), "quantization_skip_layers",
+           f"names layers in [-{layers}, {layers}) of base_num_decoder_layers={layers}", v)
   dense_mlps = (v["first_num_dense_layers"] or v["interleave_moe_layer_step"] > 1 or v["shared_experts"]
                 or not FAMILIES[v["decoder_block"]].moe)
   _require(not v["mlp_bias"] or (not dense_mlps and v["capacity_factor"] is None), "mlp_bias",

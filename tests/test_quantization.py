@@ -10,7 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BASE_YML, fixed_batch, loss_gradients, metrics_losses, tiny_config, trainer_and_state
+from conftest import (
+  BASE_YML,
+  assert_trees_close,
+  fixed_batch,
+  loss_gradients,
+  metrics_losses,
+  tiny_config,
+  trainer_and_state,
+)
 
 from MaxText import accelerators, costs, errors, pyconfig, run_control, sharding, train, train_step
 from MaxText.layers import linears
@@ -169,3 +177,27 @@ def test_the_cost_model_splits_the_traced_flops_by_precision_and_bounds_the_step
   np.testing.assert_allclose(costs.seconds_at_peak(quantized, v5p, 4),
                              (quantized["bf16"] / 459 + quantized["int8"] / 918) / 4 / 1e12, rtol=1e-12)
 
+
+
+def test_skipped_layers_stay_unquantized_scanned_or_looped():
+  """quantization_skip_layers: every layer skipped is the unquantized model; the first and the last
+  of four skipped ([0, -1]) differ from both, and the scan (its layer traced: lax.cond) agrees with
+  the Python loop (its layer known)."""
+  four = ("base_num_decoder_layers=4", "quantization=int8")
+  plain = loss_gradients(tiny_config("base_num_decoder_layers=4"))
+  every = loss_gradients(tiny_config(*four, "quantization_skip_layers=[0,1,2,3]"))
+  assert_trees_close(every, plain, rtol=1e-6)
+  ends = loss_gradients(tiny_config(*four, "quantization_skip_layers=[0,-1]"))
+  looped = loss_gradients(tiny_config(*four, "quantization_skip_layers=[0,-1]", "scan_layers=false"))
+  assert_trees_close(looped, ends, rtol=1e-5)
+  quantized = loss_gradients(tiny_config(*four))
+  assert len({float(plain["loss"]), float(ends["loss"]), float(quantized["loss"])}) == 3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("quantization_skip_layers=[0]",), "quantization_skip_layers=[0]: keeps layers out of quantization: set "
+                                        "quantization"),
+    (("quantization=int8", "quantization_skip_layers=[2]"), "quantization_skip_layers=[2]: names layers in [-2, 2)")])
+def test_bad_skipped_layers_are_one_line(overrides, message):
+  with pytest.raises(errors.ConfigError, match=re.escape(message)):
+    tiny_config(*overrides)

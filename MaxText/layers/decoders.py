@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import remat
-from MaxText.layers import moe, pipeline
+from MaxText.layers import moe, pipeline, quantizations
 from MaxText.layers.attentions import Attention
 from MaxText.layers.blocks import Stack, stacks
 from MaxText.layers.linears import BATCH_LENGTH_EMBED, MlpBlock
@@ -33,12 +33,13 @@ class DecoderLayer(nn.Module):
   def __call__(self, x, positions, segment_ids, layer_index):
     cfg = self.config
     x = checkpoint_name(nn.with_logical_constraint(x, BATCH_LENGTH_EMBED), "decoder_layer_input")
-    normed = x if cfg.post_norms else rms_norm(cfg, "pre_self_attention_norm")(x)
-    attn = Attention(cfg, name="self_attention")(normed, positions, segment_ids, layer_index)
-    if cfg.sandwich_norms or cfg.post_norms:
-      attn = rms_norm(cfg, "post_self_attention_norm")(attn)
-    h = nn.with_logical_constraint(x + attn, BATCH_LENGTH_EMBED)
-    mlp = mlp_sublayer(cfg, h, self.moe)
+    with quantizations.in_layer(cfg, layer_index):
+      normed = x if cfg.post_norms else rms_norm(cfg, "pre_self_attention_norm")(x)
+      attn = Attention(cfg, name="self_attention")(normed, positions, segment_ids, layer_index)
+      if cfg.sandwich_norms or cfg.post_norms:
+        attn = rms_norm(cfg, "post_self_attention_norm")(attn)
+      h = nn.with_logical_constraint(x + attn, BATCH_LENGTH_EMBED)
+      mlp = mlp_sublayer(cfg, h, self.moe)
     return nn.with_logical_constraint(h + mlp, BATCH_LENGTH_EMBED)
 
 

@@ -5,9 +5,12 @@ absmax scales (each output feature of the weight, each row of the activations), 
 in that type, and in the backward both products (the activations' gradient and the weight's) are
 quantized too (qwix's dot_general_qt and ragged_dot_qt, custom VJPs). Master weights, optimizer
 state and checkpoints stay as they are: only the matmuls change. The router, the head and the
-attention's scores stay in the activation dtype.
+attention's scores stay in the activation dtype, and so do the layers quantization_skip_layers
+names (in_layer).
 """
 
+import contextlib
+import contextvars
 import functools
 from typing import NamedTuple
 
@@ -29,6 +32,38 @@ class Recipe(NamedTuple):
 # fp8_full takes e5m2, fp8 with a wider range, for the gradients (MaxText's, through qwix).
 QUANTIZATIONS = {"": None, "int8": Recipe(jnp.int8, jnp.int8), "fp8": Recipe(jnp.float8_e4m3fn, jnp.float8_e4m3fn),
                  "fp8_full": Recipe(jnp.float8_e4m3fn, jnp.float8_e5m2)}
+
+
+# Whether the decoder layer being traced quantizes its matmuls: True, or a traced flag where
+# quantization_skip_layers keeps some layers in full precision and the layer index is traced (a scan).
+_LAYER_QUANTIZED = contextvars.ContextVar("layer_quantized", default=True)
+
+
+@contextlib.contextmanager
+def in_layer(cfg, layer_index):
+  """The matmuls traced inside are decoder layer `layer_index`'s (a Python int, or traced in a
+  scan): unquantized where quantization_skip_layers names it."""
+  skip = [i % cfg.base_num_decoder_layers for i in cfg.quantization_skip_layers]
+  if isinstance(layer_index, int):
+    quantized = layer_index not in skip
+  else:
+    quantized = jnp.all(layer_index != jnp.asarray(skip, jnp.int32)) if skip else True
+  token = _LAYER_QUANTIZED.set(quantized)
+  try:
+    yield
+  finally:
+    _LAYER_QUANTIZED.reset(token)
+
+
+def _per_layer(quantized, plain, *operands):
+  """quantized(*operands), or plain(...) in a layer quantization_skip_layers names: picked by
+  lax.cond where the layer is traced (both compiled, one run)."""
+  on = _LAYER_QUANTIZED.get()
+  if on is True:
+    return quantized(*operands)
+  if on is False:
+    return plain(*operands)
+  return jax.lax.cond(on, quantized, plain, *operands)
 
 
 def local_shard_count(cfg) -> int:
@@ -77,15 +112,17 @@ def dot_general(cfg, x, w, dims, out_dtype):
   """x (activations) contracted with w (a weight) by dot_general's dimension numbers `dims`,
   quantized as cfg.quantization says, in out_dtype (None: x's)."""
   recipe = QUANTIZATIONS[cfg.quantization]
+  plain = lambda x, w: jax.lax.dot_general(x, w, dims, preferred_element_type=out_dtype)
   if recipe is None:
-    return jax.lax.dot_general(x, w, dims, preferred_element_type=out_dtype)
+    return plain(x, w)
   # The weight's gradient contracts over the tokens, which the data-like axes shard: one scale
   # per local shard's tokens (MaxText's quantization_local_shard_count) keeps its tiles local.
   config = dot_general_qt.DotGeneralQtConfig(
       lhs_qtype=recipe.forward, rhs_qtype=recipe.forward, dlhs_grad_qtype=recipe.backward,
       drhs_grad_qtype=recipe.backward, drhs_tile_size=1 / local_shard_count(cfg))
-  return _per_shard(x, w, None, functools.partial(_quantized_dot, dims=dims, config=config)).astype(
+  quantized = lambda x, w: _per_shard(x, w, None, functools.partial(_quantized_dot, dims=dims, config=config)).astype(
       out_dtype or x.dtype)
+  return _per_layer(quantized, lambda x, w: plain(x, w).astype(out_dtype or x.dtype), x, w)
 
 
 def ragged_dot(cfg, rows, w, group_sizes, w_in_axis: int, out_dtype, plain):
@@ -93,13 +130,16 @@ def ragged_dot(cfg, rows, w, group_sizes, w_in_axis: int, out_dtype, plain):
   w_in_axis, quantized as cfg.quantization says; without a recipe `plain(rows, w, group_sizes,
   dims, preferred_element_type)` (the platform's grouped matmul)."""
   recipe = QUANTIZATIONS[cfg.quantization]
+  dims = jax.lax.RaggedDotDimensionNumbers((([1], [w_in_axis]), ([], [])), lhs_ragged_dimensions=[0],
+                                           rhs_group_dimensions=[0])
+  unquantized = lambda rows, w: plain(rows, w, group_sizes, dims, preferred_element_type=out_dtype).astype(
+      out_dtype or rows.dtype)
   if recipe is None:
-    dims = jax.lax.RaggedDotDimensionNumbers((([1], [w_in_axis]), ([], [])), lhs_ragged_dimensions=[0],
-                                             rhs_group_dimensions=[0])
-    return plain(rows, w, group_sizes, dims, preferred_element_type=out_dtype)
+    return unquantized(rows, w)
   config = ragged_dot_qt.RaggedDotQtConfig(lhs_qtype=recipe.forward, rhs_qtype=recipe.forward,
                                            dlhs_grad_qtype=recipe.backward, drhs_grad_qtype=recipe.backward)
   # qwix's quantized grouped matmul takes the kernels [E, in, out].
-  kernels = w if w_in_axis == 1 else jnp.swapaxes(w, 1, 2)
-  return _per_shard(rows, kernels, group_sizes, functools.partial(_quantized_ragged_dot, config=config)).astype(
-      out_dtype or rows.dtype)
+  quantized = lambda rows, w: _per_shard(
+      rows, w if w_in_axis == 1 else jnp.swapaxes(w, 1, 2), group_sizes,
+      functools.partial(_quantized_ragged_dot, config=config)).astype(out_dtype or rows.dtype)
+  return _per_layer(quantized, unquantized, rows, w)
