@@ -13,7 +13,7 @@ import yaml
 from absl import logging
 from jax.experimental import multihost_utils
 
-from MaxText import config_schema
+from MaxText import checkpointing, config_schema, pyconfig
 from MaxText.errors import ConfigError, UserError
 from MaxText.input_pipeline import mixture
 from MaxText.input_pipeline import tokenizer as tokenizers
@@ -226,6 +226,29 @@ def check_resume(config, tokenizer, trained: bool) -> None:
                       "or a new run_name")
 
 
+def keep_global_batch(config):
+  """config, resuming a run that has checkpoints on another number of devices (or rows per
+  device): its gradient_accumulation_steps set so each step takes the run's global batch again,
+  said in one line; a ConfigError where its microbatches cannot make that batch up. A run's batch
+  is the run's: a new one is a new run (load_parameters_path=<a step of this one>)."""
+  path = os.path.join(config.run_dir, "config.yml")
+  if not os.path.exists(path) or checkpointing.latest_checkpoint(config) is None:
+    return config
+  with open(path) as f:
+    batch = (yaml.safe_load(f) or {}).get("global_batch_size_to_train_on")
+  if batch in (None, config.global_batch_size_to_train_on):
+    return config
+  micro = config.micro_batch_size
+  if batch % micro:
+    raise ConfigError(f"per_device_batch_size={config.per_device_batch_size:g}: run {config.run_dir} trains on global "
+                      f"batches of {batch} rows, which microbatches of {micro} rows ({config.num_devices} devices) "
+                      "cannot make up; give a per_device_batch_size whose microbatches divide it, or a new run_name")
+  logging.warning("run %s trains on global batches of %d rows: on %d devices each step takes %d microbatches of %d "
+                  "(gradient_accumulation_steps=%d)", config.run_dir, batch, config.num_devices, batch // micro,
+                  micro, batch // micro)
+  return pyconfig.replace(config, {"gradient_accumulation_steps": batch // micro})
+
+
 def _sources(value: str):
   """What a grain_train_files value draws rows from: its globs and weights in order (an inline
   mixture and a file of the same sources are one mixture), or the value itself where it no longer
@@ -244,14 +267,9 @@ def record_run_files(config, tokenizer) -> None:
   if jax.process_index() != 0:
     return
   path = os.path.join(config.run_dir, "config.yml")
-  if os.path.exists(path):  # a resume: its data order follows the batch size and the mixture's weights
+  if os.path.exists(path):  # a resume: its data order follows the mixture's weights
     with open(path) as f:
       before = yaml.safe_load(f) or {}
-    batch = before.get("global_batch_size_to_train_on")
-    if batch not in (None, config.global_batch_size_to_train_on):
-      logging.warning("run %s was trained with global batches of %s rows and resumes with %d: the batches from "
-                      "here on are not those of an uninterrupted run", config.run_dir, batch,
-                      config.global_batch_size_to_train_on)
     quantized = before.get("quantization")
     if quantized not in (None, config.quantization):
       logging.warning("run %s was trained with quantization=%r and resumes with %r: its parameters go on, the "

@@ -87,6 +87,7 @@ def save_if_finite(manager, step: int, state, train_iterator, params_finite) -> 
 
 def train(config) -> None:
   run_control.check_run_paths(config)
+  config = run_control.keep_global_batch(config)
   # Reading and tokenizing first: a bad dataset or tokenizer stops the run before it writes.
   data = input_pipeline.load(config)
   mesh = sharding.create_mesh(config)

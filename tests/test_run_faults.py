@@ -16,7 +16,7 @@ import pytest
 from conftest import BASE_YML, ROOT, TINY, run_command, tiny_config
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
-from MaxText import checkpointing, launch, run_control, train
+from MaxText import checkpointing, errors, launch, run_control, train
 from MaxText.checkpointing import CheckpointError
 from MaxText.errors import UserError
 
@@ -190,9 +190,17 @@ def test_a_key_given_twice_keeps_its_last_value_auto_too():
   assert config.num_vocab_tiling == 4
 
 
-def test_a_resume_with_another_batch_size_says_so(tmp_path, caplog):
-  (tmp_path / "default").mkdir()  # made by run_lock in a run
-  run_control.record_run_files(tiny_config(f"base_output_directory={tmp_path}"), None)
+def test_a_resume_on_fewer_devices_keeps_the_runs_global_batch(tmp_path, caplog):
+  """A run with checkpoints, resumed with half its rows per step: two microbatches a step, said in
+  one line; with microbatches that cannot make its batch up: one line naming the key."""
+  run = tmp_path / "default"
+  (run / "checkpoints" / "3").mkdir(parents=True)
+  (run / "checkpoints" / "3" / checkpointing.COMMITTED).touch()
+  run_control.record_run_files(tiny_config(f"base_output_directory={tmp_path}"), None)  # batches of 4 rows
   with caplog.at_level(logging.WARNING):
-    run_control.record_run_files(tiny_config(f"base_output_directory={tmp_path}", "per_device_batch_size=2"), None)
-  assert "trained with global batches of 4 rows and resumes with 2" in caplog.text
+    kept = run_control.keep_global_batch(tiny_config(f"base_output_directory={tmp_path}", "per_device_batch_size=2"))
+  assert kept.gradient_accumulation_steps == 2 and kept.global_batch_size_to_train_on == 4
+  assert "trains on global batches of 4 rows: on 1 devices each step takes 2 microbatches of 2" in caplog.text
+  with pytest.raises(errors.ConfigError, match=r"^per_device_batch_size=3: run .* trains on global batches of 4 "
+                                               r"rows, which microbatches of 3 rows"):
+    run_control.keep_global_batch(tiny_config(f"base_output_directory={tmp_path}", "per_device_batch_size=3"))

@@ -76,7 +76,8 @@ def one_device_params():
 def mesh_results(tmp_path_factory, one_device_params):
   """The SHARDED model on 8 devices under every test mesh:
   losses: {mesh: {step: loss}} of 5 training steps with TRAINED_TILES[mesh] tiles;
-  cross_mesh: {step: loss} of a run saved at step 3 under fsdp=8 and resumed under tensor=4 data=2;
+  cross_mesh: {step: loss} of a run saved at step 3 under fsdp=8 and resumed on 4 devices under
+  tensor=2 data=2 (two microbatches a step: the run's global batch);
   grads: {"<mesh> tiles=<n>": the loss's gradients at one device's initial parameters, with the
   head tied(mesh, n)};
   and from those gradients' compiled HLO, for each "<mesh> tiles=<n>":
@@ -108,7 +109,9 @@ def mesh_results(tmp_path_factory, one_device_params):
             arrays, lambda s, op, name: op == "scatter" and "token_embedder" in name)
     checkpointed = ("enable_checkpointing=true", "checkpoint_period=3", "learning_rate_schedule_steps=5")
     run("cross mesh", *MESHES["fsdp=8"], *checkpointed, "steps=3")
-    results["cross_mesh"] = run("cross mesh", *MESHES["tensor=4 data=2"], *checkpointed)
+  with on_devices(4):  # half the devices: each step takes the run's global batch of 8 in two microbatches
+    results["cross_mesh"] = run("cross mesh", "ici_tensor_parallelism=2", "ici_data_parallelism=2",
+                                "ici_fsdp_parallelism=1", *checkpointed)
   return results
 
 
