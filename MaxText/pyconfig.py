@@ -382,11 +382,9 @@ def _check_context(v: dict) -> None:
   shards = v["mesh_shape"][axis] * v["dcn_mesh_shape"][axis]
   if shards == 1:
     return
-  # The context-parallel blocks take a window, not yet a chunk of the row or sinks.
+  # The context-parallel blocks take a window and sinks, not yet a chunk of the row.
   _require(not v["chunk_attn_window_size"], "chunk_attn_window_size", f"must be 0 with context parallelism "
            f"({shards} context shards)", v)
-  _require(not v["attention_sink"], "attention_sink", f"must be false with context parallelism ({shards} context "
-           "shards)", v)
   length = v["max_target_length"]
   if v["context_parallel_load_balance"]:
     # The batch is reordered before the model sees it; multi-token prediction's shifts need row order.

@@ -96,3 +96,39 @@ def test_model_with_flash_per_context_shard_equals_one_device(monkeypatch):
     config = pyconfig.Config({**config.to_dict(), "attention": "flash", "platform": "tpu"})
     got = loss_gradients(config, packed_batch(config))
   assert_trees_close(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy, attention, balanced", [
+    ("ring", "dot_product", True), ("all_gather", "chunked", False), ("all_gather", "flash", True)])
+def test_sinks_per_context_shard_equal_one_device(strategy, attention, balanced):
+  """GPT-OSS's sinks under context 2 x tensor 2 x fsdp 2 (the sinks split with the heads): the
+  XLA blocks of both strategies (each sink a term of the merged logsumexp) and splash in Pallas's
+  interpreter (its own), values and the gradients of q, k, v and the sinks, against one device's
+  dot-product attention with them."""
+  length = 512
+  rng = np.random.default_rng(1)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, length, heads, 32)), jnp.float32) for heads in (4, 2, 2))
+  sinks = jnp.asarray([2.0, -1.0, 0.5, 4.0], jnp.float32)
+  segments = packed_segments(length)
+  with on_devices(8):
+    config = tiny_config("ici_context_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2",
+                         f"max_target_length={length}", f"context_parallel_load_balance={balanced}",
+                         f"context_parallel_strategy={strategy}", "attention_chunk_size=128", "attention_sink=true")
+  order = context_parallel.balanced_order(length, 2) if balanced else np.arange(length)
+  cfg = types.SimpleNamespace(**{**config.to_dict(), "attention": attention,
+                                 "platform": "tpu" if attention == "flash" else config.platform})
+
+  def sharded(q, k, v, sinks):
+    q, k, v, stored = (jnp.take(x, order, axis=1) for x in (q, k, v, segments))
+    out = context_parallel.attention(q, k, v, stored, cfg, 0.2, lambda scores: scores, None, interpret=True,
+                                     sinks=sinks)
+    return jnp.take(out, np.argsort(order), axis=1)
+
+  def loss_and_grads(attend):
+    out, vjp = jax.vjp(attend, q, k, v, sinks)
+    return out, vjp(jnp.cos(out))
+
+  want = loss_and_grads(lambda q, k, v, sinks: dot_product_attention(q, k, v, segments, 0.2, sinks=sinks))
+  with on_devices(8), sharding.activate(sharding.create_mesh(config), config):
+    got = jax.jit(lambda q, k, v, sinks: loss_and_grads(sharded))(q, k, v, sinks)
+  assert_trees_close(got, want, rtol=1e-5)

@@ -115,8 +115,6 @@ def test_each_flash_kernel_refuses_what_its_record_does_not_take(kernel):
     (("temperature_tuning=true",), "temperature_tuning=True: tunes the NoPE layers' queries: set nope_layer_interval"),
     (("chunk_attn_window_size=4", "ici_context_parallelism=2"), "chunk_attn_window_size=4: must be 0 with context "
                                                                   "parallelism (2 context shards)"),
-    (("attention_sink=true", "ici_context_parallelism=2"), "attention_sink=True: must be false with context "
-                                                           "parallelism (2 context shards)"),
 ])
 def test_what_the_attention_description_cannot_take_is_one_line_naming_the_key(overrides, message):
   with on_devices(8), pytest.raises(errors.ConfigError, match=re.escape(message)):

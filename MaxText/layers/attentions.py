@@ -586,7 +586,7 @@ def attend_heads(cfg, q, k, v, segment_ids, layer_index, scale, sinks=None):
   if split:
     context = context_parallel.attention(q, k, v, segment_ids, cfg, scale,
                                          functools.partial(head.soft_cap, cap=soft_cap),
-                                         _layer_value(window, local, q.shape[1]))
+                                         _layer_value(window, local, q.shape[1]), sinks=sinks)
   else:
     context = ATTENTIONS[cfg.attention](q, k, v, segment_ids, cfg, scale, soft_cap, window, chunk_window, local,
                                         sinks)

@@ -26,7 +26,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from MaxText import remat
+from MaxText import remat, sharding
 from MaxText.layers import masks
 
 AXIS = "context"
@@ -187,39 +187,54 @@ def _over_key_blocks(kernel, block_size):
   return blocked
 
 
+def _with_sinks(out, lse, sinks):
+  """(context, logsumexp) of the scores with each head's sink [N] one more score of value zero:
+  the logsumexp takes it in, the context shrinks by what it takes."""
+  if sinks is None:
+    return out, lse
+  with_sink = jnp.logaddexp(lse, sinks.astype(jnp.float32))
+  return out * jnp.exp(lse - with_sink)[..., None], with_sink
+
+
 def _with_flash_backward(forward, backward):
-  """Attention (q, k, v, q_index, segments, window) -> context in q's dtype, whose forward
-  (the same arguments -> (context, logsumexp), float32) keeps only its inputs, the context and
-  its logsumexp L, and whose backward is backward(the same arguments, L, d_out, d_lse) ->
-  (dq, dk, dv). The context is sum over blocks b of exp(S_b - L) V_b: its gradient is each
-  block's with L held fixed, for the cotangents (d_out, -rowsum(d_out * out)), the second for
-  L's dependence on S_b (ShardKernel.grads), so no block's scores are kept or computed twice."""
+  """Attention (q, k, v, q_index, segments, window, sinks) -> context in q's dtype, whose
+  forward (the same arguments but sinks -> (context, logsumexp), float32) keeps only its inputs,
+  the context and its logsumexp L, and whose backward is backward(the same arguments, L, d_out,
+  d_lse) -> (dq, dk, dv). The context is sum over blocks b of exp(S_b - L) V_b: its gradient is
+  each block's with L held fixed, for the cotangents (d_out, -rowsum(d_out * out)), the second for
+  L's dependence on S_b (ShardKernel.grads), so no block's scores are kept or computed twice.
+  The heads' sinks [N] (or None) are terms of L and of nothing else: L with them in drives the
+  same backward, and each sink's gradient is the sum of exp(sink - L) times that second cotangent."""
 
   # The indices, segment ids and window are arguments, not closed over: custom_vjp may not
   # close over values traced in shard_map.
   @jax.custom_vjp
-  def attend(q, k, v, q_index, segments, window):
-    return forward(q, k, v, q_index, segments, window)[0].astype(q.dtype)
+  def attend(q, k, v, q_index, segments, window, sinks):
+    return _with_sinks(*forward(q, k, v, q_index, segments, window), sinks)[0].astype(q.dtype)
 
   # The context is kept as returned, in q's dtype, as flash attention keeps it: one copy serves
   # as the output and the residual, half a float32 one where activations are bfloat16.
-  def attend_fwd(q, k, v, q_index, segments, window):
-    out, lse = forward(q, k, v, q_index, segments, window)
+  def attend_fwd(q, k, v, q_index, segments, window, sinks):
+    out, lse = _with_sinks(*forward(q, k, v, q_index, segments, window), sinks)
     out, lse = (checkpoint_name(x, remat.KERNEL_RESIDUALS) for x in (out.astype(q.dtype), lse))
-    return out, (q, k, v, q_index, segments, window, out, lse)
+    return out, (q, k, v, q_index, segments, window, sinks, out, lse)
 
   def attend_bwd(residuals, d_out):
-    q, k, v, q_index, segments, window, out, lse = residuals
+    q, k, v, q_index, segments, window, sinks, out, lse = residuals
     d_out = d_out.astype(jnp.float32)
     d_lse = -jnp.sum(d_out * out.astype(jnp.float32), axis=-1)
     dq, dk, dv = backward(q, k, v, q_index, segments, window, lse, d_out, d_lse)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
+    d_sinks = None
+    if sinks is not None:  # summed over the batch and the positions, this shard's and the others'
+      d_sinks = jnp.sum(jnp.exp(sinks.astype(jnp.float32) - lse) * d_lse, axis=(0, 1))
+      d_sinks = sharding.as_cotangent_of(d_sinks, sinks)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, d_sinks
 
   attend.defvjp(attend_fwd, attend_bwd)
   return attend
 
 
-def all_gather_attention(block, q, k, v, q_index, segments, window, num_shards, balanced):
+def all_gather_attention(block, q, k, v, q_index, segments, window, num_shards, balanced, sinks=None):
   """Each shard gathers every shard's keys, values, segment ids and token indices, then
   attends its own queries to them: simple, and the whole sequence's keys and values are on
   every chip for the layer. The backward gathers them again and reduce-scatters their
@@ -235,7 +250,7 @@ def all_gather_attention(block, q, k, v, q_index, segments, window, num_shards, 
     scatter = lambda x: jax.lax.psum_scatter(x, AXIS, scatter_dimension=1, tiled=True)
     return dq, scatter(dk), scatter(dv)
 
-  return _with_flash_backward(forward, backward)(q, k, v, q_index, segments, window)
+  return _with_flash_backward(forward, backward)(q, k, v, q_index, segments, window, sinks)
 
 
 def all_gather_rows(attend, q, k, v, segments, num_shards, balanced):
@@ -254,7 +269,7 @@ def _halves(x):
   return jnp.split(x, 2, axis=axis)
 
 
-def ring_attention(block, q, k, v, q_index, segments, window, num_shards, balanced):
+def ring_attention(block, q, k, v, q_index, segments, window, num_shards, balanced, sinks=None):
   """Key/value blocks travel around the ring of context shards (C steps, C - 1 ppermutes);
   each shard merges its queries' attention to every block by logsumexp. The backward runs the
   ring again, each block's key/value gradient travelling with it back to its shard, so no
@@ -336,7 +351,7 @@ def ring_attention(block, q, k, v, q_index, segments, window, num_shards, balanc
     (dq, _, dk, dv), _ = jax.lax.scan(step, (dq, kv, dk, dv), jnp.arange(1, num_shards))
     return dq, dk, dv
 
-  return _with_flash_backward(forward, backward)(q, k, v, q_index, segments, window)
+  return _with_flash_backward(forward, backward)(q, k, v, q_index, segments, window, sinks)
 
 
 def _grads_in_blocks(grads, chunk_size, block_size):
@@ -413,7 +428,7 @@ ROW_KERNELS: dict[str, dict[str, RowKernel]] = {}
 
 
 class Strategy(NamedTuple):
-  """blocks(ShardKernel, q, k, v, q_index, segment ids, window, shards, balanced) -> this shard's context;
+  """blocks(ShardKernel, q, k, v, q_index, segment ids, window, shards, balanced, sinks) -> this shard's context;
   rows(attend, q, k, v, segment ids, shards, balanced) -> the same through a whole-row kernel
   (all_gather_rows), or None where the strategy cannot run one."""
   blocks: Callable
@@ -444,8 +459,8 @@ def _rows_per_shard(cfg, length, scale, window, interpret):
   kernels = [row.make(order, cfg.attn_logits_soft_cap, w, num_shards, chunk, interpret) for w in windows]
   strategy = STRATEGIES[cfg.context_parallel_strategy].rows
 
-  def per_shard(kernels, q, k, v, segment_ids, *window):
-    attends = [functools.partial(row.attend, kernel, scale=scale) for kernel in kernels]
+  def per_shard(kernels, q, k, v, segment_ids, sinks, *window):
+    attends = [functools.partial(row.attend, kernel, scale=scale, sinks=sinks) for kernel in kernels]
     attend = attends[0] if not window else lambda *args: jax.lax.cond(window[0] < length, *attends, *args)
     return strategy(attend, q, k, v, segment_ids, num_shards, balanced)
 
@@ -457,20 +472,21 @@ def _blocks_per_shard(cfg, length, scale, cap):
   num_shards = shards()
   strategy = STRATEGIES[cfg.context_parallel_strategy].blocks
 
-  def per_shard(_, q, k, v, segment_ids, *window):
+  def per_shard(_, q, k, v, segment_ids, sinks, *window):
     kernel = SHARD_KERNELS[cfg.attention](cfg, scale=scale, cap=cap)
     balanced = cfg.context_parallel_load_balance
     q_index = _token_index(length, num_shards, balanced)
-    return strategy(kernel, q, k, v, q_index, segment_ids, window[0] if window else None, num_shards, balanced)
+    return strategy(kernel, q, k, v, q_index, segment_ids, window[0] if window else None, num_shards, balanced,
+                    sinks)
 
   return per_shard, (), ()
 
 
-def attention(q, k, v, segment_ids, cfg, scale, cap, window, interpret=False):
+def attention(q, k, v, segment_ids, cfg, scale, cap, window, interpret=False, sinks=None):
   """Self-attention [B, T, N, H] with the sequence sharded over `context`: each shard attends
   its own queries; batch and heads stay sharded as the logical rules say. `cap` maps scores
-  (the soft cap); `window` is None or the layer's (maybe traced) window. `interpret` runs a
-  whole-row kernel in Pallas's interpreter (tests)."""
+  (the soft cap); `window` is None or the layer's (maybe traced) window; `sinks` the heads'
+  sinks [N] or None. `interpret` runs a whole-row kernel in Pallas's interpreter (tests)."""
   if cfg.attention in ROW_KERNELS:
     per_shard, kernels, kernel_specs = _rows_per_shard(cfg, q.shape[1], scale, window, interpret)
   else:
@@ -482,5 +498,6 @@ def attention(q, k, v, segment_ids, cfg, scale, cap, window, interpret=False):
   # a traced window (the layer's, in a scan) enters as an argument
   window = () if window is None else (jnp.asarray(window),)
   return jax.shard_map(per_shard, in_specs=(kernel_specs, rows, kv, kv, PartitionSpec(batch, AXIS),
+                                            None if sinks is None else PartitionSpec(heads),
                                             *[PartitionSpec()] * len(window)),
-                       out_specs=rows, check_vma=False)(kernels, q, k, v, segment_ids, *window)
+                       out_specs=rows, check_vma=False)(kernels, q, k, v, segment_ids, sinks, *window)
