@@ -59,7 +59,7 @@ CELLS = (
     ("kimi-k2-1t", "v5p-1024", "fsdp, mlp_chunks=16, remat_policy=input_offloaded",
      (*FSDP, "mlp_chunks=16", "remat_policy=input_offloaded"), 8),
     # Llama 4 Scout on the slice MaxText's figure is for; Maverick, whose 128 experts FSDP gathers
-    # whole in each layer unless in slices (a third of the step's temporaries).
+    # whole in each layer unless in slices or spread over expert parallelism.
     ("llama4-17b-16e", "v5p-64", "fsdp", FSDP, 8),
     ("llama4-17b-128e", "v5p-256", "fsdp", FSDP, 8),
     ("llama4-17b-128e", "v5p-256", "fsdp, mlp_chunks=8", (*FSDP, "mlp_chunks=8"), 8),
