@@ -223,6 +223,22 @@ class Model:
       False, "the RoPE layers normalise each head's rotated queries and keys to unit root mean square, no scale "
              "(Llama 4 Scout; Hugging Face's L2Norm)")
 
+  partial_rotary_factor: float = key(
+      1.0, "the share of each head's features RoPE rotates, the first ones (Qwen3-Next: 0.25); 1: all",
+      doc="The rotated features' pairs are (i, i + r / 2) of the first r = head_dim * partial_rotary_factor.")
+  inhomogeneous_layer_cycle_interval: int = key(
+      1, "in a family with linear attention (gated_delta_net), the last of every this many layers has full "
+         "attention and the others Gated DeltaNet (Qwen3-Next: 4)")
+  gdn_conv_kernel_dim: int = key(4, "Gated DeltaNet: the causal convolution's width in tokens")
+  gdn_key_head_dim: int = key(128, "Gated DeltaNet: each query and key head's features")
+  gdn_value_head_dim: int = key(128, "Gated DeltaNet: each value head's features")
+  gdn_num_key_heads: int = key(16, "Gated DeltaNet: query and key heads")
+  gdn_num_value_heads: int = key(32, "Gated DeltaNet: value heads; a multiple of gdn_num_key_heads, each group of "
+                                     "gdn_num_value_heads / gdn_num_key_heads sharing a query and key head")
+  gdn_chunk_size: int = key(
+      64, "Gated DeltaNet: tokens per chunk of the delta rule, solved at once within a chunk and scanned over them",
+      affects="step")
+
   attention_type: one_of(ATTENTION_TYPES) = key(
       "global", "global (query, key and value heads, GQA) or mla (DeepSeek's multi-head latent attention) "
                 "(layers/attentions.ATTENTION_TYPES)",
@@ -264,6 +280,12 @@ class Model:
     require(self.normalization_layer_epsilon > 0, self, "normalization_layer_epsilon", "must be > 0")
     require(self.beta_fast >= self.beta_slow > 0, self, "beta_fast", f"must be >= beta_slow={self.beta_slow} > 0")
     at_least(self, 0, "mscale", "mscale_all_dim")
+    require(0 < self.partial_rotary_factor <= 1 and (head_dim * self.partial_rotary_factor) % 2 == 0, self,
+            "partial_rotary_factor", f"must be in (0, 1] and rotate an even number of head_dim={head_dim}'s features")
+    at_least(self, 1, "inhomogeneous_layer_cycle_interval", "gdn_conv_kernel_dim", "gdn_key_head_dim",
+             "gdn_value_head_dim", "gdn_num_key_heads", "gdn_num_value_heads", "gdn_chunk_size")
+    require(self.gdn_num_value_heads % self.gdn_num_key_heads == 0, self, "gdn_num_value_heads",
+            f"must be a multiple of gdn_num_key_heads={self.gdn_num_key_heads}")
     if self.attention_type == "mla":
       at_least(self, 0, "q_lora_rank")
       at_least(self, 1, "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")

@@ -29,6 +29,9 @@ PRIMITIVE_FLOPS: dict[str, Callable] = {}
 # attention_type -> (config -> (multiply-adds per token of a layer's attention projections, per
 # (query, key) pair of its scores and context, all heads)), registered by layers/attentions.
 ATTENTION_MACS: dict[str, Callable] = {}
+# A linear token mixer (blocks.LayerKind.mixer other than attention) -> (config -> multiply-adds
+# per token of a layer of it, all of them: its cost is linear in the length), registered by its layer.
+MIXER_MACS: dict[str, Callable] = {}
 
 
 def _kernel_flops(eqn) -> float:
@@ -48,7 +51,8 @@ def training_flops_per_step(config) -> float:
 
   Matmuls: 2 FLOPs per multiply-add, forward plus a backward twice the forward. Causal
   attention scores and context count only the half of the T x T products that the mask keeps;
-  the attention's own counts are its attention_type's (ATTENTION_MACS).
+  the attention's own counts are its attention_type's (ATTENTION_MACS), a linear attention
+  layer's its own (MIXER_MACS, by the layer's kind).
   A mixture of experts counts its active parameters only: the router, the
   num_experts_per_tok experts each token goes to and the shared experts; its dense layers
   (decoders.layer_kind) count a dense MLP. Multi-token prediction's mtp_num_layers layers count
@@ -63,8 +67,11 @@ def training_flops_per_step(config) -> float:
   moe_mlp = d * config.num_experts + active_experts * 3 * d * config.base_moe_mlp_dim
   mlp_params = moe_layers * moe_mlp + (layers + mtp - moe_layers) * 3 * d * m
   attention_params, per_pair = ATTENTION_MACS[config.attention_type](config)
-  matmul = 2 * batch * length * ((layers + mtp) * attention_params + mlp_params + mtp * 2 * d * d + (1 + mtp) * d * v)
-  attention = 2 * batch * length * length * per_pair * (layers + mtp) / 2
+  mixers = [layer_kind(config, i).mixer for i in range(layers + mtp)]
+  attending = mixers.count("attention")
+  mixing = attending * attention_params + sum(MIXER_MACS[m](config) for m in mixers if m != "attention")
+  matmul = 2 * batch * length * (mixing + mlp_params + mtp * 2 * d * d + (1 + mtp) * d * v)
+  attention = 2 * batch * length * length * per_pair * attending / 2
   return 3 * (matmul + attention)
 
 

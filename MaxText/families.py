@@ -34,6 +34,14 @@ class Family:
   # With sliding_window_size, the last layer of every this many attends to the whole row and the
   # others to the window (Gemma 2: 2, layers 0, 2, 4, ... sliding; Gemma 3: 6, five local then one global).
   sliding_window_pattern: int = 2
+  # All but the last of every inhomogeneous_layer_cycle_interval layers are Gated DeltaNet layers
+  # (layers/gated_delta_net.py), the others attention (Qwen3-Next).
+  gated_delta_net: bool = False
+  # The attention's output is gated per head and feature by sigmoid of a second query projection
+  # (Qwen3-Next: the query kernel holds each head's queries, then its gates).
+  attention_output_gate: bool = False
+  # The shared experts' output is scaled per token by sigmoid(x . w), w [D] (Qwen3-Next).
+  shared_expert_gate: bool = False
 
   # Hugging Face: config.json's `architectures[0]` and `model_type`.
   hf_architecture: str = ""
@@ -102,13 +110,17 @@ class Family:
   hf_router_bias: str = ""
   hf_shared_experts: str = ""
   hf_layers_after_last: bool = False
+  # config.json's key for the shared experts' width, shared_experts times base_moe_mlp_dim
+  # (Qwen3-Next's shared_expert_intermediate_size); "": they are counted (n_shared_experts).
+  hf_shared_expert_width_key: str = ""
   # DeepSeek-V2's config.json chooses its class's routing by topk_method: the one value converted,
   # which routes without groups (its other, group_limited_greedy, ranks a group by its best
   # expert, where this project ranks it by its best two, as DeepSeek-V3); "": not read.
   hf_topk_method: str = ""
 
   SWITCHES = ("qk_norm", "sandwich_norms", "post_norms", "qk_norm_over_heads", "norm_plus_one", "scale_embedding",
-              "mlp_activation", "moe", "routed_input_scaling", "sliding_window_pattern")
+              "mlp_activation", "moe", "routed_input_scaling", "sliding_window_pattern", "gated_delta_net",
+              "attention_output_gate", "shared_expert_gate")
 
   def switches(self) -> dict:
     """The layers' switches, as config keys."""
@@ -191,6 +203,18 @@ FAMILIES = {
         hf_moe_step_key="decoder_sparse_step",
         hf_expert_names=("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
                          "mlp.experts.{e}.down_proj.weight")),
+    # Qwen3-Next: three Gated DeltaNet layers to one attention layer (inhomogeneous_layer_cycle_interval
+    # 4), the attention's output gated and its RoPE partial, zero-centred norms (1 + w); every layer
+    # a mixture of experts plus a shared expert whose output a sigmoid gates.
+    "qwen3_next": dataclasses.replace(
+        _QWEN3, moe=True, norm_plus_one=True, gated_delta_net=True, attention_output_gate=True,
+        shared_expert_gate=True, hf_architecture="Qwen3NextForCausalLM", hf_model_type="qwen3_next",
+        hf_moe_step_key="decoder_sparse_step",
+        hf_expert_names=("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                         "mlp.experts.{e}.down_proj.weight"),
+        hf_shared_experts="mlp.shared_expert.", hf_shared_expert_width_key="shared_expert_intermediate_size",
+        hf_routing=(("routed_scaling_factor", 1.0), ("first_num_dense_layers", 0), ("n_routing_groups", -1),
+                    ("topk_routing_group", -1))),
     # Mixtral's experts are w1 (gate), w3 (up) and w2 (down), intermediate_size wide.
     # GPT-OSS: Llama's layer with biased projections and sinks in its attention, every other layer
     # sliding (a window of 128), YaRN without rounding its blend's bounds; every layer a mixture of

@@ -22,7 +22,7 @@ from absl import logging
 from MaxText import config_schema, remat, sharding
 from MaxText.errors import ConfigError, first_line
 from MaxText.families import FAMILIES
-from MaxText.layers import masks, moe
+from MaxText.layers import blocks, masks, moe
 from MaxText.layers.attentions import DEFAULT_FLASH_KERNEL, FLASH_KERNELS
 from MaxText.layers.context_parallel import ROW_KERNELS, kernels_for
 
@@ -283,6 +283,7 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
   v.update(FAMILIES[v["decoder_block"]].switches())
   sharding.check_divisible(v)
   _check_context(v)
+  _check_linear_attention(v)
   _derive_pipeline(v)
   moe_family = FAMILIES[v["decoder_block"]].moe
   dense_layers = v["first_num_dense_layers"] or v["interleave_moe_layer_step"] > 1 or not moe_family
@@ -343,8 +344,9 @@ def _derive_pipeline(v: dict) -> None:
            + f"must be divisible by pipeline stages x repeats = {stages} x {repeats} (ici_/dcn_pipeline_parallelism, "
            "num_pipeline_repeats or num_layers_per_pipeline_stage)", v)
   # A stage holds whole blocks of the layers' kinds.
-  block = v["interleave_moe_layer_step"]
-  _require((layers // (stages * repeats)) % block == 0, "interleave_moe_layer_step",
+  block = blocks.period(v)
+  _require((layers // (stages * repeats)) % block == 0,
+           "inhomogeneous_layer_cycle_interval" if v["gated_delta_net"] else "interleave_moe_layer_step",
            f"must divide each pipeline stage's {layers // (stages * repeats)} layers (stages hold whole blocks)", v)
   v["num_pipeline_repeats"] = repeats
   count = v["num_pipeline_microbatches"]
@@ -355,6 +357,26 @@ def _derive_pipeline(v: dict) -> None:
            f"({shards} shards of activation_batch)", v)
   _require(v["pipeline_schedule"] != "1f1b" or repeats == 1, "pipeline_schedule",
            f"1f1b is not circular: num_pipeline_repeats must be 1, not {repeats}", v)
+
+
+def _check_linear_attention(v: dict) -> None:
+  """What Gated DeltaNet layers (layers/gated_delta_net.py) need of the layers, heads and rows."""
+  if not v["gated_delta_net"]:
+    return
+  interval, layers = v["inhomogeneous_layer_cycle_interval"], v["base_num_decoder_layers"]
+  _require(layers % interval == 0 and not v["first_num_dense_layers"], "inhomogeneous_layer_cycle_interval",
+           f"must divide base_num_decoder_layers={layers} (without first_num_dense_layers)", v)
+  heads = sharding.logical_shards(v, "kv_heads")
+  _require(v["gdn_num_key_heads"] % heads == 0, "gdn_num_key_heads",
+           f"must be divisible by the {heads} shards of kv_heads (the tensor axes)", v)
+  # Each context shard holds one run of consecutive tokens, or two with load balancing.
+  axis = sharding.MESH_AXES.index("context")
+  shards = v["mesh_shape"][axis] * v["dcn_mesh_shape"][axis]
+  pieces = shards * (2 if v["context_parallel_load_balance"] and shards > 1 else 1)
+  run = v["max_target_length"] // pieces
+  _require(run % v["gdn_chunk_size"] == 0 and run >= v["gdn_conv_kernel_dim"] - 1, "gdn_chunk_size",
+           f"must divide the {run} consecutive tokens each context shard holds of a row (max_target_length="
+           f"{v['max_target_length']} over {pieces} runs)", v)
 
 
 def _derive_flash_kernel(v: dict) -> None:

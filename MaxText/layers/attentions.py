@@ -392,15 +392,19 @@ def _local(cfg, layer_index):
 
 
 def rotate(cfg, x, positions, layer_index):
-  """RoPE, as the configuration and the layer say, over all of x's last axis [B, T, heads, d]: a
-  sliding layer with a RoPE of its own (local_rope_max_timescale) has it plain, its cos and sin
-  unscaled (OLMo 3's YaRN is its global layers'); a NoPE layer has none."""
+  """RoPE, as the configuration and the layer say, over x's last axis [B, T, heads, d], or its
+  first d * partial_rotary_factor features (Qwen3-Next's partial RoPE): a sliding layer with a
+  RoPE of its own (local_rope_max_timescale) has it plain, its cos and sin unscaled (OLMo 3's YaRN
+  is its global layers'); a NoPE layer has none."""
   local = _local(cfg, layer_index)[2]
-  timescale = rope_timescales(cfg, x.shape[3], local)
+  width = round(x.shape[3] * cfg.partial_rotary_factor)
+  timescale = rope_timescales(cfg, width, local)
   factor = rope_attention_factor(cfg)
   if cfg.local_rope_max_timescale and factor != 1:
     factor = jnp.where(local, 1.0, factor)
-  rotated = apply_rope(x, positions, timescale, factor)
+  rotated = apply_rope(x[..., :width], positions, timescale, factor)
+  if width < x.shape[3]:
+    rotated = jnp.concatenate([rotated, x[..., width:]], axis=-1)
   return jnp.where(_nope(cfg, layer_index), x, rotated) if cfg.nope_layer_interval else rotated
 
 
@@ -436,12 +440,15 @@ def qk_normed(cfg, scale, x):
 
 def global_attention(cfg, x, positions, segment_ids, layer_index, sinks):
   """attention_type=global: q, k and v projected from x, RoPE over each whole head; base_num_kv_heads
-  divides base_num_query_heads (GQA, MQA at 1). With attention_head_chunks > 1, projections
+  divides base_num_query_heads (GQA, MQA at 1). With attention_output_gate (Qwen3-Next) the query
+  kernel holds each head's queries, then its gates: the context times their sigmoid goes to the
+  output projection. With attention_head_chunks > 1, projections
   included, in that many slices of its key/value heads, each with the query heads that share them
   (linears.sum_of_slices); slice k is the k-th run of every tensor shard's own heads
   (linears.kernel_run), so no head moves between devices."""
   dim, heads, kv_heads, head_dim = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
-  projections = (kernel(cfg, "query", (dim, heads, head_dim), ("embed", "q_heads", "kv"), bias=cfg.attention_bias),
+  query_width = head_dim * (2 if cfg.attention_output_gate else 1)
+  projections = (kernel(cfg, "query", (dim, heads, query_width), ("embed", "q_heads", "kv"), bias=cfg.attention_bias),
                  kernel(cfg, "key", (dim, kv_heads, head_dim), ("embed", "kv_heads", "kv"), bias=cfg.attention_bias),
                  kernel(cfg, "value", (dim, kv_heads, head_dim), ("embed", "kv_heads", "kv"), bias=cfg.attention_bias))
   out = kernel(cfg, "out", (heads, head_dim, dim), ("heads", "kv", "embed"), num_in_axes=2, bias=cfg.attention_bias)
@@ -464,12 +471,16 @@ def global_attention(cfg, x, positions, segment_ids, layer_index, sinks):
     q, kk, v = (checkpoint_name(project(x, k, *w), name) for w, name in zip(
         zip(*projections) if cfg.attention_bias else ((w,) for w in projections),
         ("query_proj", "key_proj", "value_proj")))
+    if cfg.attention_output_gate:
+      q, gate = q[..., :head_dim], q[..., head_dim:]
     if cfg.qk_norm:
       q, kk = qk_normed(cfg, q_scale, q), qk_normed(cfg, k_scale, kk)
     q, kk = (unit_rms(cfg, rotate(cfg, y, positions, layer_index), layer_index) for y in (q, kk))
     q = tuned_temperature(cfg, q, positions, layer_index)
     head_sinks = None if sinks is None else kernel_run(sinks, 0, shards, chunks, k, jnp.float32)
     context = attend_heads(cfg, q, kk, v, segment_ids, layer_index, scale, head_sinks)
+    if cfg.attention_output_gate:
+      context = (context * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(context.dtype)
     wo = kernel_run(out, 0, shards, chunks, k, dtype)  # [n, H, D]
     return matmul(cfg, "btnh,nhd->btd", context, wo, out_dtype)
 
@@ -530,7 +541,8 @@ def mla_attention(cfg, x, positions, segment_ids, layer_index, sinks):
 
 def global_macs(cfg) -> tuple[int, int]:
   d, heads, kv_heads, head_dim = cfg.base_emb_dim, cfg.base_num_query_heads, cfg.base_num_kv_heads, cfg.head_dim
-  return d * heads * head_dim + 2 * d * kv_heads * head_dim + heads * head_dim * d, 2 * heads * head_dim
+  queries = heads * head_dim * (2 if cfg.attention_output_gate else 1)
+  return d * queries + 2 * d * kv_heads * head_dim + heads * head_dim * d, 2 * heads * head_dim
 
 
 def mla_macs(cfg) -> tuple[int, int]:

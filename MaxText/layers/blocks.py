@@ -2,21 +2,38 @@
 repeating block of layer kinds. Plain Python over the config, so the cost model, the converter and
 the layers read one description."""
 
+import math
 from typing import NamedTuple
 
 
 class LayerKind(NamedTuple):
-  """What a layer is, where layers differ in their parameters: its MLP a mixture of experts or dense."""
+  """What a layer is, where layers differ in their parameters: its MLP a mixture of experts or
+  dense, and its token mixer (a decoders.MIXERS name: attention, or a linear attention)."""
 
   moe: bool
+  mixer: str = "attention"
 
 
 def layer_kind(cfg, index: int) -> LayerKind:
   """The model's layer `index` (multi-token prediction's after the last): in a mixture-of-experts
   family a mixture after the first first_num_dense_layers, and of those every
-  interleave_moe_layer_step-th (layers N-1, 2N-1, ...: Llama 4, Qwen3-MoE's decoder_sparse_step)."""
+  interleave_moe_layer_step-th (layers N-1, 2N-1, ...: Llama 4, Qwen3-MoE's decoder_sparse_step);
+  in a family with Gated DeltaNet, that its mixer but on the last of every
+  inhomogeneous_layer_cycle_interval layers (Qwen3-Next: 3, 7, 11, ... attend), and on the
+  prediction layers."""
+  linear = (cfg.gated_delta_net and index < cfg.base_num_decoder_layers
+            and (index + 1) % cfg.inhomogeneous_layer_cycle_interval != 0)
   return LayerKind(moe=bool(cfg.moe) and index >= cfg.first_num_dense_layers
-                   and (index + 1) % cfg.interleave_moe_layer_step == 0)
+                   and (index + 1) % cfg.interleave_moe_layer_step == 0,
+                   mixer="gated_delta_net" if linear else "attention")
+
+
+def period(cfg) -> int:
+  """Layers after which the kinds repeat (from the first routed layer on); cfg: the config, or
+  its dict of values."""
+  value = cfg.get if isinstance(cfg, dict) else lambda key: getattr(cfg, key)
+  return math.lcm(value("interleave_moe_layer_step") if value("moe") else 1,
+                  value("inhomogeneous_layer_cycle_interval") if value("gated_delta_net") else 1)
 
 
 class Stack(NamedTuple):
@@ -44,8 +61,7 @@ def stacks(cfg) -> tuple[Stack, ...]:
   depth, dense = cfg.base_num_decoder_layers, cfg.first_num_dense_layers
 
   def stack(name, first, depth):
-    period = cfg.interleave_moe_layer_step if cfg.moe else 1
-    block = tuple(layer_kind(cfg, first + j) for j in range(period))
+    block = tuple(layer_kind(cfg, first + j) for j in range(period(cfg)))
     return Stack(name, first, depth, block[:1] if len(set(block)) == 1 else block)
 
   if not dense:

@@ -13,6 +13,7 @@ from MaxText import remat
 from MaxText.layers import moe, pipeline, quantizations
 from MaxText.layers.attentions import Attention
 from MaxText.layers.blocks import Stack, stacks
+from MaxText.layers.gated_delta_net import GatedDeltaNet
 from MaxText.layers.linears import BATCH_LENGTH_EMBED, MlpBlock
 from MaxText.layers.normalizations import rms_norm
 
@@ -24,10 +25,11 @@ class DecoderLayer(nn.Module):
   The norms keep MaxText's (and Hugging Face's) names: post_self_attention_norm is the MLP's
   input norm in Llama and the attention's output norm in Gemma 2 and OLMo. layer_index (a Python int,
   or traced in a scan) picks the layer's attention window. `moe`: its MLP is a mixture of
-  experts (blocks.layer_kind says which layers are)."""
+  experts; `mixer`: its attention (a MIXERS name; blocks.layer_kind says which layers are which)."""
 
   config: object
   moe: bool
+  mixer: str = "attention"
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, layer_index):
@@ -35,7 +37,8 @@ class DecoderLayer(nn.Module):
     x = checkpoint_name(nn.with_logical_constraint(x, BATCH_LENGTH_EMBED), "decoder_layer_input")
     with quantizations.in_layer(cfg, layer_index):
       normed = x if cfg.post_norms else rms_norm(cfg, "pre_self_attention_norm")(x)
-      attn = Attention(cfg, name="self_attention")(normed, positions, segment_ids, layer_index)
+      mixer, name = MIXERS[self.mixer]
+      attn = mixer(cfg, name=name)(normed, positions, segment_ids, layer_index)
       if cfg.sandwich_norms or cfg.post_norms:
         attn = rms_norm(cfg, "post_self_attention_norm")(attn)
       h = nn.with_logical_constraint(x + attn, BATCH_LENGTH_EMBED)
@@ -50,6 +53,11 @@ def mlp_sublayer(cfg, h, moe_layer: bool):
   block = moe.MoeBlock(cfg, name="moe_block") if moe_layer else MlpBlock(cfg, name="mlp")
   mlp = block(h if cfg.post_norms else rms_norm(cfg, mlp_norm)(h))
   return rms_norm(cfg, "post_ffw_norm")(mlp) if cfg.sandwich_norms or cfg.post_norms else mlp
+
+
+# A layer's token mixer -> (its module, the name its parameters are stored under): attention, or
+# Gated DeltaNet's linear attention. A new mixer is one entry (and its layer kinds, blocks.layer_kind).
+MIXERS = {"attention": (Attention, "self_attention"), "gated_delta_net": (GatedDeltaNet, "linear_attention")}
 
 
 class ScannedDecoderLayer(DecoderLayer):
@@ -82,7 +90,7 @@ class DecoderBlock(nn.Module):
   @nn.compact
   def __call__(self, x, positions, segment_ids, first_index):
     for i, kind in enumerate(self.kinds):
-      x = layer_class(self.config, i % self.interval == 0, self.in_scan)(self.config, kind.moe, name=f"layer_{i}")(
+      x = layer_class(self.config, i % self.interval == 0, self.in_scan)(self.config, *kind, name=f"layer_{i}")(
           x, positions, segment_ids, first_index + i)
     return x, None  # (carry, per-step output) as nn.scan expects
 
@@ -123,7 +131,7 @@ class LayerStack(nn.Module):
     interval = cfg.remat_layer_interval
     if not cfg.scan_layers:
       for i in range(stack.depth):
-        x = layer_class(cfg, i % interval == 0, False)(cfg, stack.kind(i).moe, name=f"layer_{i}")(
+        x = layer_class(cfg, i % interval == 0, False)(cfg, *stack.kind(i), name=f"layer_{i}")(
             x, positions, segment_ids, first + i)
       return x
     unit = _unit(cfg, stack)
@@ -261,7 +269,7 @@ class Decoder(nn.Module):
         # The stages split the last stack's layers; the layers before it run on every device.
         axis, period = "layers" if stack is last else "unstaged_layers", len(stack.block)
         if period == 1:
-          x, _ = scanned(ScannedDecoderLayer, cfg, stack.depth, stack.block[0].moe, name=stack.name, axis=axis)(
+          x, _ = scanned(ScannedDecoderLayer, cfg, stack.depth, *stack.block[0], name=stack.name, axis=axis)(
               x, positions, segment_ids, stack.first + jnp.arange(stack.depth))
         else:
           x, _ = scanned(DecoderBlock, cfg, stack.depth // period, stack.block, True, period, name=stack.name,

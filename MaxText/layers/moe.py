@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec
 from MaxText import sharding
 from MaxText.layers import quantizations
 from MaxText.layers.linears import DenseGeneral, MlpBlock, gated, matmul, sum_of_slices, weights_as
+from MaxText.layers.linears import kernel as linear_kernel
 
 TOKENS = ("activation_batch", "activation_length", "activation_embed")
 # Sown per MoE layer, averaged over layers: the Switch/MaxText load-balancing loss, the router
@@ -421,7 +422,8 @@ class MoeBlock(nn.Module):
 
   Parameters (MaxText's names): gate/kernel [D, E] (the router), with routed_bias gate/bias [E],
   shared_experts/{wi_0, wi_1, wo}/kernel [D, shared_experts * moe_mlp] (linears.MlpBlock) where
-  shared_experts > 0, wi_0 and wi_1 [E, D, moe_mlp]
+  shared_experts > 0 (with shared_expert_gate, their gate shared_expert_gate/kernel [D, 1]), wi_0
+  and wi_1 [E, D, moe_mlp]
   (input D), wo [E, D, moe_mlp] (input moe_mlp; MaxText's is [E, moe_mlp, D]); with mlp_bias the
   gate's logit_bias [E], wi_0_bias and wi_1_bias [E, moe_mlp] and wo_bias [E, D]. All three keep D
   off the minor dimension: where FSDP shards D (below) and D/fsdp < 128 (2048 over 32), TPU
@@ -475,7 +477,12 @@ class MoeBlock(nn.Module):
     for name, value in stats.items():
       self.sow("intermediates", name, value)
     if cfg.shared_experts:
-      out = out + MlpBlock(cfg, units=cfg.shared_experts * hidden, name="shared_experts")(x)
+      shared = MlpBlock(cfg, units=cfg.shared_experts * hidden, name="shared_experts")(x)
+      if cfg.shared_expert_gate:  # per token, sigmoid(x . w) of a [D, 1] kernel
+        gate = matmul(cfg, "btd,df->btf", x.astype(dtype), weights_as(
+            linear_kernel(cfg, "shared_expert_gate", (width, 1), ("embed", None)), dtype))
+        shared = (shared * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(shared.dtype)
+      out = out + shared
     return nn.with_logical_constraint(out, TOKENS)
 
   def _routed(self, x, logits, bias, kernels, in_biases, kernel_axes: tuple):

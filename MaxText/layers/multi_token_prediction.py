@@ -47,7 +47,7 @@ class MtpLayer(nn.Module):
     kernel = self.param("projection", nn.with_logical_partitioning(kernel_init(1), PROJECTION_AXES),
                         (2 * cfg.base_emb_dim, cfg.base_emb_dim), jnp.dtype(cfg.weight_dtype))
     x = nn.with_logical_constraint(matmul(cfg, "btc,cd->btd", joined, weights_as(kernel, dtype)), BATCH_LENGTH_EMBED)
-    x = layer_class(cfg, True, False)(cfg, layer_kind(cfg, self.layer_index).moe, name="transformer_layer")(
+    x = layer_class(cfg, True, False)(cfg, *layer_kind(cfg, self.layer_index), name="transformer_layer")(
         x, positions, segment_ids, self.layer_index)
     return x, rms_norm(cfg, "shared_head_norm")(x)
 
