@@ -64,7 +64,8 @@ def training_flops_per_step(config) -> float:
   layers, length, batch = config.base_num_decoder_layers, config.max_target_length, config.global_batch_size_to_train_on
   moe_layers = sum(layer_kind(config, i).moe for i in range(layers + mtp))
   active_experts = config.num_experts_per_tok + config.shared_experts
-  moe_mlp = d * config.num_experts + active_experts * 3 * d * config.base_moe_mlp_dim
+  moe_mlp = (d * config.num_experts + active_experts * 3 * d * config.base_moe_mlp_dim
+             + d * bool(config.shared_experts and config.shared_expert_gate))
   mlp_params = moe_layers * moe_mlp + (layers + mtp - moe_layers) * 3 * d * m
   attention_params, per_pair = ATTENTION_MACS[config.attention_type](config)
   mixers = [layer_kind(config, i).mixer for i in range(layers + mtp)]

@@ -113,6 +113,9 @@ class Family:
   # config.json's key for the shared experts' width, shared_experts times base_moe_mlp_dim
   # (Qwen3-Next's shared_expert_intermediate_size); "": they are counted (n_shared_experts).
   hf_shared_expert_width_key: str = ""
+  # The class rotates the first partial_rotary_factor of each head's features (rope_parameters'
+  # partial_rotary_factor; Qwen3-Next); the others rotate all of them.
+  hf_partial_rotary: bool = False
   # DeepSeek-V2's config.json chooses its class's routing by topk_method: the one value converted,
   # which routes without groups (its other, group_limited_greedy, ranks a group by its best
   # expert, where this project ranks it by its best two, as DeepSeek-V3); "": not read.
@@ -213,6 +216,7 @@ FAMILIES = {
         hf_expert_names=("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
                          "mlp.experts.{e}.down_proj.weight"),
         hf_shared_experts="mlp.shared_expert.", hf_shared_expert_width_key="shared_expert_intermediate_size",
+        hf_partial_rotary=True,
         hf_routing=(("routed_scaling_factor", 1.0), ("first_num_dense_layers", 0), ("n_routing_groups", -1),
                     ("topk_routing_group", -1))),
     # Mixtral's experts are w1 (gate), w3 (up) and w2 (down), intermediate_size wide.

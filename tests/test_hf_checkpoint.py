@@ -1,7 +1,7 @@
 """Hugging Face checkpoints: converted weights give transformers' own logits and greedy tokens
 (golden files written by tests/assets/hf/make_golden.py from random LlamaForCausalLM,
-Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, MixtralForCausalLM,
-DeepseekV2ForCausalLM and DeepseekV3ForCausalLM), both converters
+Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM,
+MixtralForCausalLM, DeepseekV2ForCausalLM and DeepseekV3ForCausalLM), both converters
 round-trip bit for bit, and runs continue from the imported weights with the model directory's tokenizer."""
 
 import dataclasses
@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from MaxText import checkpointing, decode, errors, families, pyconfig
 from MaxText.checkpoint_conversion import mapping, to_huggingface, to_maxtext
+from MaxText.layers import blocks
 from MaxText.layers.models import Transformer
 
 ASSETS = ROOT / "tests" / "assets" / "hf"
@@ -49,6 +50,11 @@ FAMILIES = {"llama": ("decoder_block=llama2", "logits_via_embedding=false"),
                                       "interleave_moe_layer_step=2"),
             "qwen3_moe_tied": ("decoder_block=qwen3_moe", "logits_via_embedding=true", *MOE, "base_moe_mlp_dim=24",
                                "norm_topk_prob=false"),
+            "qwen3_next": ("decoder_block=qwen3_next", "logits_via_embedding=false", "base_num_decoder_layers=4",
+                           "inhomogeneous_layer_cycle_interval=4", "partial_rotary_factor=0.25",
+                           "gdn_num_key_heads=2", "gdn_num_value_heads=4", "gdn_key_head_dim=8",
+                           "gdn_value_head_dim=8", "gdn_conv_kernel_dim=4", *MOE,
+                           "base_moe_mlp_dim=24", "shared_experts=1", "norm_topk_prob=true"),
             "deepseek3": ("decoder_block=deepseek", "logits_via_embedding=false", "base_num_decoder_layers=4",
                           "base_num_kv_heads=4", "attention_type=mla", "q_lora_rank=12", "kv_lora_rank=16",
                           "qk_nope_head_dim=8", "qk_rope_head_dim=8", "v_head_dim=6", "rope_type=yarn",
@@ -125,7 +131,8 @@ def test_converted_weights_give_the_hugging_face_logits(family, settings):
     ("llama4", "use_qk_norm=false"), ("llama4", "chunk_attn_window_size=0"), ("llama4", "temperature_tuning=false"),
     ("llama4", "routed_score_func=softmax"), ("llama4", "rope_type=default"),
     ("gpt_oss", "attention_sink=false"), ("gpt_oss", "attention_bias=false"), ("gpt_oss", "mlp_bias=false"),
-    ("gpt_oss", "mlp_activations_limit=0"), ("gpt_oss", "rope_truncate=true"), ("gpt_oss", "sliding_window_size=0")])
+    ("gpt_oss", "mlp_activations_limit=0"), ("gpt_oss", "rope_truncate=true"), ("gpt_oss", "sliding_window_size=0"),
+    ("qwen3_next", "partial_rotary_factor=1")])
 def test_without_the_family_feature_the_logits_are_not_matched(family, without):
   """Qwen3's q/k norms, Llama 3.1's RoPE rescaling, each of Gemma 2's and Gemma 3's features (its
   q/k norms and five-to-one pattern are what it adds to gemma2), the experts' routing and
@@ -134,7 +141,7 @@ def test_without_the_family_feature_the_logits_are_not_matched(family, without):
   its sliding layers' plain RoPE and its global layers' YaRN, Llama 4's unit-RMS queries and
   keys, chunks, temperature tuning, sigmoid router and rescaled RoPE, and GPT-OSS's sinks,
   attention biases, router and expert biases, clamped gated unit, YaRN bounds left unrounded and
-  window matter: the
+  window, and Qwen3-Next's partial RoPE matter: the
   same weights without one miss transformers' logits by over 100 times what the parity test
   allows."""
   logits, golden = logits_and_golden(family, tiny_config(*SHAPE, *FAMILIES[family], without))
@@ -276,7 +283,8 @@ def test_both_converters_hold_one_layer_of_a_stacked_parameter_at_a_time(tmp_pat
   assert stacked and all(leaf.storage.chunk_shape[0] == 1 for _, leaf in stacked)
   experts = [leaf for path, leaf in stacked if jax.tree_util.keystr(path).endswith(("['wi_0']", "['wo']"))
              and "moe_block" in jax.tree_util.keystr(path) and "shared" not in jax.tree_util.keystr(path)]
-  assert len(experts) == (2 if config.moe else 0) and all(leaf.storage.chunk_shape[:2] == (1, 1) for leaf in experts)
+  moe_positions = sum(kind.moe for stack in blocks.stacks(config) for kind in stack.block)
+  assert len(experts) == 2 * moe_positions and all(leaf.storage.chunk_shape[:2] == (1, 1) for leaf in experts)
   assert jax.tree.all(jax.tree.map(np.array_equal, restore(converted), imported_params(config, ASSETS / family)))
   original, tensors = load_file(ASSETS / family / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
   assert sorted(tensors) == sorted(original) and all(np.array_equal(tensors[n], original[n]) for n in original)
@@ -333,7 +341,7 @@ def test_bf16_weights_stay_bf16_unless_convert_dtype_asks(tmp_path, convert_dtyp
 @pytest.mark.parametrize("model_name", ["llama3.2-1b", "qwen3-0.6b", "gemma2-2b", "gemma3-1b", "gemma3-4b",
                                         "gemma3-27b", "deepseek3-671b", "deepseek2-16b", "olmo3-7b", "olmo3-32b",
                                         "kimi-k2-1t", "llama4-17b-16e", "llama4-17b-128e", "gpt-oss-20b",
-                                        "gpt-oss-120b"])
+                                        "gpt-oss-120b", "qwen3-next-80b-a3b"])
 def test_a_published_config_json_gives_the_model_file_keys(tmp_path, model_name):
   """config.json as the Hub publishes it (transcribed in tests/assets/hf/published_configs.json;
   Gemma 2's names neither a tied head nor layer_types, which transformers takes as tied and

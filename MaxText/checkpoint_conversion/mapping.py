@@ -5,8 +5,10 @@ directory's safetensors one tensor at a time.
 Supported: LlamaForCausalLM (Llama 2, 3, 3.1, 3.2), Qwen3ForCausalLM, Gemma2ForCausalLM,
 Gemma3ForCausalLM (Gemma 3's text decoder), Olmo3ForCausalLM, and the mixtures of experts
 Qwen3MoeForCausalLM (every N-th layer routed too), MixtralForCausalLM, DeepseekV2ForCausalLM,
-DeepseekV3ForCausalLM and Llama4ForCausalLM (Llama 4's text model); imported only, the language
-model of Gemma3ForConditionalGeneration (Gemma 3 4B, 12B, 27B as published).
+DeepseekV3ForCausalLM, Llama4ForCausalLM (Llama 4's text model), GptOssForCausalLM and
+Qwen3NextForCausalLM (Gated DeltaNet layers beside attention); imported only, the language models
+of Gemma3ForConditionalGeneration (Gemma 3 4B, 12B, 27B as published) and
+Llama4ForConditionalGeneration.
 """
 
 import glob
@@ -49,6 +51,9 @@ def pattern(num_layers: int, period: int) -> list:
 
 def layer_types(config) -> list:
   """Hugging Face's per-layer attention kinds for this config."""
+  if config.gated_delta_net:
+    return ["full_attention" if blocks.layer_kind(config, i).mixer == "attention" else "linear_attention"
+            for i in range(config.base_num_decoder_layers)]
   if config.chunk_attn_window_size:
     return ["full_attention" if nope else "chunked_attention" for nope in _nope_layers(config)]
   if not config.sliding_window_size:
@@ -69,6 +74,10 @@ _LLAMA4_ATTENTION = {"nope_layer_interval": 0, "chunk_attn_window_size": 0, "tem
 _TEMPERATURE_KEYS = ("temperature_tuning_scale", "temperature_tuning_floor")
 # Latent attention's widths (attention_type=mla).
 _MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# Gated DeltaNet's keys and config.json's (Qwen3-Next's) for them.
+_GDN_KEYS = {"gdn_conv_kernel_dim": "linear_conv_kernel_dim", "gdn_key_head_dim": "linear_key_head_dim",
+             "gdn_value_head_dim": "linear_value_head_dim", "gdn_num_key_heads": "linear_num_key_heads",
+             "gdn_num_value_heads": "linear_num_value_heads"}
 
 
 def _expected(config) -> dict:
@@ -91,6 +100,8 @@ def _expected(config) -> dict:
   # Latent attention's scores are scaled by its query and key width; head_dim it does not use.
   mla = config.attention_type == "mla"
   unused.update(("head_dim",) if mla else _MLA_KEYS)
+  if not config.gated_delta_net:
+    unused.update((*_GDN_KEYS, "inhomogeneous_layer_cycle_interval"))
   # config.json's num_nextn_predict_layers says how many prediction layers a checkpoint holds, not
   # how many to train: mtp_num_layers is the user's (check_tensors finds the layers it needs).
   unused.add("mtp_num_layers")
@@ -197,7 +208,9 @@ def _model_keys(hf: dict, block: str) -> dict:
           "attn_logits_soft_cap": float(hf.get("attn_logit_softcapping") or 0),
           "final_logits_soft_cap": float(hf.get("final_logit_softcapping") or 0),
           "query_pre_attn_scalar": hf.get("query_pre_attn_scalar") or head_dim, "sliding_window_size": window,
-          **_llama4_keys(hf, family, layers), **_mla_keys(hf, family), **_moe_keys(hf, family)}
+          "partial_rotary_factor": float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
+          **_llama4_keys(hf, family, layers), **_mla_keys(hf, family), **_moe_keys(hf, family),
+          **_gdn_keys(hf, family, layers)}
 
 
 def _nope_layers(config) -> list:
@@ -225,6 +238,19 @@ def _llama4_keys(hf: dict, family, layers: int) -> dict:
           "temperature_tuning_scale": hf.get("attn_scale", 0.1),
           "temperature_tuning_floor": hf.get("floor_scale", 8192),
           "use_qk_norm": bool(hf.get("use_qk_norm", True))}
+
+
+def _gdn_keys(hf: dict, family, layers: int) -> dict:
+  """Gated DeltaNet's keys ({} for a family without it): its widths, and its layer pattern, the
+  last of every N layers full attention (config.json's layer_types, or full_attention_interval)."""
+  if not family.gated_delta_net:
+    return {}
+  kinds = hf.get("layer_types") or ["linear_attention" if (i + 1) % hf.get("full_attention_interval", 4) else
+                                    "full_attention" for i in range(layers)]
+  interval = next((i + 1 for i, kind in enumerate(kinds) if kind == "full_attention"), layers)
+  if list(kinds) != ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]:
+    interval = f"layer_types {kinds} (not supported: only the last of every N layers full attention)"
+  return {"inhomogeneous_layer_cycle_interval": interval, **{key: hf[name] for key, name in _GDN_KEYS.items()}}
 
 
 def _mla_keys(hf: dict, family) -> dict:
@@ -262,7 +288,7 @@ def _moe_keys(hf: dict, family) -> dict:
              "n_routing_groups": groups if groups > 1 else -1,
              "topk_routing_group": hf["topk_group"] if groups > 1 else -1,
              "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
-             "shared_experts": hf.get("n_shared_experts") or 0,
+             "shared_experts": _shared_experts(hf, family),
              "first_num_dense_layers": hf.get("first_k_dense_replace", 0), **dict(family.hf_routing)}
   method = hf.get("topk_method") or family.hf_topk_method
   if family.hf_topk_method and method != family.hf_topk_method:
@@ -274,6 +300,16 @@ def _moe_keys(hf: dict, family) -> dict:
           "interleave_moe_layer_step": step,
           **({"decoder_block": f"{family.hf_architecture} with dense layers (mlp_only_layers "
                                f"{hf.get('mlp_only_layers')}: not supported)"} if hf.get("mlp_only_layers") else {})}
+
+
+def _shared_experts(hf: dict, family):
+  """The shared experts config.json says: counted, or their width over one expert's."""
+  if not family.hf_shared_expert_width_key:
+    return hf.get("n_shared_experts") or 0
+  width, expert = hf[family.hf_shared_expert_width_key], hf[family.hf_expert_width_key]
+  if width % expert:
+    return f"{family.hf_shared_expert_width_key} {width} (not supported: a multiple of {expert})"
+  return width // expert
 
 
 def check_shape(config, hf: dict, hf_path: str) -> None:
@@ -315,6 +351,9 @@ class Entry(NamedTuple):
   strided: bool = False
   # Hugging Face keeps the (unstacked) tensor flat, one axis (attention biases [heads * head_dim]).
   flat: bool = False
+  # Hugging Face's shape, where it has unit axes the layout's lacks (Gated DeltaNet's conv1d
+  # [channels, 1, width]).
+  hf_dims: tuple = ()
 
 
 def layout(config) -> list:
@@ -326,7 +365,7 @@ def layout(config) -> list:
     period = len(stack.block)
     for j, kind in enumerate(stack.block):
       path = ("decoder", stack.name, *((f"layer_{j}",) if period > 1 else ()))
-      entries += _layer_entries(config, path, "model.layers.{i}.", (stack.depth // period,), stack.first + j, kind.moe,
+      entries += _layer_entries(config, path, "model.layers.{i}.", (stack.depth // period,), stack.first + j, kind,
                                 period)
   if not config.logits_via_embedding:
     entries.append(Entry(("logits_kernel",), "lm_head.weight", (), (dim, config.vocab_size), 1))
@@ -350,13 +389,13 @@ def _mtp_entries(config, k: int) -> list:
           Entry((*path, "shared_head_norm", "scale"), prefix + "shared_head.norm.weight", (), (dim,), 0),
           Entry(("token_embedder", "embedding"), prefix + "embed_tokens.weight", (), (vocab, dim), 0, copy=True),
           head, *_layer_entries(config, (*path, "transformer_layer"), prefix, (), 0,
-                                blocks.layer_kind(config, config.base_num_decoder_layers + k - 1).moe)]
+                                blocks.layer_kind(config, config.base_num_decoder_layers + k - 1))]
 
 
-def _layer_entries(config, prefix: tuple, hf_prefix: str, layers: tuple, first: int, moe_layer: bool,
-                   stride: int = 1) -> list:
-  """A decoder layer's parameters under `prefix`: a stack's, each [depth, ...] (layers (depth,),
-  Hugging Face's layers first, first + stride, ...), or one layer's (layers (), its index in hf_prefix)."""
+def _layer_entries(config, prefix: tuple, hf_prefix: str, layers: tuple, first: int, kind, stride: int = 1) -> list:
+  """A decoder layer's parameters under `prefix`, a layer of `kind` (blocks.LayerKind): a stack's,
+  each [depth, ...] (layers (depth,), Hugging Face's layers first, first + stride, ...), or one
+  layer's (layers (), its index in hf_prefix)."""
   dim, head_dim, family = config.base_emb_dim, config.head_dim, FAMILIES[config.decoder_block]
 
   def entry(path, name, shape, in_axes, stacked=layers, **options):
@@ -365,9 +404,12 @@ def _layer_entries(config, prefix: tuple, hf_prefix: str, layers: tuple, first: 
   pre_norm = [] if config.post_norms else [entry(("pre_self_attention_norm", "scale"), "input_layernorm.weight",
                                                  (dim,), 0)]
   sinks = [entry(("self_attention", "sinks"), "self_attn.sinks", (config.base_num_query_heads,), 0)]
-  entries = [*_attention_entries(config, entry), *(sinks if config.attention_sink else []), *pre_norm,
+  attending = kind.mixer == "attention"
+  mixer = ([*_attention_entries(config, entry), *(sinks if config.attention_sink else [])] if attending else
+           _gdn_entries(config, entry))
+  entries = [*mixer, *pre_norm,
              entry(("post_self_attention_norm", "scale"), "post_attention_layernorm.weight", (dim,), 0)]
-  if moe_layer:
+  if kind.moe:
     (router, gate, up, down), hidden = family.hf_expert_names, config.base_moe_mlp_dim
     experts = layers + (config.num_experts,)
     part = lambda k, n: ({"part": (k, n), "strided": family.hf_fused_experts == "interleaved"}
@@ -387,13 +429,15 @@ def _layer_entries(config, prefix: tuple, hf_prefix: str, layers: tuple, first: 
     if config.shared_experts:
       entries += _mlp_entries(entry, ("moe_block", "shared_experts"), family.hf_shared_experts, dim,
                               config.shared_experts * hidden)
+    if config.shared_experts and config.shared_expert_gate:
+      entries.append(entry(("moe_block", "shared_expert_gate", "kernel"), "mlp.shared_expert_gate.weight", (dim, 1), 1))
   else:
     entries += _mlp_entries(entry, ("mlp",), family.hf_mlp_prefix, dim, config.base_mlp_dim)
   if config.sandwich_norms:
     entries.append(entry(("pre_ffw_norm", "scale"), "pre_feedforward_layernorm.weight", (dim,), 0))
   if config.sandwich_norms or config.post_norms:
     entries.append(entry(("post_ffw_norm", "scale"), "post_feedforward_layernorm.weight", (dim,), 0))
-  if config.qk_norm:
+  if config.qk_norm and attending:
     heads = (config.base_num_query_heads, config.base_num_kv_heads) if config.qk_norm_over_heads else (1, 1)
     entries += [entry(("self_attention", "query_norm", "scale"), "self_attn.q_norm.weight", (heads[0] * head_dim,), 0),
                 entry(("self_attention", "key_norm", "scale"), "self_attn.k_norm.weight", (heads[1] * head_dim,), 0)]
@@ -407,6 +451,22 @@ def _mlp_entries(entry, path: tuple, prefix: str, dim: int, width: int) -> list:
           entry((*path, "wo", "kernel"), prefix + "down_proj.weight", (dim, width), 0)]
 
 
+def _gdn_entries(config, entry) -> list:
+  """A Gated DeltaNet layer's parameters (layers/gated_delta_net.py), in Hugging Face's layouts."""
+  dim, kh, vh, dk, dv = (config.base_emb_dim, config.gdn_num_key_heads, config.gdn_num_value_heads,
+                         config.gdn_key_head_dim, config.gdn_value_head_dim)
+  groups, channels, width = vh // kh, 2 * kh * dk + vh * dv, config.gdn_conv_kernel_dim
+  layer = lambda *path: ("linear_attention", *path)
+  return [entry(layer("in_proj_qkvz", "kernel"), "linear_attn.in_proj_qkvz.weight",
+                (dim, kh, 2 * dk + 2 * groups * dv), 1),
+          entry(layer("in_proj_ba", "kernel"), "linear_attn.in_proj_ba.weight", (dim, kh, 2 * groups), 1),
+          entry(layer("conv1d"), "linear_attn.conv1d.weight", (width, channels), 1, hf_dims=(channels, 1, width)),
+          entry(layer("A_log"), "linear_attn.A_log", (vh,), 0),
+          entry(layer("dt_bias"), "linear_attn.dt_bias", (vh,), 0),
+          entry(layer("norm", "scale"), "linear_attn.norm.weight", (dv,), 0),
+          entry(layer("out_proj", "kernel"), "linear_attn.out_proj.weight", (vh, dv, dim), 2)]
+
+
 def _attention_entries(config, entry) -> list:
   """The attention's projections: q, k, v and out (attention_type=global) or MLA's (DeepSeek's
   names), whose queries' and shared key's RoPE features Hugging Face keeps interleaved."""
@@ -418,7 +478,9 @@ def _attention_entries(config, entry) -> list:
     biases = [entry(attention(name, "bias"), f"self_attn.{hf}_proj.bias", (n, head_dim), 0, interleaved=rope,
                     flat=True) for name, hf, n, rope in (("query", "q", heads, pairs), ("key", "k", kv_heads, pairs),
                                                          ("value", "v", kv_heads, 0))]
-    return [entry(attention("query", "kernel"), "self_attn.q_proj.weight", (dim, heads, head_dim), 1,
+    # With the output gate, each head's queries then its gates (Qwen3-Next's q_proj).
+    query_width = head_dim * (2 if config.attention_output_gate else 1)
+    return [entry(attention("query", "kernel"), "self_attn.q_proj.weight", (dim, heads, query_width), 1,
                   interleaved=pairs),
             entry(attention("key", "kernel"), "self_attn.k_proj.weight", (dim, kv_heads, head_dim), 1,
                   interleaved=pairs),
@@ -453,6 +515,8 @@ def hf_names(config, entry) -> list:
 
 def hf_shape(entry) -> tuple:
   """The shape of one of the entry's Hugging Face tensors: all experts' where they share one."""
+  if entry.hf_dims:
+    return entry.hf_dims
   shape, in_axes = entry.shape, entry.in_axes
   hf = (math.prod(shape[in_axes:]), math.prod(shape[:in_axes])) if in_axes else shape
   if entry.flat:
@@ -550,6 +614,8 @@ def to_hf_tensors(config, entry, param, layer=None) -> dict:
   names = _layer(config, entry, layer)[1]
   if entry.part:  # one tensor of all the layer's experts, [experts, in, out] (joined: the whole)
     return {names[0]: np.ascontiguousarray(np.stack([convert(value).T for value in values]))}
+  if entry.hf_dims:
+    convert = lambda w, convert=convert: convert(w).reshape(entry.hf_dims)
   return {name: np.ascontiguousarray(convert(_reorder(entry, value, inverse))) for name, value in zip(names, values)}
 
 
@@ -566,6 +632,8 @@ def hf_config(config, dtype: str) -> dict:
                 **{key: getattr(config, key) or None for key in _YARN_ROPE_KEYS})
   if config.rope_linear_scaling_factor != 1:
     rope.update(rope_type="linear", factor=config.rope_linear_scaling_factor)
+  if config.partial_rotary_factor != 1:
+    rope.update(partial_rotary_factor=config.partial_rotary_factor)
   family = FAMILIES[config.decoder_block]
   local_base = float(config.local_rope_max_timescale or config.rope_max_timescale)
   local = {"rope_type": "default", "rope_theta": local_base} if config.local_rope_max_timescale else rope
@@ -593,6 +661,7 @@ def hf_config(config, dtype: str) -> dict:
           "sliding_window_pattern": config.sliding_window_pattern,
           **(_mla_config(config) if config.attention_type == "mla" else {}),
           **(_llama4_config(config) if family.hf_llama4_attention else {}),
+          **({name: getattr(config, key) for key, name in _GDN_KEYS.items()} if config.gated_delta_net else {}),
           **(_moe_config(config) if config.moe else {})}
 
 
@@ -624,7 +693,8 @@ def _moe_config(config) -> dict:
           "moe_intermediate_size": config.base_moe_mlp_dim, "norm_topk_prob": config.norm_topk_prob,
           "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": config.load_balance_loss_weight,
           **({family.hf_moe_step_key: config.interleave_moe_layer_step} if family.hf_moe_step_key else {}),
-          **(deepseek if family.hf_shared_experts else {})}
+          **({family.hf_shared_expert_width_key: config.shared_experts * config.base_moe_mlp_dim}
+             if family.hf_shared_expert_width_key else deepseek if family.hf_shared_experts else {})}
 
 
 def check_exportable(config) -> None:
@@ -667,6 +737,11 @@ def check_exportable(config) -> None:
     clamps = "always clamps" if family.hf_activation_limit_key else "has no clamp on"
     raise errors.ConfigError(f"mlp_activations_limit={config.mlp_activations_limit}: {family.hf_architecture} "
                              f"{clamps} its gated unit")
+  if config.partial_rotary_factor != 1 and not family.hf_partial_rotary:
+    raise errors.ConfigError(f"partial_rotary_factor={config.partial_rotary_factor}: {family.hf_architecture} "
+                             "rotates every feature of a head")
+  if family.hf_shared_expert_width_key and not config.shared_experts:
+    raise errors.ConfigError(f"shared_experts=0: {family.hf_architecture} always has a shared expert")
   if config.rope_linear_scaling_factor != 1 and config.rope_type != "default":
     raise errors.ConfigError(f"rope_linear_scaling_factor={config.rope_linear_scaling_factor}: config.json holds "
                              f"one RoPE scaling, and rope_type={config.rope_type!r} is another")

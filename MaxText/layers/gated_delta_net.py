@@ -69,9 +69,16 @@ def delta_rule(q, k, v, g, beta, starts, chunk: int, state=None):
   the token: the state before it is dropped), all float32, from `state` [B, H, dk, dv] (None:
   zero). Returns (outputs [B, T, H, dv], final state). Chunks of `chunk` tokens: within one, the
   delta rule's updates are a unit lower-triangular system (the UT transform), solved at once; a
-  scan carries the state from chunk to chunk, so memory is linear in T."""
+  scan carries the state from chunk to chunk, so memory is linear in T. A row not a whole number
+  of chunks is padded with tokens of rate and decay zero, which leave the state as it is."""
   batch, length, heads, dk = k.shape
   dv = v.shape[-1]
+  pad = -length % chunk
+  if pad:
+    q, k, v, g, beta, starts = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+                                for x in (q, k, v, g, beta, starts))
+    out, state = delta_rule(q, k, v, g, beta, starts, chunk, state)
+    return out[:, :length], state
   n = length // chunk
 
   def chunked(x):  # [B, T, H, ...] -> [n, B, H, C, ...]: the scan's axis first
@@ -192,15 +199,16 @@ def context_parallel_rule(cfg, q, k, v, b, a, convs, a_log, dt_bias, segments):
                           for out, order_p in zip(outs, jnp.asarray(order)[me])], axis=1)
 
 
-def gdn_macs(cfg) -> int:
-  """Multiply-adds per token of a layer: its projections and the chunked rule, all heads."""
+def gdn_macs(cfg) -> float:
+  """Multiply-adds per token of a layer, as delta_rule runs it: the projections, and per value
+  head the chunk's UT system and scores (C dk each, the whole C x C), its context (C dv), the
+  state's two reads and one write (dk dv each), and the triangular solves for the corrected values
+  and the state-reading keys (C (dk + dv) / 2)."""
   d, kh, vh, dk, dv = (cfg.base_emb_dim, cfg.gdn_num_key_heads, cfg.gdn_num_value_heads, cfg.gdn_key_head_dim,
                        cfg.gdn_value_head_dim)
   projections = d * (2 * kh * dk + 2 * vh * dv + 2 * vh) + vh * dv * d
   c = cfg.gdn_chunk_size
-  # Per token and value head: the UT system (C dk), its two solves (C (dk + dv)), the chunk's
-  # scores (C dk) and context (C dv), and the state's reads and writes (3 dk dv).
-  return projections + vh * (c * (3 * dk + 2 * dv) + 3 * dk * dv)
+  return projections + vh * (c * (2 * dk + dv) + 3 * dk * dv + c * (dk + dv) / 2)
 
 
 class GatedDeltaNet(nn.Module):

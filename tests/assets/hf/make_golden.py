@@ -1,6 +1,6 @@
 """Writes the Hugging Face parity assets: python tests/assets/hf/make_golden.py [NAME ...] (all,
 or only the named ones; needs torch and transformers, which are not runtime dependencies; any
-versions that have Qwen3, Gemma 2, Gemma 3, Qwen3-MoE, Mixtral, DeepSeek-V2 and V3, Llama 4 and GPT-OSS; Gemma 3's RoPE per layer type
+versions that have Qwen3, Gemma 2, Gemma 3, Qwen3-MoE, Qwen3-Next, Mixtral, DeepSeek-V2 and V3, Llama 4 and GPT-OSS; Gemma 3's RoPE per layer type
 needs transformers 5).
 
 For each family, a small randomly initialised transformers model saved as Hugging Face does
@@ -131,6 +131,15 @@ MODELS = {
         swiglu_limit=1.5, initializer_range=0.2,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
                              beta_fast=32.0, beta_slow=1.0, truncate=False))),
+    # Qwen3-Next with every piece biting: three Gated DeltaNet layers to one gated attention layer,
+    # two value heads per key head, a quarter of each attention head rotated; 4 experts, 2 per
+    # token, and the gated shared expert. Its decays are drawn slow (A_log below), so the state
+    # carries across the chunks.
+    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, dict(
+        num_hidden_layers=4, tie_word_embeddings=False, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=24, norm_topk_prob=True,
+        eos_token_id=95, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
         tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)),
     "mixtral_tied": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
@@ -191,6 +200,8 @@ def main():
           param.normal_(0, 1.0)
         elif param_name.endswith(("_bias", ".bias", "sinks")):  # GPT-OSS's biases and sinks, zero at first
           param.normal_(0, 0.5)
+        elif param_name.endswith("A_log"):  # Gated DeltaNet: decays of exp(-0.05) to exp(-1) a token
+          param.uniform_(-3.0, 0.0)
       for buffer_name, buffer in model.named_buffers():
         # Positive, as transformers zeroes the masked groups' scores rather than excluding them.
         if buffer_name.endswith("e_score_correction_bias"):
