@@ -301,11 +301,21 @@ def _model(overrides) -> tuple:
   return tuple(o for o in overrides if o.startswith(("capacity_factor", "num_experts")))
 
 
+def _parameters(model) -> tuple:
+  """Those of `model`'s overrides that change its parameters: a capacity changes only the routing."""
+  return tuple(o for o in model if o.startswith("num_experts"))
+
+
 @functools.cache
+def _one_device_params(*parameters):
+  return jax.device_get(trainer_and_state(tiny_config(*EXPERTS_8, "per_device_batch_size=8", *parameters))[1].params)
+
+
 def one_device_params(*model):
   """The initial parameters on this process's single device: the meshes start from them (a
-  model initialised on an expert mesh is tested in test_pipeline's mixture-of-experts case)."""
-  return jax.device_get(trainer_and_state(tiny_config(*EXPERTS_8, "per_device_batch_size=8", *model))[1].params)
+  model initialised on an expert mesh is tested in test_pipeline's mixture-of-experts case),
+  one initialisation compiled for the models that differ only in capacity."""
+  return _one_device_params(*_parameters(model))
 
 
 @pytest.fixture(scope="module")
