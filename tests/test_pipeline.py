@@ -74,36 +74,49 @@ CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
 }
 
 
-def step_gradients(config, batch):
+# Each model's first case initialises its parameters on its pipeline mesh, and so shows that
+# initialisation gives one device's parameters (the stored layers are the same whatever the
+# stages); its other cases start from one device's parameters, no initialisation compiled.
+INITIALISED = {next(case for case, (model, _) in CASES.items() if model == name) for name in MODELS}
+
+
+def step_gradients(config, batch, params=None):
   """{"loss": summed loss, the step's sums (the router's statistics and loads included), parameter
   path: gradient per scored token} of the train step's own gradients (train_step.gradients: the
-  1F1B loop where the config asks for it), gathered."""
-  trainer, state = trainer_and_state(config)
+  1F1B loop where the config asks for it), gathered, at config's initial parameters (or at
+  `params`, laid out on config's mesh)."""
+  if params is None:
+    trainer, state = trainer_and_state(config)
+    params = state.params
+  else:
+    trainer = train_step.build(config, sharding.create_mesh(config))
+    params = jax.device_put(params, trainer.state_sharding.params)
   with sharding.activate(trainer.mesh, config):
     (loss, sums), grads = jax.jit(lambda p, b: train_step.gradients(trainer.model, config, p, b))(
-        state.params, train_step.device_batch(trainer, batch))
+        params, train_step.device_batch(trainer, batch))
   leaves = jax.tree_util.tree_leaves_with_path(jax.device_get((sums, grads)))
   return {"loss": np.asarray(loss), **{jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}}
 
 
 @pytest.fixture(scope="module")
 def one_device():
-  """{model: (its batch of 16 rows, its loss and gradients on one device, no pipeline)}."""
+  """{model: (its batch of 16 rows, its initial parameters and its loss and gradients on one
+  device, no pipeline)}."""
   results = {}
   for name, model in MODELS.items():
     config = tiny_config(*SHARDED, *model, "per_device_batch_size=16", *REFERENCE.get(name, ()))
-    batch = fixed_batch(config)
-    results[name] = batch, step_gradients(config, batch)
+    batch, params = fixed_batch(config), jax.device_get(trainer_and_state(config)[1].params)
+    results[name] = batch, params, step_gradients(config, batch, params)
   return results
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipelined_gradients_equal_one_device(one_device, case):
   model, overrides = CASES[case]
-  batch, want = one_device[model]
+  batch, params, want = one_device[model]
   with on_devices(8):
     config = tiny_config(*SHARDED, *MODELS[model], "per_device_batch_size=2", *overrides)
-    got = step_gradients(config, batch)
+    got = step_gradients(config, batch, None if case in INITIALISED else params)
   assert config.pipeline_stages > 1
   assert_trees_close(got, want, rtol=1e-5, what=case)
 
