@@ -223,13 +223,19 @@ def assert_mesh_gradients_equal_one_device(meshes, *overrides, model=()):
     assert_trees_close(got, want, rtol=1e-5, what=name)
 
 
-# The files that take longest (minutes on 2 cores), first. pytest-xdist (with
-# --no-loadscope-reorder, see pyproject.toml) hands each free worker the next file in collection
-# order, so one of these collected last, as the alphabet puts test_sharding and test_tpu_compile,
-# would run alone at the end while the other worker idles.
-LONGEST_FIRST = ("test_plan.py", "test_checkpointing.py", "test_tpu_compile.py", "test_sharding.py", "test_moe.py",
-                 "test_pipeline.py", "test_remat.py", "test_context_parallel.py", "test_hf_checkpoint.py",
-                 "test_multiprocess.py")
+# Every file, longest first (each file's summed test durations in a full run, --durations=0).
+# pytest-xdist (with --no-loadscope-reorder, see pyproject.toml) hands each free worker the next
+# file in collection order, so the longest first and the shortest last leave neither worker idle
+# long at the end: as the alphabet leaves them, test_sharding and test_tpu_compile would run alone
+# at the end. A file not named here runs after these: name it where its time puts it.
+LONGEST_FIRST = ("test_hf_checkpoint.py", "test_checkpointing.py", "test_plan.py", "test_pipeline.py",
+                 "test_model.py", "test_tpu_compile.py", "test_quantization.py", "test_moe.py",
+                 "test_multiprocess.py", "test_context_parallel.py", "test_attention_chunks.py", "test_remat.py",
+                 "test_sharding.py", "test_prepare_data.py", "test_vocab_tiling.py", "test_mtp.py",
+                 "test_run_faults.py", "test_pyconfig.py", "test_train.py", "test_families.py", "test_mlp_chunks.py",
+                 "test_mixture.py", "test_deepseek_moe.py", "test_context_flash.py", "test_mla.py",
+                 "test_input_pipeline.py", "test_blocks.py", "test_launch_xpk.py", "test_masks.py", "test_imports.py",
+                 "test_hlo_collectives.py", "test_setup.py", "test_docs.py")
 
 
 def pytest_collection_modifyitems(items):
