@@ -230,8 +230,9 @@ def assert_mesh_gradients_equal_one_device(meshes, *overrides, model=()):
 # at the end. A file not named here runs after these: name it where its time puts it.
 LONGEST_FIRST = ("test_hf_checkpoint.py", "test_checkpointing.py", "test_plan.py", "test_pipeline.py",
                  "test_model.py", "test_tpu_compile.py", "test_quantization.py", "test_moe.py",
-                 "test_multiprocess.py", "test_context_parallel.py", "test_attention_chunks.py", "test_remat.py",
-                 "test_sharding.py", "test_prepare_data.py", "test_vocab_tiling.py", "test_mtp.py",
+                 "test_multiprocess.py", "test_context_parallel.py", "test_gated_delta_net.py",
+                 "test_attention_chunks.py", "test_remat.py", "test_sharding.py", "test_prepare_data.py",
+                 "test_vocab_tiling.py", "test_mtp.py",
                  "test_run_faults.py", "test_pyconfig.py", "test_train.py", "test_families.py", "test_mlp_chunks.py",
                  "test_mixture.py", "test_deepseek_moe.py", "test_context_flash.py", "test_mla.py",
                  "test_input_pipeline.py", "test_blocks.py", "test_launch_xpk.py", "test_masks.py", "test_imports.py",

@@ -127,7 +127,7 @@ def document_starts(segments, before):
   return segments != previous
 
 
-def _mixed(cfg, q, k, v, b, a, convs, a_log, dt_bias, segments, halos=None, halo_segments=None):
+def _mixed(q, k, v, b, a, convs, a_log, dt_bias, segments, halos=None, halo_segments=None):
   """Convolved, activated and normalised queries, keys (repeated to the value heads) and values,
   the decays g and rates beta of one row piece (halos: the tokens before it), in float32 (or the
   inputs' wider type)."""
@@ -145,7 +145,7 @@ def _mixed(cfg, q, k, v, b, a, convs, a_log, dt_bias, segments, halos=None, halo
 
 def local_rule(cfg, q, k, v, b, a, convs, a_log, dt_bias, segments):
   """The layer's recurrence on whole rows: [B, T, ...] in, outputs [B, T, Hv, dv] float32."""
-  mixed = _mixed(cfg, q, k, v, b, a, convs, a_log, dt_bias, segments)
+  mixed = _mixed(q, k, v, b, a, convs, a_log, dt_bias, segments)
   starts = document_starts(segments, jnp.full(segments.shape[:1], _NONE, segments.dtype))
   return delta_rule(*mixed, starts, cfg.gdn_chunk_size)[0]
 
@@ -161,9 +161,9 @@ def context_parallel_rule(cfg, q, k, v, b, a, convs, a_log, dt_bias, segments):
   one without), piece p of shard s being the row's piece order[s, p]."""
   shards, axis = context_parallel.shards(), context_parallel.AXIS
   pieces = 2 if cfg.context_parallel_load_balance else 1
-  order = np.arange(shards * pieces).reshape(shards, pieces)
-  if pieces == 2:
-    order = np.stack([np.arange(shards), 2 * shards - 1 - np.arange(shards)], axis=1)
+  # balanced_order of a row of 2C tokens: the chunks each shard holds
+  order = (context_parallel.balanced_order(2 * shards, shards) if pieces == 2 else np.arange(shards)).reshape(
+      shards, pieces)
   held_at = np.argsort(order.reshape(-1))  # row piece -> its index in the shards' pieces, flattened
   me = jax.lax.axis_index(axis)
   # Every piece's last K-1 tokens and their segment ids: the convolution's halo of the piece after it.
@@ -177,7 +177,7 @@ def context_parallel_rule(cfg, q, k, v, b, a, convs, a_log, dt_bias, segments):
     halo = [jnp.where(first, jnp.zeros_like(t[0]), t[before]) for t in tails[:3]]
     halo_segments = jnp.where(first, _NONE, tails[3][before])
     piece_segments = _pieces(segments, pieces)[p]
-    qq, kk, vv, g, beta = _mixed(cfg, *(_pieces(x, pieces)[p] for x in (q, k, v, b, a)), convs, a_log, dt_bias,
+    qq, kk, vv, g, beta = _mixed(*(_pieces(x, pieces)[p] for x in (q, k, v, b, a)), convs, a_log, dt_bias,
                                  piece_segments, halo, halo_segments)
     starts = document_starts(piece_segments, halo_segments[:, -1])
     # The rule on [0 | values] from the state [I | 0]: the first dk columns of the outputs and of
@@ -194,9 +194,9 @@ def context_parallel_rule(cfg, q, k, v, b, a, convs, a_log, dt_bias, segments):
   for m in gathered:  # a few small matmuls per piece, the same on every shard
     states.append(state)
     state = m[..., :dk] @ state + m[..., dk:]
-  states = jnp.stack(states)
-  return jnp.concatenate([out[..., dk:] + jnp.einsum("bthk,bhkv->bthv", out[..., :dk], states[order_p])
-                          for out, order_p in zip(outs, jnp.asarray(order)[me])], axis=1)
+  carried_in = jnp.stack(states)[jnp.asarray(order)[me]]  # the state each of this shard's pieces starts from
+  return jnp.concatenate([out[..., dk:] + jnp.einsum("bthk,bhkv->bthv", out[..., :dk], carried_in[p])
+                          for p, out in enumerate(outs)], axis=1)
 
 
 def gdn_macs(cfg) -> float:
