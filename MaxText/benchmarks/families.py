@@ -7,7 +7,8 @@ tiling exists for), and for the mixtures (DeepSeek's) with expert parallelism to
 deepseek3-671b, with the experts' kernels gathered a slice at a time (mlp_chunks=8) and with
 capacity_factor=1.25, also with the layer inputs offloaded to the host (remat_policy=input_offloaded
 in place of full); olmo3-32b with its MLP in slices and its layer inputs offloaded; kimi-k2-1t dropless
-on a v5p-1024; llama4-17b-16e and gpt-oss-120b on a v5p-64, llama4-17b-128e on a v5p-256. Each cell is what
+on a v5p-1024; llama4-17b-16e, gpt-oss-120b and qwen3-next-80b-a3b on a v5p-64, llama4-17b-128e on a v5p-256.
+Each cell is what
   python -m MaxText.train_compile configs/base.yml model_name=M compile_topology=S dataset_type=synthetic \\
     per_device_batch_size=1 max_target_length=8192 attention=flash remat_policy=full num_vocab_tiling=T [mesh keys]
 prints: the parameters and optimizer state per chip, the temporaries and their sum; a step the
@@ -67,6 +68,8 @@ CELLS = (
     # GPT-OSS 120B; its experts in slices gather less but keep more.
     ("gpt-oss-120b", "v5p-64", "fsdp", FSDP, 8),
     ("gpt-oss-120b", "v5p-64", "fsdp, mlp_chunks=4", (*FSDP, "mlp_chunks=4"), 8),
+    # Qwen3-Next: three Gated DeltaNet layers to one attention layer, 512 experts a layer.
+    ("qwen3-next-80b-a3b", "v5p-64", "fsdp", FSDP, 8),
 )
 
 
