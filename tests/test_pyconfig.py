@@ -62,17 +62,28 @@ def test_every_model_config_resolves_and_its_model_traces(name):
       assert layers["moe_block"]["gate"]["kernel"].value.shape[1:] == (cfg.base_emb_dim, cfg.num_experts)
     else:
       assert layers["mlp"]["wi_0"]["kernel"].value.shape == (depth, cfg.base_emb_dim, cfg.base_mlp_dim)
+    assert ("pre_self_attention_norm" in layers) == (cfg.decoder_block != "olmo3")
+    if kind.mixer == "gated_delta_net":
+      linear, groups = layers["linear_attention"], cfg.gdn_num_value_heads // cfg.gdn_num_key_heads
+      per_key_head = 2 * cfg.gdn_key_head_dim + 2 * groups * cfg.gdn_value_head_dim
+      assert linear["in_proj_qkvz"]["kernel"].value.shape == (depth, cfg.base_emb_dim, cfg.gdn_num_key_heads,
+                                                               per_key_head)
+      assert linear["out_proj"]["kernel"].value.shape == (depth, cfg.gdn_num_value_heads, cfg.gdn_value_head_dim,
+                                                           cfg.base_emb_dim)
+      continue
     attention = layers["self_attention"]
     if cfg.attention_type == "mla":
       assert attention["wkv_b"]["kernel"].value.shape[1:] == (cfg.kv_lora_rank, cfg.base_num_query_heads,
                                                               cfg.qk_nope_head_dim + cfg.v_head_dim)
     else:
       assert attention["key"]["kernel"].value.shape[2:] == (cfg.base_num_kv_heads, cfg.head_dim)
-    assert ("query_norm" in attention) == (cfg.decoder_block in ("qwen3", "qwen3_moe", "gemma3", "olmo3"))
+      # With the output gate (Qwen3-Next) the query kernel holds each head's queries, then its gates.
+      gated = 2 if cfg.attention_output_gate else 1
+      assert attention["query"]["kernel"].value.shape[2:] == (cfg.base_num_query_heads, gated * cfg.head_dim)
+    assert ("query_norm" in attention) == (cfg.decoder_block in ("qwen3", "qwen3_moe", "qwen3_next", "gemma3", "olmo3"))
     if cfg.decoder_block == "olmo3":  # over the whole projections
       assert attention["key_norm"]["scale"].value.shape[1:] == (cfg.base_num_kv_heads * cfg.head_dim,)
     assert ("post_ffw_norm" in layers) == (cfg.decoder_block in ("gemma2", "gemma3", "olmo3"))
-    assert ("pre_self_attention_norm" in layers) == (cfg.decoder_block != "olmo3")
   assert sum(stack.depth for stack in decoders.stacks(cfg)) == cfg.base_num_decoder_layers
   assert ("logits_kernel" in params) == (not cfg.logits_via_embedding)
 

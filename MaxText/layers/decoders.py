@@ -74,8 +74,8 @@ def layer_class(cfg, checkpointed: bool, alone_in_scan: bool):
     return DecoderLayer
   # A scan's step of one checkpointed layer already stops XLA from merging its recomputation into
   # the forward pass, and prevent_cse=True would only block optimisations. A step of several
-  # (a block of layer kinds: Qwen3-Next's four) is unrolled, and without it XLA merged them: on a
-  # v5p-64, 4 layers of qwen3-next-80b-a3b took 23.84 GiB of temporaries per chip without it, 17.53 with.
+  # (a block of layer kinds: Qwen3-Next's four) is unrolled, and without it XLA merged their
+  # recomputation and kept more (docs/design/linear_attention.md).
   return nn.remat(DecoderLayer, policy=remat.checkpoint_policy(cfg), prevent_cse=not alone_in_scan)
 
 
