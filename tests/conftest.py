@@ -200,6 +200,20 @@ def loss_gradients(config, batch=None, params=None, hlo=None):
   return {"loss": np.asarray(value), **{jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}}
 
 
+def with_slow_decays(params, seed=0):
+  """params with every Gated DeltaNet layer's A_log drawn for decays of exp(-0.05) to exp(-0.5) a
+  token. At the initialisation's (down to exp(-16 softplus(...))) a head's output can be near zero,
+  and its gated norm multiplies float32 rounding by up to epsilon^-1/2: a model's gradients then
+  differ from float64's, and a mesh's from one device's, by 1e-4 of their scale; slow decays also
+  carry the state across chunks and shards, which the tests exist to see."""
+  import jax
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p: np.log(rng.uniform(0.05, 0.5, p.shape)).astype(p.dtype)
+      if jax.tree_util.keystr(path).endswith("['A_log']") else p, params)
+
+
 def loss_and_gradients_of(config, params, batch):
   """(the summed training loss, its gradients) at `params` on `batch`, computed on config's mesh
   and gathered: no initialisation compiled."""

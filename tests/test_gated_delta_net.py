@@ -9,7 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SHARDED, assert_trees_close, loss_gradients, on_devices, tiny_config, trainer_and_state
+from conftest import (
+  SHARDED,
+  assert_trees_close,
+  loss_gradients,
+  on_devices,
+  tiny_config,
+  trainer_and_state,
+  with_slow_decays,
+)
 
 from MaxText import costs, errors, sharding, train_step
 from MaxText.layers import gated_delta_net
@@ -78,14 +86,10 @@ def test_the_chunked_rule_is_the_rule_token_by_token(chunk):
 @pytest.fixture(scope="module")
 def one_device():
   """One device's loss and gradients of the small model, at parameters whose decays are drawn
-  slow (exp(-0.05) to exp(-0.5) a token, where the initialisation's reach exp(-16)), so the
-  state each context shard hands on carries into the next; the batch's rows hold two documents."""
+  slow (conftest.with_slow_decays), so the state each context shard hands on carries into the
+  next; the batch's rows hold two documents."""
   config = tiny_config(*SHARDED, *QWEN3_NEXT, "per_device_batch_size=8")
-  params = jax.device_get(trainer_and_state(config)[1].params)
-  rng = np.random.default_rng(0)
-  params = jax.tree_util.tree_map_with_path(
-      lambda path, p: np.log(rng.uniform(0.05, 0.5, p.shape)).astype(p.dtype)
-      if jax.tree_util.keystr(path).endswith("['A_log']") else p, params)
+  params = with_slow_decays(jax.device_get(trainer_and_state(config)[1].params))
   return params, loss_gradients(config, params=params)
 
 
