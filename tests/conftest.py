@@ -145,6 +145,19 @@ def trainer_and_state(config):
   return trainer, state
 
 
+def trainer_and_params(config, params=None):
+  """(Trainer, its params): initialised on config's mesh, or `params` laid out on it (no
+  initialisation compiled)."""
+  import jax
+
+  from MaxText import sharding, train_step
+  if params is None:
+    trainer, state = trainer_and_state(config)
+    return trainer, state.params
+  trainer = train_step.build(config, sharding.create_mesh(config))
+  return trainer, jax.device_put(params, trainer.state_sharding.params)
+
+
 def fixed_batch(config, seed=0):
   """A global batch of model_inputs rows with next-token targets, as the pipeline yields."""
   import numpy as np
@@ -182,12 +195,7 @@ def loss_gradients(config, batch=None, params=None, hlo=None):
   import numpy as np
 
   from MaxText import sharding, train_step
-  if params is None:
-    trainer, state = trainer_and_state(config)
-    params = state.params
-  else:
-    trainer = train_step.build(config, sharding.create_mesh(config))
-    params = jax.device_put(params, trainer.state_sharding.params)
+  trainer, params = trainer_and_params(config, params)
   loss = lambda params, batch: train_step.batch_sums(trainer.model, config, params, batch)[0]
   batch = fixed_batch(config) if batch is None else batch
   with sharding.activate(trainer.mesh, config):

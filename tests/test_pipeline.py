@@ -13,6 +13,7 @@ from conftest import (
   metrics_losses,
   on_devices,
   tiny_config,
+  trainer_and_params,
   trainer_and_state,
   with_slow_decays,
 )
@@ -101,12 +102,7 @@ def step_gradients(config, batch, params=None):
   path: gradient per scored token} of the train step's own gradients (train_step.gradients: the
   1F1B loop where the config asks for it), gathered, at config's initial parameters (or at
   `params`, laid out on config's mesh)."""
-  if params is None:
-    trainer, state = trainer_and_state(config)
-    params = state.params
-  else:
-    trainer = train_step.build(config, sharding.create_mesh(config))
-    params = jax.device_put(params, trainer.state_sharding.params)
+  trainer, params = trainer_and_params(config, params)
   with sharding.activate(trainer.mesh, config):
     (loss, sums), grads = jax.jit(lambda p, b: train_step.gradients(trainer.model, config, p, b))(
         params, train_step.device_batch(trainer, batch))
