@@ -17,10 +17,10 @@ class LayerKind(NamedTuple):
 def layer_kind(cfg, index: int) -> LayerKind:
   """The model's layer `index` (multi-token prediction's after the last): in a mixture-of-experts
   family a mixture after the first first_num_dense_layers, and of those every
-  interleave_moe_layer_step-th (layers N-1, 2N-1, ...: Llama 4, Qwen3-MoE's decoder_sparse_step);
-  in a family with Gated DeltaNet, that its mixer but on the last of every
-  inhomogeneous_layer_cycle_interval layers (Qwen3-Next: 3, 7, 11, ... attend), and on the
-  prediction layers."""
+  interleave_moe_layer_step-th (layers N-1, 2N-1, ...: Llama 4, Qwen3-MoE's decoder_sparse_step).
+  Its mixer is attention, but in a family with Gated DeltaNet on all but the last of every
+  inhomogeneous_layer_cycle_interval layers (Qwen3-Next: layers 3, 7, 11, ... attend), where it
+  is Gated DeltaNet; the prediction layers attend."""
   linear = (cfg.gated_delta_net and index < cfg.base_num_decoder_layers
             and (index + 1) % cfg.inhomogeneous_layer_cycle_interval != 0)
   return LayerKind(moe=bool(cfg.moe) and index >= cfg.first_num_dense_layers

@@ -25,7 +25,7 @@ class DecoderLayer(nn.Module):
   The norms keep MaxText's (and Hugging Face's) names: post_self_attention_norm is the MLP's
   input norm in Llama and the attention's output norm in Gemma 2 and OLMo. layer_index (a Python int,
   or traced in a scan) picks the layer's attention window. `moe`: its MLP is a mixture of
-  experts; `mixer`: its attention (a MIXERS name; blocks.layer_kind says which layers are which)."""
+  experts; `mixer`: its token mixer (a MIXERS name; blocks.layer_kind says which layers are which)."""
 
   config: object
   moe: bool
@@ -92,7 +92,7 @@ class DecoderBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, segment_ids, first_index):
-    alone = self.in_scan and len(range(0, len(self.kinds), self.interval)) == 1
+    alone = self.in_scan and len(self.kinds) <= self.interval  # layer_0 the step's only checkpointed one
     for i, kind in enumerate(self.kinds):
       x = layer_class(self.config, i % self.interval == 0, alone)(self.config, *kind, name=f"layer_{i}")(
           x, positions, segment_ids, first_index + i)
