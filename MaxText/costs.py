@@ -19,7 +19,7 @@ import jax.extend
 
 from MaxText import accelerators
 from MaxText.hlo_network import HLO_BYTES, SENT_PER_BYTE
-from MaxText.layers.blocks import layer_kind
+from MaxText.layers.blocks import layer_kind, moe_layers
 
 # pallas_call name prefix -> its FLOPs (eqn -> float), and a fused kernel that is a primitive of
 # its own (cuDNN's attention) -> its FLOPs, as the flash kernels' records declare them
@@ -62,11 +62,11 @@ def training_flops_per_step(config) -> float:
   d, m, v = config.base_emb_dim, config.base_mlp_dim, config.vocab_size
   mtp = config.mtp_num_layers
   layers, length, batch = config.base_num_decoder_layers, config.max_target_length, config.global_batch_size_to_train_on
-  moe_layers = sum(layer_kind(config, i).moe for i in range(layers + mtp))
+  routed = moe_layers(config)
   active_experts = config.num_experts_per_tok + config.shared_experts
   moe_mlp = (d * config.num_experts + active_experts * 3 * d * config.base_moe_mlp_dim
              + d * bool(config.shared_experts and config.shared_expert_gate))
-  mlp_params = moe_layers * moe_mlp + (layers + mtp - moe_layers) * 3 * d * m
+  mlp_params = routed * moe_mlp + (layers + mtp - routed) * 3 * d * m
   attention_params, per_pair = ATTENTION_MACS[config.attention_type](config)
   mixers = [layer_kind(config, i).mixer for i in range(layers + mtp)]
   attending = mixers.count("attention")

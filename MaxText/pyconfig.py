@@ -326,7 +326,6 @@ def _derive_pipeline(v: dict) -> None:
   if stages == 1:
     v["num_pipeline_repeats"] = 1
     return
-  _require(not v["mtp_num_layers"], "mtp_num_layers", f"must be 0 with pipeline stages ({stages})", v)
   per_stage = v["num_layers_per_pipeline_stage"] or layers // stages
   _require(not v["num_layers_per_pipeline_stage"] or layers % (stages * per_stage) == 0,
            "num_layers_per_pipeline_stage", f"times the {stages} pipeline stages must divide the {layers} layers "

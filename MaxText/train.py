@@ -17,19 +17,18 @@ from MaxText.train_step import Trainer, device_batch
 
 
 def _evaluate_rows(trainer: Trainer, config, params, rows) -> dict:
-  """loss (cross entropy, no z-loss, MoE router or multi-token prediction losses), perplexity, accuracy (and
-  mtp_loss) of eval_steps batches of `rows`."""
+  """loss (the cross entropy, no z-loss or auxiliary terms), perplexity, accuracy and what the
+  model's terms report (objective.Sums.metrics) of eval_steps batches of `rows`."""
   batches = input_pipeline.create_eval_iterator(config, rows)
-  sums = None
+  total = None
   for _ in range(config.eval_steps):
-    batch_sums = trainer.eval_step(params, device_batch(trainer, next(batches)))
-    sums = batch_sums if sums is None else jax.tree.map(jnp.add, sums, batch_sums)
-  sums = {k: float(v) for k, v in jax.device_get(sums).items()}
-  weights = max(sums["weights"], 1.0)
-  cross_entropy = (sums["loss"] - sums["z_loss"] - sums.get("moe_aux_loss", 0.0)) / weights
-  mtp = {"mtp_loss": sums["mtp_loss"] / weights} if "mtp_loss" in sums else {}
+    sums = trainer.eval_step(params, device_batch(trainer, next(batches)))
+    total = sums if total is None else jax.tree.map(jnp.add, total, sums)
+  loss, sums = jax.tree.map(float, jax.device_get(total))
+  weights = max(sums.weights, 1.0)
+  cross_entropy = (loss - sums.z_loss) / weights
   return {"loss": cross_entropy, "perplexity": math.exp(min(cross_entropy, 50.0)),
-          "accuracy": sums["correct"] / weights, **mtp}
+          "accuracy": sums.correct / weights, **{name: value / weights for name, value in sums.metrics.items()}}
 
 
 def evaluate(trainer: Trainer, config, params, data) -> dict:

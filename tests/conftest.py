@@ -194,9 +194,9 @@ def loss_gradients(config, batch=None, params=None, hlo=None):
   import jax
   import numpy as np
 
-  from MaxText import sharding, train_step
+  from MaxText import objective, sharding, train_step
   trainer, params = trainer_and_params(config, params)
-  loss = lambda params, batch: train_step.batch_sums(trainer.model, config, params, batch)[0]
+  loss = lambda params, batch: objective.batch_sums(trainer.model, config, params, batch)[0]
   batch = fixed_batch(config) if batch is None else batch
   with sharding.activate(trainer.mesh, config):
     batch = train_step.device_batch(trainer, batch)
@@ -206,6 +206,18 @@ def loss_gradients(config, batch=None, params=None, hlo=None):
     hlo.append(compiled.as_text())
   leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(grads))
   return {"loss": np.asarray(value), **{jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}}
+
+
+def sown_statistics(block, params, x) -> dict:
+  """A lone MoE layer's router statistics as it reports them on x: its Term's metrics (its own
+  per-token means) and the load per expert it sows for the routed bias, as numpy arrays."""
+  import jax
+
+  from MaxText.layers import moe, terms
+  apply = jax.jit(lambda p, x: block.apply({"params": p}, x, mutable=["intermediates", terms.TERMS])[1])
+  state = jax.device_get(apply(params, x))
+  (term,) = state[terms.TERMS]["term"]
+  return {**term.metrics, moe.EXPERT_LOAD: state["intermediates"][moe.EXPERT_LOAD][0]}
 
 
 def with_slow_decays(params, seed=0):
@@ -227,9 +239,9 @@ def loss_and_gradients_of(config, params, batch):
   and gathered: no initialisation compiled."""
   import jax
 
-  from MaxText import sharding, train_step
+  from MaxText import objective, sharding, train_step
   trainer = train_step.build(config, sharding.create_mesh(config))
-  fn = jax.jit(jax.value_and_grad(lambda p, b: train_step.batch_sums(trainer.model, config, p, b)[0]))
+  fn = jax.jit(jax.value_and_grad(lambda p, b: objective.batch_sums(trainer.model, config, p, b)[0]))
   with sharding.activate(trainer.mesh, config):
     loss, grads = fn(jax.device_put(params, trainer.state_sharding.params), train_step.device_batch(trainer, batch))
   return float(loss), jax.device_get(grads)

@@ -16,6 +16,7 @@ from conftest import (
   fixed_batch,
   loss_and_gradients_of,
   on_devices,
+  sown_statistics,
   tiny_config,
   trainer_and_state,
 )
@@ -86,8 +87,7 @@ def test_routed_and_shared_experts_equal_every_expert_routed_in_numpy():
   assert_trees_close(got, want, RTOL, "routed")
   # The router's statistics are those of the biased choice; the balancing loss takes the scores
   # normalised per token.
-  _, state = jax.jit(functools.partial(block.apply, mutable="intermediates"))({"params": params}, x)
-  sown = {name: np.asarray(value[0]) for name, value in state["intermediates"].items()}
+  sown = sown_statistics(block, params, x)
   load = np.bincount(experts.ravel(), minlength=cfg.num_experts)
   scores = 1 / (1 + np.exp(-logits.reshape(-1, cfg.num_experts)))
   probs = scores / scores.sum(-1, keepdims=True)

@@ -201,3 +201,11 @@ def test_importing_the_package_changes_nothing_in_the_process():
   assert result.returncode == 0, result.stderr[-3000:]
   assert json.loads(result.stdout.splitlines()[-1]) == {"env": [], "asyncio": [], "new_event_loop": "asyncio.events",
                                                         "plotting": []}
+
+
+def test_the_train_step_and_loop_name_no_model_feature():
+  """What a model adds to its objective reaches the step as terms.Term and objective.Sums: the step
+  and the loop never name the features that add them."""
+  for name in ("train_step.py", "train.py"):
+    text = (ROOT / "MaxText" / name).read_text()
+    assert not re.findall(r"expert|router|moe|mtp|multi.token", text, re.IGNORECASE), name

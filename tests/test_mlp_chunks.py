@@ -14,7 +14,7 @@ from conftest import (
   trainer_and_state,
 )
 
-from MaxText import costs, sharding, train_step
+from MaxText import costs, objective, sharding, train_step
 from MaxText.layers.linears import MlpBlock
 
 # The project's bound for a memory setting. Slices sum in another order than the whole, and how
@@ -36,7 +36,7 @@ VARIANTS = {
 def compiled_loss_and_grads(config, params, batch):
   """(temp bytes of the compiled value_and_grad of the summed loss, loss, gradients)."""
   trainer = train_step.build(config, sharding.create_mesh(config))
-  fn = jax.jit(jax.value_and_grad(lambda p, b: train_step.batch_sums(trainer.model, config, p, b)[0]))
+  fn = jax.jit(jax.value_and_grad(lambda p, b: objective.batch_sums(trainer.model, config, p, b)[0]))
   with sharding.activate(trainer.mesh, config):
     args = (jax.device_put(params, trainer.state_sharding.params), train_step.device_batch(trainer, batch))
     compiled = fn.lower(*args).compile()

@@ -20,6 +20,7 @@ from conftest import (
   loss_gradients,
   on_devices,
   run_command,
+  sown_statistics,
   tiny_config,
   trainer_and_state,
 )
@@ -133,8 +134,7 @@ def test_capacity_routing_holds_no_buffer_of_every_copy():
 def test_router_losses_and_imbalance_match_numpy():
   cfg = tiny_config(*MOE, num_devices=1)
   block, params, x = layer_and_inputs(cfg, seed=3)
-  _, state = block.apply({"params": params}, x, mutable="intermediates")
-  sown = {name: np.asarray(value[0]) for name, value in state["intermediates"].items()}
+  sown = sown_statistics(block, params, x)
   logits = np.einsum("btd,de->bte", np.asarray(x, np.float64), params["gate"]["kernel"]).reshape(-1, cfg.num_experts)
   lse = np.log(np.exp(logits).sum(-1))
   probs = np.exp(logits - lse[:, None])
@@ -143,6 +143,8 @@ def test_router_losses_and_imbalance_match_numpy():
   tokens = logits.shape[0]
   want = {"moe_lb_loss": cfg.num_experts * np.sum(load / tokens * probs.mean(0)),
           "moe_z_loss": np.mean(lse**2), "moe_imbalance": load.max() / load.mean(), moe.EXPERT_LOAD: load}
+  want["moe_aux_loss"] = (cfg.load_balance_loss_weight * want["moe_lb_loss"]
+                          + cfg.router_z_loss_weight * want["moe_z_loss"])
   assert sown.keys() == want.keys()
   for name in want:
     np.testing.assert_allclose(sown[name], want[name], rtol=RTOL, err_msg=name)

@@ -16,7 +16,7 @@ import pytest
 from conftest import BASE_YML, ROOT, assert_trees_close, loss_and_gradients_of, model_inputs, on_devices, tiny_config
 from safetensors.numpy import load_file, save_file
 
-from MaxText import costs, errors, pyconfig, train_step
+from MaxText import costs, errors, objective, pyconfig
 from MaxText.checkpoint_conversion import mapping, to_huggingface, to_maxtext
 from MaxText.layers import decoders, moe, multi_token_prediction
 from MaxText.layers.models import Transformer
@@ -130,15 +130,15 @@ def test_without_mtp_the_parameters_and_loss_are_the_models_own(reference):
   tree = jax.eval_shape(lambda: Transformer(off).init(jax.random.key(0), tokens, tokens, tokens)["params"])
   without = {name: value for name, value in params.items() if name != "mtp"}
   assert jax.tree.structure(nn.meta.unbox(tree)) == jax.tree.structure(without)
-  loss = jax.jit(lambda p: train_step.batch_sums(Transformer(off), off, p, batch)[0])(without)
+  loss = jax.jit(lambda p: objective.batch_sums(Transformer(off), off, p, batch)[0])(without)
   np.testing.assert_allclose(loss, main, rtol=RTOL)
 
 
 def test_evaluation_reports_the_main_loss_and_the_mtp_loss_beside_it(reference):
   cfg, params, batch, main, mtp, _ = reference
-  loss, sums = jax.jit(lambda p: train_step.batch_sums(Transformer(cfg), cfg, p, batch, train=False))(params)
+  loss, sums = jax.jit(lambda p: objective.batch_sums(Transformer(cfg), cfg, p, batch, train=False))(params)
   np.testing.assert_allclose(loss, main, rtol=RTOL)
-  np.testing.assert_allclose(sums["mtp_loss"], mtp / cfg.mtp_loss_scaling_factor, rtol=RTOL)
+  np.testing.assert_allclose(sums.metrics["mtp_loss"], mtp / cfg.mtp_loss_scaling_factor, rtol=RTOL)
 
 
 def test_flops_count_each_prediction_layer_as_a_layer_plus_its_projection_and_head():

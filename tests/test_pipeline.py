@@ -27,13 +27,15 @@ MODELS = {
     # attend with the wrong window.
     "gemma2": ("base_num_decoder_layers=4", "decoder_block=gemma2", "logits_via_embedding=true",
                "sliding_window_size=6", "attn_logits_soft_cap=50.0", "final_logits_soft_cap=30.0"),
-    # DeepSeek's layout: a dense first layer (before the stages, on every device), then 4 MoE layers
-    # with sigmoid scores, a correction bias whose loads the step reports, and a shared expert. The
-    # router's losses are per microbatch (not linear in its tokens), so the reference is one device
-    # accumulating the same 4 microbatches' gradients.
+    # DeepSeek-V3's layout: a dense first layer (before the stages, on every device), then 4 MoE
+    # layers with sigmoid scores, a correction bias whose loads the step reports, and a shared
+    # expert; after the stages a multi-token prediction layer (an MoE layer too). The router's
+    # losses and the prediction's are per microbatch (not linear in its tokens), so the reference
+    # is one device accumulating the same 4 microbatches' gradients.
     "moe": ("base_num_decoder_layers=5", "first_num_dense_layers=1", "decoder_block=qwen3_moe", "num_experts=4",
             "num_experts_per_tok=2", "base_moe_mlp_dim=24", "load_balance_loss_weight=0.1",
-            "router_z_loss_weight=0.01", "routed_score_func=sigmoid", "routed_bias=true", "shared_experts=1"),
+            "router_z_loss_weight=0.01", "routed_score_func=sigmoid", "routed_bias=true", "shared_experts=1",
+            "mtp_num_layers=1", "mtp_loss_scaling_factor=0.3"),
     # Llama 4, every other layer routed: stages of whole blocks (a dense layer and a routed one),
     # the routed layers' loads reported in the block's stored layout; its chunks, NoPE layer 3 with
     # temperature tuning and unit-RMS queries and keys, each at its layer's index within its stage.

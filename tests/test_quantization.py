@@ -20,7 +20,7 @@ from conftest import (
   trainer_and_state,
 )
 
-from MaxText import accelerators, costs, errors, pyconfig, run_control, sharding, train, train_step
+from MaxText import accelerators, costs, errors, objective, pyconfig, run_control, sharding, train, train_step
 from MaxText.layers import linears
 
 MOE = ("decoder_block=qwen3_moe", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32")
@@ -56,7 +56,7 @@ def test_the_seam_quantizes_each_activation_row_and_weight_column_as_numpy_does(
 def compiled_step_text(*overrides):
   config = tiny_config("per_device_batch_size=2", "base_num_decoder_layers=1", *overrides)
   trainer, state = trainer_and_state(config)
-  loss = lambda p, b: train_step.batch_sums(trainer.model, config, p, b)[0]
+  loss = lambda p, b: objective.batch_sums(trainer.model, config, p, b)[0]
   with sharding.activate(trainer.mesh, config):
     batch = train_step.device_batch(trainer, fixed_batch(config))
     return jax.jit(jax.grad(loss)).lower(state.params, batch).compile().as_text()
@@ -104,7 +104,7 @@ def test_fp8_quantizes_the_experts_grouped_matmuls_too(quantization):
   trainer, state = trainer_and_state(config)
   with sharding.activate(trainer.mesh, config):
     batch = train_step.device_batch(trainer, fixed_batch(config))
-    jaxpr = jax.make_jaxpr(jax.grad(lambda p: train_step.batch_sums(trainer.model, config, p, batch)[0]))(
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: objective.batch_sums(trainer.model, config, p, batch)[0]))(
         state.params)
   # Each grouped product's operand types: the three projections forward (twice: recomputed under
   # remat_policy=full) and each one's two backward products, one operand the incoming gradient.

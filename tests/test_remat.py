@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import assert_trees_close, fixed_batch, on_devices, tiny_config, trainer_and_state
 
-from MaxText import costs, remat, sharding, train_step
+from MaxText import costs, objective, remat, sharding, train_step
 
 # docs/design/remat.md states this tolerance.
 RTOL = 1e-5
@@ -40,7 +40,7 @@ def gradients():
     config = tiny_config(*MODEL, *overrides)
     trainer = train_step.build(config, sharding.create_mesh(config))
     loss_and_grads = jax.jit(jax.value_and_grad(
-        lambda p, b, model=trainer.model, config=config: train_step.batch_sums(model, config, p, b)[0]))
+        lambda p, b, model=trainer.model, config=config: objective.batch_sums(model, config, p, b)[0]))
     with sharding.activate(trainer.mesh, config):
       args = (jax.device_put(params, trainer.state_sharding.params), train_step.device_batch(trainer, batch))
       compiled = loss_and_grads.lower(*args).compile()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import TINY, assert_trees_close, fixed_batch, run_command, tiny_config, trainer_and_state
 
-from MaxText import costs, metrics, sharding, train, train_step
+from MaxText import costs, metrics, objective, sharding, train, train_step
 
 
 def run_steps(config, batch, steps):
@@ -41,9 +41,9 @@ def test_gradient_accumulation_gives_the_gradient_of_one_big_batch():
   with sharding.activate(trainer.mesh, whole):
     batch = train_step.device_batch(trainer, batch)
     want_loss, want_grads = jax.jit(jax.value_and_grad(
-        lambda p: train_step.batch_sums(trainer.model, whole, p, batch)[0]))(state.params)
+        lambda p: objective.batch_sums(trainer.model, whole, p, batch)[0]))(state.params)
     (loss, sums), grads = jax.jit(lambda p: train_step.gradients(model, accumulated, p, batch))(state.params)
-  assert float(sums["weights"]) == tokens
+  assert float(sums.weights) == tokens
   np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
   assert_trees_close(jax.device_get(grads), jax.device_get(jax.tree.map(lambda g: g / tokens, want_grads)), rtol=1e-5)
 

@@ -28,6 +28,11 @@ def layer_kind(cfg, index: int) -> LayerKind:
                    mixer="gated_delta_net" if linear else "attention")
 
 
+def moe_layers(cfg) -> int:
+  """The model's mixture-of-experts layers, multi-token prediction's included."""
+  return sum(layer_kind(cfg, i).moe for i in range(cfg.base_num_decoder_layers + cfg.mtp_num_layers))
+
+
 def period(cfg) -> int:
   """Layers after which the kinds repeat (from the first routed layer on); cfg: the config, or
   its dict of values."""

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from MaxText import remat
-from MaxText.layers import moe, pipeline, quantizations
+from MaxText.layers import moe, pipeline, quantizations, terms
 from MaxText.layers.attentions import Attention
 from MaxText.layers.blocks import Stack, stacks
 from MaxText.layers.gated_delta_net import GatedDeltaNet
@@ -102,8 +102,8 @@ class DecoderBlock(nn.Module):
 def scanned(module, cfg, length: int, *args, name: str, axis: str = "layers"):
   """nn.scan of module(cfg, *args) over `length` steps: parameters stacked on an axis with the
   logical name `axis`, the carry x, positions and segment ids broadcast, one index per step
-  scanned. What the layers sow (the MoE router's statistics) is stacked the same way."""
-  return nn.scan(module, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
+  scanned. What the layers sow (their terms, the MoE layers' loads) is stacked the same way."""
+  return nn.scan(module, variable_axes={"params": 0, "intermediates": 0, terms.TERMS: 0}, split_rngs={"params": True},
                  in_axes=(nn.broadcast, nn.broadcast, 0), length=length,
                  metadata_params={nn.PARTITION_NAME: axis})(cfg, *args, name=name)
 
@@ -194,23 +194,25 @@ def apply_stack(cfg, stack: Stack, layers, x, positions, segment_ids):
 
 def pipeline_stage(cfg, stack: Stack) -> pipeline.Stage:
   """The stack's layers as a pipeline stage runs them: L / (S R) consecutive layers (whole
-  blocks), regrouped and run as LayerStack runs a stack of that depth, with their MoE layers'
-  router statistics ({name: [MoE layers of the L / (S R), ...]}, `layer_stats`)."""
+  blocks), regrouped and run as LayerStack runs a stack of that depth, with what their layers
+  report: {terms.TERMS: their Terms collected into one, and their MoE layers' loads
+  (`layer_stats`)}."""
   depth = stack.depth // (cfg.pipeline_stages * cfg.num_pipeline_repeats)
   part = stack._replace(depth=depth)
 
   def apply(layers, x, positions, segment_ids, first):
     y, state = LayerStack(cfg, part, parent=None).apply({"params": layers}, x, positions, segment_ids, first,
-                                                        mutable="intermediates")
-    return y, layer_stats(cfg, part, state.get("intermediates", {}))
+                                                        mutable=["intermediates", terms.TERMS])
+    return y, {terms.TERMS: terms.collect(state.get(terms.TERMS, {})),
+               **layer_stats(cfg, part, state.get("intermediates", {}))}
 
   return pipeline.Stage(functools.partial(regroup, cfg, part), apply, depth, stack.first)
 
 
 def layer_stats(cfg, stack: Stack, grouped) -> dict:
-  """{name: [MoE layers, ...]} what each of the stack's MoE layers sowed (the router's statistics,
-  moe.AUX_NAMES, and its load per expert, moe.EXPERT_LOAD, those the intermediates hold), in layer
-  order, from a LayerStack's intermediates; {} for a stack of dense layers."""
+  """{name: [MoE layers, ...]} what each of the stack's MoE layers sowed into its intermediates (its
+  load per expert, moe.EXPERT_LOAD), in layer order, from a LayerStack's intermediates; {} for a
+  stack of dense layers."""
   sown = [(functools.reduce(lambda tree, key: tree[key], path, grouped)["moe_block"], step)
           for i, (path, step) in enumerate(_layer_order(cfg, stack)) if stack.kind(i).moe]
   if not sown:
@@ -242,7 +244,7 @@ def expert_loads(cfg, intermediates) -> dict:
           for stack in stacks(cfg) if stack.moe_layers()}
 
 
-# Where a pipelined decoder sows its MoE layers' statistics: {name: [microbatch, layer, ...]}.
+# Where a pipelined decoder sows its MoE layers' loads: {name: [microbatch, layer, ...]}.
 PIPELINE_STATS = "pipeline_stats"
 
 
@@ -282,6 +284,7 @@ class Decoder(nn.Module):
       elif cfg.pipeline_stages > 1 and stack is last:
         x, stats = pipeline.forward(cfg, pipeline_stage(cfg, stack), self.variables["params"][stack.name], x,
                                     positions, segment_ids)
+        self.sow(terms.TERMS, terms.PER_MICROBATCH, stats.pop(terms.TERMS))
         if stats:
           self.sow("intermediates", PIPELINE_STATS, stats)
       else:

@@ -22,10 +22,10 @@ dense MLP) and split along `exp` (expert parallelism: see _local_moe) and `mlp` 
 parallelism), whose partial outputs are summed. With mlp_chunks > 1 they arrive still sharded
 by FSDP, and the experts run a slice of their hidden units at a time, each slice of the kernels
 gathered inside its step (_swiglu). The router's statistics (load-balancing loss,
-z-loss, load imbalance) are taken over all tokens of the batch and sown into the `intermediates`
-collection, one value per MoE layer; `aux_means` averages them over layers for the loss and the
-metrics. Each layer's load per expert is sown too (EXPERT_LOAD): the train step moves the
-correction bias by it (`update_routed_bias`).
+z-loss, load imbalance) are taken over all tokens of the batch; each layer sows them, with the
+router's weighted losses (moe_aux_loss), as its share of a mean over the model's MoE layers
+(a terms.Term). Each layer's load per expert is sown into `intermediates` (EXPERT_LOAD): the step
+moves the correction bias by it (`update_routed_bias`).
 """
 
 import functools
@@ -38,13 +38,14 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from MaxText import sharding
-from MaxText.layers import quantizations
+from MaxText.layers import quantizations, terms
+from MaxText.layers.blocks import moe_layers
 from MaxText.layers.linears import DenseGeneral, MlpBlock, gated, matmul, sum_of_slices, weights_as
 from MaxText.layers.linears import kernel as linear_kernel
 
 TOKENS = ("activation_batch", "activation_length", "activation_embed")
-# Sown per MoE layer, averaged over layers: the Switch/MaxText load-balancing loss, the router
-# z-loss, and max/mean of the copies routed to each expert (1 when perfectly balanced).
+# A Term's metrics per MoE layer, averaged over layers: the Switch/MaxText load-balancing loss,
+# the router z-loss, and max/mean of the copies routed to each expert (1 when perfectly balanced).
 AUX_NAMES = ("moe_lb_loss", "moe_z_loss", "moe_imbalance")
 # Sown per MoE layer: the copies routed to each expert [E] over the whole batch.
 EXPERT_LOAD = "expert_load"
@@ -474,8 +475,10 @@ class MoeBlock(nn.Module):
       _, weights, chosen = route(logits, bias, cfg)
       combine = jnp.sum(jax.nn.one_hot(chosen, experts, dtype=jnp.float32) * weights[..., None], axis=-2)
       out = out + jnp.einsum("bte,ed->btd", combine, wo_bias.astype(jnp.float32)).astype(out.dtype)
-    for name, value in stats.items():
-      self.sow("intermediates", name, value)
+    load = stats.pop(EXPERT_LOAD)
+    self.sow("intermediates", EXPERT_LOAD, load)
+    aux = cfg.load_balance_loss_weight * stats["moe_lb_loss"] + cfg.router_z_loss_weight * stats["moe_z_loss"]
+    terms.sow(self, aux, {**stats, "moe_aux_loss": aux}, share=1 / moe_layers(cfg))
     if cfg.shared_experts:
       shared = MlpBlock(cfg, units=cfg.shared_experts * hidden, name="shared_experts")(x)
       if cfg.shared_expert_gate:  # per token, sigmoid(x . w) of a [D, 1] kernel
@@ -525,14 +528,3 @@ class MoeBlock(nn.Module):
     if cfg.expert_exchange == "auto":
       return "all_to_all" if devices > cfg.num_experts_per_tok else "all_gather"
     return cfg.expert_exchange
-
-
-def aux_means(intermediates) -> dict:
-  """{name: mean over MoE layers} of the statistics the layers sowed (scanned layers sow one
-  value per step of the scan); {} for a model without MoE layers."""
-  values = {}
-  for path, leaf in jax.tree_util.tree_leaves_with_path(intermediates):
-    name = path[-2].key if isinstance(path[-1], jax.tree_util.SequenceKey) else path[-1].key
-    if name in AUX_NAMES:
-      values.setdefault(name, []).append(jnp.ravel(leaf))
-  return {name: jnp.mean(jnp.concatenate(parts)) for name, parts in values.items()}

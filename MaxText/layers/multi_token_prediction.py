@@ -14,7 +14,7 @@ of the model's kind, attending causally within the rows' documents as the decode
 import flax.linen as nn
 import jax.numpy as jnp
 
-from MaxText.layers import moe
+from MaxText.layers import moe, terms
 from MaxText.layers.blocks import layer_kind
 from MaxText.layers.decoders import layer_class
 from MaxText.layers.linears import BATCH_LENGTH_EMBED, kernel_init, matmul, weights_as
@@ -28,6 +28,29 @@ def shifted(x, k: int):
   """x[:, i + k] at position i ([B, T, ...]); the last k positions wrap around. Causal attention
   keeps them from every position whose prediction is scored (the loss's weights drop the rest)."""
   return jnp.roll(x, -k, axis=1)
+
+
+def weights(batch, k: int):
+  """Which positions i the k-th layer is scored at: those whose target t[i + k + 1] (targets[i + k])
+  is scored, within the row and in position i's document."""
+  segments = batch["inputs_segmentation"]
+  inside = jnp.arange(segments.shape[1]) < segments.shape[1] - k
+  same_document = shifted(segments, k) == segments
+  return (inside & same_document & (shifted(batch["targets_segmentation"], k) != 0)).astype(jnp.float32)
+
+
+def term(cfg, hidden_states, batch, cross_entropy) -> terms.Term:
+  """The D layers' term of the training objective: the mean over the layers of their cross
+  entropies, each a mean over its scored tokens (mtp_loss, and mtp_loss_{k} each one's where
+  D > 1), the loss adding mtp_loss_scaling_factor times it. cross_entropy(hidden, targets,
+  weights) is the model's head's, summed over the weighted tokens."""
+  means = []
+  for k, hidden in enumerate(hidden_states, 1):
+    scored = weights(batch, k)
+    means.append(cross_entropy(hidden, shifted(batch["targets"], k), scored) / jnp.maximum(jnp.sum(scored), 1.0))
+  mean = sum(means) / len(means)
+  each = {f"mtp_loss_{k}": m for k, m in enumerate(means, 1)} if len(means) > 1 else {}
+  return terms.Term(cfg.mtp_loss_scaling_factor * mean, {"mtp_loss": mean, **each}, jnp.ones((), jnp.float32))
 
 
 class MtpLayer(nn.Module):

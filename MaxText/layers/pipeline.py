@@ -43,8 +43,8 @@ class Stage(NamedTuple):
   """A stage's layers as functions of its slice [L / (S R), ...] of the stored layers."""
 
   regroup: Callable  # the slice -> the layout its layers read (linear, so its transpose is cheap)
-  # (regrouped, x, positions, segment ids, model's index of its first layer) -> (x, {name: per layer
-  # [L / (S R), ...]}: what its layers report, the MoE router's statistics; {} for dense layers)
+  # (regrouped, x, positions, segment ids, model's index of its first layer) -> (x, what its layers
+  # report: a tree of arrays, the same for every stage)
   apply: Callable
   per_stage: int  # layers per stage and repeat
   first: int  # the model's index of the stack's first layer
@@ -148,8 +148,9 @@ def _stage_run(cfg, stage: Stage):
 
 def forward(cfg, stage: Stage, layers, x, positions, segment_ids):
   """x [B, T, D] through a stack's layers pipelined over its stages, GPipe's schedule
-  (circular when R > 1); differentiable, so autodiff gives the backward. Returns it and the
-  layers' statistics {name: [microbatch, layer, ...]} (each microbatch's, in layer order)."""
+  (circular when R > 1); differentiable, so autodiff gives the backward. Returns it and what the
+  stages reported (Stage.apply), each leaf [microbatch, stage and repeat, ...]: each microbatch's,
+  in layer order."""
   stages, repeats, count = cfg.pipeline_stages, cfg.num_pipeline_repeats, cfg.num_pipeline_microbatches
   run = _stage_run(cfg, stage)
   params = stage_layers(cfg, layers)
@@ -170,29 +171,29 @@ def forward(cfg, stage: Stage, layers, x, positions, segment_ids):
     buffer = _on_stages(_put(buffer, done, out[-1]), BUFFER_AXES)
     # Each stage's statistics at [its microbatch, its repeat, the stage].
     hits = ((jnp.arange(count)[:, None, None] == m) & (jnp.arange(repeats)[None, :, None] == repeat) & ran)
-    stats = {k: jnp.where(hits.reshape(*hits.shape, *(1,) * (v.ndim - 1)), v, stats[k]) for k, v in new.items()}
+    stats = jax.tree.map(lambda v, old: jnp.where(hits.reshape(*hits.shape, *(1,) * (v.ndim - 1)), v, old), new, stats)
     return (_on_stages(_shift(out, 1), STATE_AXES), buffer, stats), None
 
   buffer = _on_stages(buffer, BUFFER_AXES)
   state = _on_stages(jnp.zeros((stages, *buffer.shape[1:]), buffer.dtype), STATE_AXES)
   shapes = jax.eval_shape(run, params, index, state, positions[:stages], segment_ids[:stages])[1]
-  stats = {k: jnp.zeros((count, repeats, *v.shape), v.dtype) for k, v in shapes.items()}
+  stats = jax.tree.map(lambda v: jnp.zeros((count, repeats, *v.shape), v.dtype), shapes)
   (_, buffer, stats), _ = jax.lax.scan(iteration, (state, buffer, stats), jnp.arange(repeats * count + stages - 1))
   # [M, R, S, L / (S R), ...]: the layers of repeat r and stage s are the (r S + s)-th group.
-  return rows(buffer), {k: v.reshape(count, -1, *v.shape[4:]) for k, v in stats.items()}
+  return rows(buffer), jax.tree.map(lambda v: v.reshape(count, -1, *v.shape[4:]), stats)
 
 
 def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, batch: dict, report: Callable):
-  """1F1B: ((loss, sums), (gradient of the stack's layers, gradient of `rest`), the layers'
-  statistics {name: [layer, ...]} summed over the microbatches) of the batch's microbatches,
-  each iteration one forward and one backward per stage.
+  """1F1B: ((loss, the head's sums, the reports' sums), (gradient of the stack's layers, gradient
+  of `rest`), what the stages reported (Stage.apply), each leaf [layer, ...] summed over the
+  microbatches) of the batch's microbatches, each iteration one forward and one backward per stage.
 
   embed(rest, microbatch) -> x [m, T, D]: the first stage's input; head(rest, y, microbatch) ->
   (loss, sums): the loss of the last stage's output, whose gradient starts the backward;
-  report(microbatch, a stage's statistics) -> (loss, sums): what the layers' statistics add,
-  linear in them (the MoE router's losses; its gradient is the statistics' cotangent). `rest`
-  are the parameters besides the stack (the embedding, the final norm, the head); `sums` are
-  summed over the microbatches as the loss is."""
+  report(microbatch, what a stage reported) -> (loss, sums): what the layers' reports add to the
+  loss, linear in them (their terms; its gradient is the reports' cotangent). `rest` are the
+  parameters besides the stack (the embedding, the final norm, the head and what follows it);
+  each `sums` (a tree of arrays) is summed over the microbatches as the loss is."""
   stages, count = cfg.pipeline_stages, cfg.num_pipeline_microbatches
   # Microbatches in flight at a stage: at most the round trip's 2S - 1, and never more than M.
   slots = min(2 * stages - 1, count)
@@ -218,10 +219,10 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   head_shape = jax.eval_shape(lambda: head(rest, state[0], take(0)))
   report_shape = jax.eval_shape(lambda: reported(per_stage(index), zeros(stats_shape)))
   per_stage_sums = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), report_shape[1])
-  total = (jnp.zeros((), head_shape[0].dtype), zeros({**head_shape[1], **per_stage_sums}))
+  total = (jnp.zeros((), head_shape[0].dtype), zeros(head_shape[1]), zeros(per_stage_sums))
   mask = lambda live, x: jnp.where(live.reshape(-1, *(1,) * (x.ndim - 1)), x, 0)
 
-  def head_one(y, microbatch, scored):
+  def head_one(rest, y, microbatch, scored):
     out, vjp = jax.vjp(lambda r, y: head(r, y, microbatch), rest, y)
     d_rest, dy = vjp((jnp.where(scored, 1.0, 0.0).astype(out[0].dtype), zeros(out[1])))
     return out, d_rest, dy
@@ -230,6 +231,9 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
     return jax.vjp(lambda r: embed(r, microbatch), rest)[1](dx)[0]
 
   heads = jax.vmap(head_one, spmd_axis_name="pipeline")
+  # `rest` as every stage's own copy: a grouped matmul (the experts of a layer after the stack,
+  # multi-token prediction's) batches only where its weights are batched too.
+  rest_on_stages = jax.tree.map(lambda a: _on_stages(jnp.broadcast_to(a, (stages, *a.shape))), rest)
   embeds = jax.vmap(embed_one, spmd_axis_name="pipeline")
 
   def iteration(carry, t):
@@ -251,10 +255,10 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
     # stage on its own output and kept by the last, so that no stage's output crosses to another.
     m_l = t - stages + 1
     scored = (index == stages - 1) & (m_l >= 0) & (m_l < count)
-    out, d_rest, dy = heads(y, per_stage(jnp.full((stages,), m_l)), scored)
+    out, d_rest, dy = heads(rest_on_stages, y, per_stage(jnp.full((stages,), m_l)), scored)
     total = (total[0] + loss + jnp.sum(mask(scored, out[0])),
-             {k: v + sums.get(k, 0) + jnp.sum(mask(scored, out[1][k])) if k in out[1] else v + sums.get(k, 0)
-              for k, v in total[1].items()})
+             jax.tree.map(lambda a, b: a + jnp.sum(mask(scored, b), axis=0), total[1], out[1]),
+             jax.tree.map(jnp.add, total[2], sums))
     # Backward: stage s runs microbatch t - 2S + 2 + s, its cotangent from stage s + 1 (the
     # last stage's from the loss above).
     cotangent = _on_stages(jnp.where((index == stages - 1).reshape(-1, *(1,) * (dy.ndim - 1)), dy, cotangent),
@@ -280,4 +284,4 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
                                                                jnp.arange(count + 2 * stages - 2))
   (layer_grads,) = to_stored(grads)
   rest_grads = jax.tree.map(lambda g: jnp.sum(g, axis=0), rest_grads)
-  return total, (layer_grads, rest_grads), {k: v.reshape(-1, *v.shape[2:]) for k, v in stats_sums.items()}
+  return total, (layer_grads, rest_grads), jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), stats_sums)
