@@ -110,7 +110,7 @@ def test_qwen3_next_on_8_devices_gives_one_devices_loss_and_gradients(one_device
 
 
 def _temp_bytes(length: int) -> int:
-  config = tiny_config("decoder_block=qwen3_next", "base_num_decoder_layers=4", "inhomogeneous_layer_cycle_interval=4",
+  config = tiny_config("decoder_block=qwen3_next", "base_num_decoder_layers=2", "inhomogeneous_layer_cycle_interval=2",
                        "base_emb_dim=32", "head_dim=8", "gdn_num_key_heads=2", "gdn_num_value_heads=4",
                        "gdn_key_head_dim=8", "gdn_value_head_dim=8", "num_experts=2", "num_experts_per_tok=1",
                        "base_moe_mlp_dim=32", "shared_experts=1", "attention=chunked", "attention_chunk_size=1024",
@@ -119,7 +119,7 @@ def _temp_bytes(length: int) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-def test_a_step_of_three_linear_layers_and_one_chunked_attention_layer_takes_memory_linear_in_length():
+def test_a_step_of_a_linear_layer_and_a_chunked_attention_layer_takes_memory_linear_in_length():
   """XLA:CPU's temp memory of the compiled step at 16,384 tokens is at most 2.2 times that at 8,192."""
   assert _temp_bytes(16384) <= 2.2 * _temp_bytes(8192)
 
