@@ -197,6 +197,41 @@ def signals_raise():
       signal.signal(s, handler)
 
 
+class SignalReceived(Exception):
+  """What signals_deferred's check raises: an Exception, so that the library running the work it
+  checks in (orbax's writer thread) fails that work as its own and returns to the caller."""
+
+
+@contextlib.contextmanager
+def signals_deferred():
+  """Within signals_raise, for work in another thread (orbax's writer): SIGTERM and SIGINT are
+  recorded and the work stops at its next `check()` (yielded), which raises SignalReceived. A
+  signal raised in the main thread at once would leave that thread writing, and printing its
+  tracebacks, while the caller's cleanup removed its output. Leaving with an exception after a
+  signal raises what signals_raise turns into Preempted; a body that finished keeps its output."""
+  received = []
+
+  def handle(signum, _):
+    received.append(signum)
+
+  def check():
+    if received:
+      raise SignalReceived(received[0])
+
+  previous = {s: signal.signal(s, handle) for s in SIGNALS}
+  try:
+    yield check
+  except BaseException:
+    if received:
+      raise _Signalled(received[0]) from None
+    raise
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+  if received:
+    logging.warning("%s arrived after the output was complete: kept", SIGNALS[received[0]])
+
+
 def _write_atomic(path: str, text: str) -> None:
   tmp = f"{path}.tmp{os.getpid()}"
   with open(tmp, "w") as f:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -17,6 +18,7 @@ from conftest import BASE_YML, ROOT, TINY, run_command, tiny_config
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
 from MaxText import checkpointing, errors, launch, run_control, train
+from MaxText.checkpoint_conversion import mapping
 from MaxText.checkpointing import CheckpointError
 from MaxText.errors import UserError
 
@@ -82,6 +84,32 @@ def test_a_signal_to_a_tool_is_not_swallowed_by_a_librarys_except_exception():
         pass
       pytest.fail("the signal was swallowed")
   assert stopped.value.exit_code == 128 + signal.SIGTERM
+
+
+def test_a_signal_while_to_maxtext_writes_stops_it_with_one_line_and_leaves_nothing(tmp_path, monkeypatch, capfd):
+  """SIGTERM lands while orbax's writer thread writes the second layer: the writer stops at its
+  next layer, the conversion's directories go, and the one line is the signal's, with none of
+  the writer's tracebacks (the signal raised in the main thread at once left the writer running
+  while the cleanup removed its output)."""
+  to_param, layers = mapping.to_param, []
+
+  def signalled(*args):
+    layers.append(1)
+    if len(layers) == 2:
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(0.2)  # for the main thread to record it before the next layer
+    return to_param(*args)
+
+  monkeypatch.setattr(mapping, "to_param", signalled)
+  threads = set(threading.enumerate())
+  with pytest.raises(run_control.Preempted, match="SIGTERM before the output was complete") as stopped:
+    run_command("checkpoint_conversion.to_maxtext", f"hf_model_path={ROOT / 'tests' / 'assets' / 'hf' / 'llama'}",
+                f"base_output_directory={tmp_path / 'out'}", "run_name=imported")
+  assert stopped.value.exit_code == 128 + signal.SIGTERM
+  assert len(layers) == 2  # the writer read no layer after the signal
+  assert set(threading.enumerate()) <= threads  # nor writes on
+  assert not (tmp_path / "out").exists()
+  assert "Traceback" not in capfd.readouterr().err
 
 
 def test_an_unwritable_checkpoints_directory_is_one_line_before_step_1(tmp_path):

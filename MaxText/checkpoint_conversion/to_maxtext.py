@@ -45,15 +45,17 @@ def resolve_config(argv):
   return config
 
 
-def _write(config, tensors: dict, dtype, path: str) -> None:
+def _write(config, tensors: dict, dtype, path: str, check) -> None:
   """The checkpoint, each parameter a layer at a time as it is written (sliced.save), its
-  checksums (as a run's, so every reader verifies it), then model.yml."""
+  checksums (as a run's, so every reader verifies it), then model.yml; check() before each layer
+  (run_control.signals_deferred's)."""
   tree, sums = {}, {}
   for entry in (entry for entry in mapping.layout(config) if not entry.copy):
     keys, stack, shape = entry.path, entry.stack, entry.shape
     running = sums[".params" + "".join(f"[{key!r}]" for key in keys)] = checkpointing.SliceChecksums()
 
     def read(layer, entry=entry, running=running):
+      check()
       bad = []  # training from it would stop at its first step, naming nothing
 
       def read_tensor(name, region=None):
@@ -102,13 +104,15 @@ def convert(config) -> str:
   os.makedirs(os.path.dirname(output), exist_ok=True)
   staging = run_control.staging_dir(os.path.dirname(output), "to_maxtext")
   checkpointing.quiet_orbax_tracebacks()  # a bad tensor is one line, not each writer thread's traceback
-  try:
-    _write(config, tensors, dtype, os.path.join(staging, "0"))
-  except BaseException:  # a tensor found bad while written: nothing of the conversion stays
-    shutil.rmtree(new if created else staging)
-    raise
-  os.replace(os.path.join(staging, "0"), output)
-  os.rmdir(staging)
+  with run_control.signals_deferred() as check:
+    try:
+      _write(config, tensors, dtype, os.path.join(staging, "0"), check)
+      check()
+    except BaseException:  # a tensor found bad, or a signal, while written: nothing of the conversion stays
+      shutil.rmtree(new if created else staging)
+      raise
+    os.replace(os.path.join(staging, "0"), output)
+    os.rmdir(staging)
   return output
 
 
