@@ -321,6 +321,10 @@ def create_train_iterator(config, data: Data, step: int = 0) -> grain.DatasetIte
   checkpointable."""
   dataset = _batches(data.train, config.global_batch_size_to_train_on, step)
   if data.worker_count:
+    # The workers' batches cross pickled, not in shared memory: grain frees shared memory from a
+    # thread pool that the interpreter's exit cuts short, so every run ended with multiprocessing's
+    # "leaked shared_memory objects" warning; a batch of token ids is a few MB at most.
+    dataset = grain.experimental.WithOptionsIterDataset(dataset, grain.experimental.DatasetOptions(min_shm_size=2**62))
     dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=data.worker_count,
                                                                per_worker_buffer_size=data.worker_buffer_size))
   return iter(dataset)
