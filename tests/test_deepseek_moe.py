@@ -4,6 +4,7 @@ reference routed in numpy; the bias's update after a train step against the step
 recomputed in numpy; dense first layers against a Python loop of the layers; bad input."""
 
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -23,6 +24,7 @@ from conftest import (
 
 from MaxText import costs, errors, optimizers, sharding, train_step
 from MaxText.layers import decoders, moe
+from MaxText.layers.models import Transformer
 from MaxText.layers.normalizations import rms_norm_with
 
 # 8 experts in 4 groups of 2, each token's 3 experts from its 2 best groups, over TINY (width 32).
@@ -206,17 +208,33 @@ def test_expert_loads_come_back_in_layer_order(settings):
   np.testing.assert_array_equal(decoders.expert_loads(cfg, {"decoder": {"moe_layers": sown}})["moe_layers"], loads)
 
 
+def active_weights(cfg) -> int:
+  """The weights a token's matmuls pass through, counted from the parameter tree: every kernel
+  (the router's, the shared experts', the dense MLPs', attention's, the head's), and of the routed
+  experts' num_experts_per_tok of num_experts."""
+  tokens = jnp.zeros((1, cfg.max_target_length), jnp.int32)
+  params = nn.meta.unbox(jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), tokens, tokens,
+                                                                      tokens))["params"])
+  total = 0
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    names = [key.key for key in path]
+    if names[-1] in ("wi_0", "wi_1", "wo") and names[-2] == "moe_block":
+      total += math.prod(leaf.shape) * cfg.num_experts_per_tok // cfg.num_experts
+    elif names[-1].endswith("kernel"):
+      total += math.prod(leaf.shape)
+  return total
+
+
 def test_flops_count_the_shared_experts_and_the_dense_layers():
-  """The model FLOPs of a dense-first model minus those of the same model without dense layers
-  and shared experts: the dense MLPs less the router and experts they replace, and the shared
-  experts of the MoE layers."""
+  """The model FLOPs of a dense-first model with shared experts minus those of the same model all
+  routed without them: 6 per token per active weight of the difference, the weights counted from
+  the two parameter trees (attention's products are the same in both)."""
   cfg = tiny_config(*THREE, num_devices=1)
   plain = tiny_config(*THREE[:-3], "shared_experts=0", num_devices=1)
-  d, tokens = cfg.base_emb_dim, cfg.global_batch_size_to_train_on * cfg.max_target_length
-  moe_mlp = d * cfg.num_experts + cfg.num_experts_per_tok * 3 * d * cfg.base_moe_mlp_dim
-  extra = 2 * (3 * d * cfg.base_mlp_dim - moe_mlp) + cfg.shared_experts * 3 * d * cfg.base_moe_mlp_dim
+  tokens = cfg.global_batch_size_to_train_on * cfg.max_target_length
+  assert active_weights(cfg) != active_weights(plain)
   assert costs.training_flops_per_step(cfg) - costs.training_flops_per_step(plain) == pytest.approx(
-      6 * tokens * extra, rel=1e-12)
+      6 * tokens * (active_weights(cfg) - active_weights(plain)), rel=1e-12)
 
 
 @pytest.mark.parametrize("overrides, message", [

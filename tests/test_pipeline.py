@@ -29,9 +29,7 @@ MODELS = {
                "sliding_window_size=6", "attn_logits_soft_cap=50.0", "final_logits_soft_cap=30.0"),
     # DeepSeek-V3's layout: a dense first layer (before the stages, on every device), then 4 MoE
     # layers with sigmoid scores, a correction bias whose loads the step reports, and a shared
-    # expert; after the stages a multi-token prediction layer (an MoE layer too). The router's
-    # losses and the prediction's are per microbatch (not linear in its tokens), so the reference
-    # is one device accumulating the same 4 microbatches' gradients.
+    # expert; after the stages a multi-token prediction layer (an MoE layer too).
     "moe": ("base_num_decoder_layers=5", "first_num_dense_layers=1", "decoder_block=qwen3_moe", "num_experts=4",
             "num_experts_per_tok=2", "base_moe_mlp_dim=24", "load_balance_loss_weight=0.1",
             "router_z_loss_weight=0.01", "routed_score_func=sigmoid", "routed_bias=true", "shared_experts=1",
@@ -59,9 +57,10 @@ MODELS = {
                    "num_experts_per_tok=2", "base_moe_mlp_dim=32", "shared_experts=1",
                    "load_balance_loss_weight=0.1"),
 }
-# The one-device reference's own overrides.
-REFERENCE = {name: ("gradient_accumulation_steps=4", "per_device_batch_size=4")
-             for name in ("moe", "interleaved", "gpt_oss", "qwen3_next")}
+# The one-device reference: the same batch as 4 accumulated microbatches, as the pipelines' terms
+# (the router's losses, multi-token prediction's) are each microbatch's; for a model without them
+# it is the whole batch's step.
+REFERENCE = ("gradient_accumulation_steps=4", "per_device_batch_size=4")
 # Models whose tests start from parameters of their own (conftest.with_slow_decays), not from an
 # initialisation on the pipeline mesh.
 SLOW_DECAYS = ("qwen3_next",)
@@ -115,10 +114,10 @@ def step_gradients(config, batch, params=None):
 @pytest.fixture(scope="module")
 def one_device():
   """{model: (its batch of 16 rows, its initial parameters and its loss and gradients on one
-  device, no pipeline)}."""
+  device, no pipeline, accumulating 4 microbatches)}."""
   results = {}
   for name, model in MODELS.items():
-    config = tiny_config(*SHARDED, *model, "per_device_batch_size=16", *REFERENCE.get(name, ()))
+    config = tiny_config(*SHARDED, *model, *REFERENCE)
     batch, params = fixed_batch(config), jax.device_get(trainer_and_state(config)[1].params)
     params = with_slow_decays(params) if name in SLOW_DECAYS else params
     results[name] = batch, params, step_gradients(config, batch, params)
