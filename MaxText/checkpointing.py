@@ -131,17 +131,28 @@ def checkpoint_dir(config) -> str:
   return os.path.abspath(os.path.join(config.run_dir, "checkpoints"))
 
 
+def local_checkpoint_dir(config) -> str:
+  """The local tier's checkpoints (enable_emergency_checkpoint): local_checkpoint_directory/run_name."""
+  return os.path.abspath(os.path.join(config.local_checkpoint_directory, config.run_name))
+
+
+def _tiers(config) -> list[str]:
+  return [checkpoint_dir(config), *([local_checkpoint_dir(config)] if config.enable_emergency_checkpoint else [])]
+
+
 def latest_checkpoint(config) -> str | None:
-  """The newest complete step directory of this run (orbax's temporary ones and step-named
-  directories orbax did not commit never count)."""
-  directory = checkpoint_dir(config)
-  steps = [int(d) for d in os.listdir(directory) if d.isdigit()] if os.path.isdir(directory) else []
-  for step in sorted(steps, reverse=True):
-    path = os.path.join(directory, str(step))
-    if os.path.isfile(os.path.join(path, COMMITTED)):
-      return path
-    logging.warning("%s is not a complete checkpoint (no %s): skipped", path, COMMITTED)
-  return None
+  """The newest complete step directory of this run, of either tier (orbax's temporary ones and
+  step-named directories orbax did not commit never count)."""
+  found = []
+  for directory in _tiers(config):
+    steps = [int(d) for d in os.listdir(directory) if d.isdigit()] if os.path.isdir(directory) else []
+    for step in sorted(steps, reverse=True):
+      path = os.path.join(directory, str(step))
+      if os.path.isfile(os.path.join(path, COMMITTED)):
+        found.append((step, path))
+        break
+      logging.warning("%s is not a complete checkpoint (no %s): skipped", path, COMMITTED)
+  return max(found)[1] if found else None
 
 
 def _through_orbax(record) -> bool:
@@ -172,15 +183,18 @@ def quiet_orbax_tracebacks() -> None:
   logging.get_absl_handler().addFilter(_orbax_tracebacks_to_debug)  # once: a filter already there is not added again
 
 
-def create_manager(config) -> ocp.CheckpointManager | None:
-  if not config.enable_checkpointing:
+def create_manager(config, local: bool = False) -> ocp.CheckpointManager | None:
+  """The run's persistent checkpoints, or with `local` its local tier's (None where off)."""
+  if not (config.enable_emergency_checkpoint if local else config.enable_checkpointing):
     return None
   quiet_orbax_tracebacks()
-  # The trainer decides when to save (every checkpoint_period steps and the last step).
+  # The trainer decides when to save (every checkpoint_period steps and the last step; the local
+  # tier every local_checkpoint_period, keeping two: the newest and one to fall back to).
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=config.max_to_keep,
+      max_to_keep=2 if local else config.max_to_keep,
       enable_async_checkpointing=config.async_checkpointing, cleanup_tmp_directories=True)
-  manager = ocp.CheckpointManager(checkpoint_dir(config), options=options, item_names=("state", "data", "checksums"))
+  manager = ocp.CheckpointManager(local_checkpoint_dir(config) if local else checkpoint_dir(config), options=options,
+                                  item_names=("state", "data", "checksums"))
   for step in manager.all_steps():  # committed ones: a half-written step is set aside as damaged when restored
     if os.path.isfile(os.path.join(manager.directory, str(step), COMMITTED)):
       try:
@@ -321,34 +335,40 @@ def _check_process_count(directory) -> None:
                           f"processes; this streamed dataset resumes only on as many ({jax.process_count()} now)")
 
 
-def restore_latest(manager, abstract_state, state_sharding, data_iterator):
-  """(state, step) from the newest checkpoint that restores and matches its checksums, laid
-  out by `state_sharding` (any mesh), with `data_iterator` moved to where that step left it
-  (None: the data's position follows from the step); None if there is none. Newer damaged
-  checkpoints are moved to damaged_checkpoints/ (they would block the saves of the steps
-  trained again); if none is good, nothing is moved."""
+def restore_latest(managers, abstract_state, state_sharding, data_iterator):
+  """(state, step, its manager) from the newest checkpoint of `managers` (the persistent tier,
+  then the local one; the persistent's at a step both hold) that restores and matches its
+  checksums, laid out by `state_sharding` (any mesh), with `data_iterator` moved to where that
+  step left it (None: the data's position follows from the step); None if there is none. Newer
+  damaged checkpoints are moved to their tier's damaged_checkpoints/ (they would block the saves
+  of the steps trained again); if none is good, nothing is moved."""
+  managers = [m for m in managers if m is not None]
+  candidates = sorted(((step, -tier) for tier, m in enumerate(managers) for step in m.all_steps()), reverse=True)
   damaged = []
-  for step in sorted(manager.all_steps(), reverse=True):
+  for step, tier in candidates:
+    manager = managers[-tier]
     state, problem = _restore_verified(manager, step, abstract_state, state_sharding, data_iterator)
     if problem is None:
       break
-    damaged.append((step, problem))
+    damaged.append((manager, step, problem))
   else:
     if damaged:
-      raise CheckpointError(f"no checkpoint in {manager.directory} is good, none was changed: " +
-                            "; ".join(f"step {step}: {problem}" for step, problem in damaged))
+      raise CheckpointError("no checkpoint in " + " or ".join(str(m.directory) for m in managers) +
+                            " is good, none was changed: " +
+                            "; ".join(f"step {step}: {problem}" for _, step, problem in damaged))
     return None
-  aside = manager.directory.parent / "damaged_checkpoints"
-  for bad_step, problem in damaged:
+  for bad, bad_step, problem in damaged:
+    aside = bad.directory.parent / "damaged_checkpoints"
     logging.warning("checkpoint %s is damaged (%s): moved to %s; resuming from step %d instead",
-                    manager.directory / str(bad_step), problem, aside / str(bad_step), step)
+                    bad.directory / str(bad_step), problem, aside / str(bad_step), step)
     if jax.process_index() == 0:
       aside.mkdir(exist_ok=True)
-      shutil.move(manager.directory / str(bad_step), _unused(aside / str(bad_step)))
+      shutil.move(bad.directory / str(bad_step), _unused(aside / str(bad_step)))
   if damaged:
     multihost_utils.sync_global_devices("damaged checkpoints set aside")
-    manager.reload()
-  return state, step
+    for bad in {id(m): m for m, _, _ in damaged}.values():
+      bad.reload()
+  return state, step, manager
 
 
 def _unused(path):

@@ -725,12 +725,28 @@ class Checkpoints:
   trust_unverified_checkpoints: bool = key(False, "true: use a checkpoint without the checksums every checkpoint of "
                                                   "this project carries (a flipped bit goes unnoticed)")
   async_checkpointing: bool = key(True, "write checkpoints in a background thread while training continues")
+  enable_emergency_checkpoint: bool = key(False, "a second, local checkpoint tier, saved every "
+                                                 "local_checkpoint_period steps beside the persistent one",
+                                          doc="A resume takes the newest good step of either tier, data position "
+                                              "included; SIGTERM saves the local tier first. One process "
+                                              "(docs/guides/checkpoints.md).")
+  local_checkpoint_directory: str = key("", "the local tier's directory (a ramdisk or a local disk); the run's "
+                                            "checkpoints go to local_checkpoint_directory/run_name")
+  local_checkpoint_period: int = key(0, "save the local tier every this many steps (at most checkpoint_period)")
   load_parameters_path: str = key("", "start a new run from the parameters of this checkpoint step directory",
                                   doc="An error if the run already has checkpoints. The model keys saved with it (its "
                                       "model.yml, or its run's config.yml) layer over model_name's.")
 
   def check(self):
     at_least(self, 1, "checkpoint_period", "max_to_keep")
+    if self.enable_emergency_checkpoint:
+      require(self.enable_checkpointing, self, "enable_emergency_checkpoint", "needs enable_checkpointing=true")
+      require(bool(self.local_checkpoint_directory), self, "local_checkpoint_directory",
+              "must name the local tier's directory with enable_emergency_checkpoint=true")
+      require("://" not in self.local_checkpoint_directory, self, "local_checkpoint_directory",
+              "must be a path on this host (the persistent tier is base_output_directory)")
+      require(1 <= self.local_checkpoint_period <= self.checkpoint_period, self, "local_checkpoint_period",
+              f"must be from 1 to checkpoint_period={self.checkpoint_period}")
 
 
 @section("Hugging Face conversion (checkpoint_conversion.to_maxtext, .to_huggingface)", affects="run")

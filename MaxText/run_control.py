@@ -90,6 +90,11 @@ def check_run_paths(config) -> None:
   check_writable("base_output_directory", config.run_dir)
   if config.enable_checkpointing:
     check_writable("base_output_directory", os.path.join(config.run_dir, "checkpoints"))
+  if config.enable_emergency_checkpoint:
+    if jax.process_count() > 1:
+      raise ConfigError(f"enable_emergency_checkpoint=True: the local tier is for a run of one process "
+                        f"({jax.process_count()} now); each host's tier would hold only its own shards")
+    check_writable("local_checkpoint_directory", checkpointing.local_checkpoint_dir(config))
   if config.enable_tensorboard:
     check_writable("base_output_directory", os.path.join(config.run_dir, "tensorboard"))
   check_writable("dataset_cache_dir", config.dataset_cache_dir)

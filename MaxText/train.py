@@ -5,6 +5,7 @@ gradients summed over microbatches -> optax update); this module runs the steps:
 resumes the run, keeps the device busy, evaluates, logs and saves.
 """
 
+import contextlib
 import math
 
 import jax
@@ -45,20 +46,20 @@ def evaluate(trainer: Trainer, config, params, data) -> dict:
   return {**metrics, "eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0)), "eval/accuracy": accuracy}
 
 
-def initial_state(trainer: Trainer, config, manager, data, loaded=None):
-  """(state, training iterator) from the latest checkpoint of this run, else a fresh state
+def initial_state(trainer: Trainer, config, managers, data, loaded=None):
+  """(state, training iterator) from the latest checkpoint of this run (`managers`: its tiers,
+  checkpointing.restore_latest), else a fresh state
   with parameters from load_parameters_path when given (`loaded`: already read). Where the
   batches depend on the step alone the iterator starts at the restored step, whatever number of
   processes saved it; streamed data restores the iterator state its checkpoint saved."""
   by_step = input_pipeline.resumes_by_step(data)
   iterator = None if by_step else input_pipeline.create_train_iterator(config, data)
-  restored = manager and checkpointing.restore_latest(manager, trainer.abstract_state,
-                                                      trainer.state_sharding, iterator)
+  restored = checkpointing.restore_latest(managers, trainer.abstract_state, trainer.state_sharding, iterator)
   if restored and config.load_parameters_path:
     raise errors.ConfigError(f"load_parameters_path={config.load_parameters_path!r}: run {config.run_dir} already "
                              f"has checkpoints (latest step {restored[1]}); use a new run_name to start from it")
   if restored:
-    logging.info("resuming from checkpoint step %d in %s", restored[1], manager.directory)
+    logging.info("resuming from checkpoint step %d in %s", restored[1], restored[2].directory)
     state = restored[0]
   else:
     state = trainer.init(jax.random.key(config.init_weights_seed))
@@ -103,20 +104,27 @@ def train(config) -> None:
       with sharding.activate(mesh, config):
         loaded = _load_parameters(trainer, config)
     manager = checkpointing.create_manager(config)
+    local = checkpointing.create_manager(config, local=True)
     logging.info("train step memory per device:\n%s", costs.format_memory_stats(stats))
     try:
       with sharding.activate(mesh, config):
-        state, train_iterator = initial_state(trainer, config, manager, data, loaded)
+        state, train_iterator = initial_state(trainer, config, (manager, local), data, loaded)
       run_control.record_run_files(config, data.tokenizer)
       # Only the loop stops cleanly on a signal: before it there is nothing to save.
       with run_control.stop_signals() as signals:
-        _train_steps(trainer, config, compiled, state, data, train_iterator, manager, signals)
+        _train_steps(trainer, config, compiled, state, data, train_iterator, manager, local, signals)
     finally:
-      if manager:  # whatever stopped the run, saves already under way are good: let them commit
-        try:
-          checkpointing.wait_for_saves(manager)
-        finally:
-          manager.close()
+      _close(manager, local)
+
+
+def _close(*managers) -> None:
+  """Whatever stopped the run, the saves under way in each tier are good: they commit, and every
+  tier closes whichever of them fails."""
+  with contextlib.ExitStack() as closing:
+    for manager in filter(None, managers):
+      closing.callback(manager.close)
+    for manager in filter(None, managers):
+      checkpointing.wait_for_saves(manager)
 
 
 def _compile_to_fit(trainer: Trainer, config):
@@ -132,12 +140,13 @@ def _compile_to_fit(trainer: Trainer, config):
   return compiled, stats
 
 
-def _train_steps(trainer, config, compiled, state, data, train_iterator, manager, signals) -> None:
+def _train_steps(trainer, config, compiled, state, data, train_iterator, manager, local, signals) -> None:
   params_finite = jax.jit(lambda params: jnp.all(jnp.stack([jnp.isfinite(p).all() for p in jax.tree.leaves(params)])))
   logger = metrics.MetricLogger(config)
   clock = metrics.StepClock(config, jax.devices()[0].device_kind)
   streak = run_control.NonfiniteStreak(config.max_nonfinite_steps)
-  latest_checkpoint = lambda: manager.latest_step() if manager else None
+  latest_checkpoint = lambda: max((m.latest_step() for m in (manager, local) if m and m.latest_step() is not None),
+                                  default=None)
   if int(state.step) >= config.steps:
     logging.info("run %s is already at step %d, steps=%d: nothing to train", config.run_dir, int(state.step),
                  config.steps)
@@ -167,7 +176,9 @@ def _train_steps(trainer, config, compiled, state, data, train_iterator, manager
       signum = run_control.stop_requested(signals, step - start - 1)
       evaluating = config.eval_interval and (step % config.eval_interval == 0 or step == config.steps)
       saving = manager and (step % config.checkpoint_period == 0 or step == config.steps or signum)
-      if evaluating or saving or signum or step == config.steps:
+      # The local tier between the persistent saves, and first on a signal: it is the faster.
+      local_saving = local and (signum or (step % config.local_checkpoint_period == 0 and not saving))
+      if evaluating or saving or local_saving or signum or step == config.steps:
         fetched, pending = fetch(step_metrics), None
         if evaluating:
           with sharding.activate(trainer.mesh, config):
@@ -176,6 +187,8 @@ def _train_steps(trainer, config, compiled, state, data, train_iterator, manager
         log(step, fetched)
         # Mid-streak the state is the one from before it; saving that again would only let
         # max_to_keep prune older checkpoints for a copy.
+        if local_saving and not streak.count:
+          save_if_finite(local, step, state, train_iterator, params_finite)
         if saving and not streak.count:
           save_if_finite(manager, step, state, train_iterator, params_finite)
         if signum:

@@ -134,6 +134,49 @@ def test_a_sigkilled_run_resumes_exactly(tmp_path, reference, text_cache):
   assert not (tmp_path / "killed" / ".lock").exists()
 
 
+def test_a_sigkilled_run_resumes_from_the_local_tier_past_the_persistent_checkpoint(tmp_path, reference, text_cache,
+                                                                                   caplog):
+  """enable_emergency_checkpoint with local_checkpoint_period=1, checkpoint_period=4: killed once
+  the local tier holds step 5, the run resumes from its newest local step (5 or one after, not the
+  persistent 4), data position included, to the uninterrupted run's losses."""
+  emergency = ("checkpoint_period=4", "enable_emergency_checkpoint=true",
+               f"local_checkpoint_directory={tmp_path / 'local'}", "local_checkpoint_period=1")
+  metrics_file = tmp_path / "emergency.jsonl"
+  process = subprocess.Popen([sys.executable, "-m", "MaxText.train", BASE_YML, *RUN, text_cache, *emergency,
+                              "steps=12", f"base_output_directory={tmp_path}", "run_name=emergency",
+                              f"metrics_file={metrics_file}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+  local_5 = tmp_path / "local" / "emergency" / "5" / checkpointing.COMMITTED
+  deadline = time.time() + 300
+  while time.time() < deadline and process.poll() is None and not local_5.exists():
+    time.sleep(0.01)
+  process.kill()
+  _, stderr = process.communicate(timeout=60)
+  assert local_5.exists(), stderr[-3000:]
+  persistent = [int(d) for d in os.listdir(tmp_path / "emergency" / "checkpoints") if d.isdigit()]
+  assert max(persistent) == 4
+  caplog.set_level("INFO")
+  train_here(tmp_path, "emergency", text_cache, *emergency, "steps=12")
+  resumed = re.search(r"resuming from checkpoint step (\d+) in (\S+)", caplog.text)
+  assert 5 <= int(resumed[1]) < 8 and resumed[2] == str(tmp_path / "local" / "emergency")
+  assert losses(metrics_file) == reference[1]
+
+
+def test_a_local_tier_that_cannot_be_kept_is_one_line_naming_its_key(tmp_path):
+  base = ("enable_emergency_checkpoint=true", "checkpoint_period=4", f"base_output_directory={tmp_path}")
+  (tmp_path / "file").write_text("")
+  for overrides, key in [(("local_checkpoint_period=1",), "local_checkpoint_directory"),
+                         ((f"local_checkpoint_directory={tmp_path}/l", "local_checkpoint_period=8"),
+                          "local_checkpoint_period"),
+                         (("local_checkpoint_directory=gs://bucket/l", "local_checkpoint_period=1"),
+                          "local_checkpoint_directory"),
+                         ((f"local_checkpoint_directory={tmp_path}/file", "local_checkpoint_period=1"),
+                          "local_checkpoint_directory")]:
+    with pytest.raises(errors.ConfigError, match=f"^{key}[=:]"):
+      run_command("train", *RUN, *base, *overrides)
+  assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
 @pytest.mark.parametrize("signum, name", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")])
 def test_a_preempted_run_saves_its_last_step_and_resumes_exactly(tmp_path, reference, text_cache, signum, name):
   code, stderr, metrics_file = signal_mid_run(tmp_path, text_cache, "preempted", signum)
