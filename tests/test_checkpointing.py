@@ -20,7 +20,7 @@ import pytest
 import yaml
 from conftest import BASE_YML, ROOT, TINY, TINY_TEXT, run_cli, run_command
 
-from MaxText import checkpointing, decode, errors, launch, pyconfig
+from MaxText import checkpointing, decode, errors, launch, pyconfig, run_control
 
 # learning_rate_schedule_steps is pinned: otherwise a run stopped with steps=6 would follow a
 # 6-step schedule, and no resume could match the 12-step run.
@@ -160,6 +160,19 @@ def test_a_sigkilled_run_resumes_from_the_local_tier_past_the_persistent_checkpo
   resumed = re.search(r"resuming from checkpoint step (\d+) in (\S+)", caplog.text)
   assert 5 <= int(resumed[1]) < 8 and resumed[2] == str(tmp_path / "local" / "emergency")
   assert losses(metrics_file) == reference[1]
+
+
+def test_sigterm_saves_the_local_tier_first_then_the_persistent_one(tmp_path, text_cache, monkeypatch):
+  """A SIGTERM after step 3 (between the persistent saves of 4 and the local ones of 2): both
+  tiers save step 3, the local one first."""
+  saved, save = [], checkpointing.save
+  monkeypatch.setattr(checkpointing, "save", lambda manager, step, *args: (
+      saved.append((os.path.basename(os.path.dirname(manager.directory)), step)), save(manager, step, *args)))
+  monkeypatch.setattr(run_control, "stop_requested", lambda received, index: signal.SIGTERM if index == 2 else 0)
+  with pytest.raises(run_control.Preempted, match="SIGTERM at step 3: checkpoint 3 saved"):
+    train_here(tmp_path, "stopped", text_cache, "steps=12", "checkpoint_period=4", "enable_emergency_checkpoint=true",
+               f"local_checkpoint_directory={tmp_path / 'local'}", "local_checkpoint_period=2")
+  assert saved == [("local", 2), ("local", 3), ("stopped", 3)]
 
 
 def test_a_local_tier_that_cannot_be_kept_is_one_line_naming_its_key(tmp_path):
