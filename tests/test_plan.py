@@ -310,6 +310,9 @@ def test_the_pruned_search_chooses_at_least_as_fast_as_the_ladders_over_the_whol
   space = plan.search_space(config, set(plan.SEARCH_KEYS) - {"mlp_chunks", "attention_head_chunks",
                                                              "gradient_accumulation_steps"})
   pruned = plan.search(config, space, budget, rates, workers=1)
+  # What the pruned search compiled compiles to the same step again: its record stands for it.
+  keys = ("remat_policy", "remat_layer_interval", "per_device_batch_size", "num_vocab_tiling")
+  compiled = {tuple(r["settings"][k] for k in keys): r for r in pruned if r["status"] == "ok"}
   every, kept = 0, []
   for policy in space["remat_policy"]:
     for interval in space["remat_layer_interval"]:
@@ -318,7 +321,7 @@ def test_the_pruned_search_chooses_at_least_as_fast_as_the_ladders_over_the_whol
         for tiles in space["num_vocab_tiling"]:
           settings = {"remat_policy": policy, "remat_layer_interval": interval, "per_device_batch_size": batch,
                       "num_vocab_tiling": tiles}
-          record = plan.evaluate(config, settings, rates)
+          record = compiled.get(tuple(settings[k] for k in keys)) or plan.evaluate(config, settings, rates)
           every += 1
           if record["status"] == "ok" and record["total_bytes"] <= budget:
             fitting.append({**record, "fits": True})
