@@ -179,15 +179,19 @@ def test_a_pipelined_run_resumes_without_a_pipeline(tmp_path):
     *[("1f1b", *case) for case in [(2, 1, 2), (4, 1, 8), (4, 1, 4)]]])
 def test_bubble_counts_the_idle_stage_iterations(schedule, stages, repeats, count):
   """The loops' own timing: in GPipe stage s runs work item i = t - s (R M items), in 1F1B a
-  forward of t - s and a backward of t - 2S + 2 + s (M each); a stage-iteration that runs
-  neither is idle, and one that runs only one of 1F1B's two is half idle."""
+  forward of t - s and a backward of t - 2S + 2 + s (M each), the loop running each phase only
+  in the iterations where some stage has its work; a stage's executed phase without work is
+  idle."""
   config = type("C", (), {"pipeline_stages": stages, "num_pipeline_repeats": repeats,
                           "num_pipeline_microbatches": count, "pipeline_schedule": schedule})
   if schedule == "gpipe":
     slots = [(0 <= t - s < repeats * count) for t in range(repeats * count + stages - 1) for s in range(stages)]
   else:
-    slots = [((0 <= t - s < count) + (0 <= t - 2 * stages + 2 + s < count)) / 2
-             for t in range(count + 2 * stages - 2) for s in range(stages)]
+    iterations = range(count + 2 * stages - 2)
+    forwards = [t for t in iterations if any(0 <= t - s < count for s in range(stages))]
+    backwards = [t for t in iterations if any(0 <= t - 2 * stages + 2 + s < count for s in range(stages))]
+    slots = ([0 <= t - s < count for t in forwards for s in range(stages)]
+             + [0 <= t - 2 * stages + 2 + s < count for t in backwards for s in range(stages)])
   assert pipeline.bubble(config) == pytest.approx(1 - sum(slots) / len(slots))
 
 

@@ -14,8 +14,9 @@ last stage's output, written there M - S + 1 >= 1 iterations before it is read.
 
 `forward` is the GPipe schedule: autodiff runs every backward after every forward, so a stage
 keeps the residuals (what remat_policy saves) of all R M + S - 1 iterations. `gradients` is 1F1B:
-each iteration runs one forward and one backward per stage, the loss and its gradient inside
-the loop. A stage keeps only its inputs, of at most 2S - 1 microbatches (the round trip to the
+an iteration runs a forward and a backward per stage, the loss and its gradient inside the loop,
+each phase only in the iterations where some stage has its work (M + S - 1 of each, as GPipe's
+forward and backward loops run). A stage keeps only its inputs, of at most 2S - 1 microbatches (the round trip to the
 last stage and back; M where M is fewer), however many microbatches there are, and its backward
 runs the stage's forward again for the vjp: the residuals (what remat_policy saves) exist for
 one microbatch at a time, for one more forward of the stage per microbatch. (Keeping each
@@ -62,11 +63,11 @@ def rows(x):
 
 
 def bubble(cfg) -> float:
-  """The share of stage-iterations that compute nothing: (S - 1) / (R M + S - 1) for GPipe,
-  2 (S - 1) / (M + 2 (S - 1)) for 1F1B (each of its iterations is one forward and one backward)."""
+  """The share of the stages' executed forwards and backwards that compute nothing:
+  (S - 1) / (R M + S - 1), for GPipe and for 1F1B (R = 1), whose loop runs a phase only in the
+  iterations where some stage has its work."""
   stages, work = cfg.pipeline_stages, cfg.num_pipeline_repeats * cfg.num_pipeline_microbatches
-  idle = (2 if cfg.pipeline_schedule == "1f1b" else 1) * (stages - 1)
-  return idle / (work + idle) if stages > 1 else 0.0
+  return (stages - 1) / (work + stages - 1) if stages > 1 else 0.0
 
 
 def _on_stages(x, axes=None):
@@ -236,50 +237,78 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   rest_on_stages = jax.tree.map(lambda a: _on_stages(jnp.broadcast_to(a, (stages, *a.shape))), rest)
   embeds = jax.vmap(embed_one, spmd_axis_name="pipeline")
 
-  def iteration(carry, t):
-    state, cotangent, inputs, grads, rest_grads, total, stats_sums = carry
-    # Forward: stage s runs microbatch t - s; the first stage's input is embedded here.
+  # An iteration's three phases, each skipped where no stage has its work (lax.cond on the
+  # iteration, the same on every device): forwards run in iterations 0 .. M + S - 2, the head in
+  # S - 1 .. M + S - 2 and backwards from S - 1 on, so a step runs M + S - 1 forwards and
+  # backwards of every stage, as GPipe's does, not M + 2S - 2 of each. The carries go through
+  # the conds: three scans, one per span of phases, or conds that return only what is added to
+  # the carries, ran slower on XLA:CPU and took more memory on TPU (docs/guides/pipeline.md).
+  def forward_phase(state, inputs, stats_sums, t):
+    # Stage s runs microbatch t - s; the first stage's input is embedded here.
     state = _on_stages(_put(state, 0, embed(rest, take(t))), STATE_AXES)
     m_f = t - index
     ran = (m_f >= 0) & (m_f < count)
     forward = per_stage(m_f)
     y, stats = run(params, state, forward["inputs_position"], forward["inputs_segmentation"], first)
-    y = _on_stages(y, STATE_AXES)
     # A stage past its last forward writes nowhere (slot `slots`): with fewer slots than the round
     # trip its slot may still hold a microbatch waiting for its backward.
     slot_f = jnp.where(t - index < count, (t - index) % slots, slots)
     inputs = _put(inputs, slot_f, state)
     stats_sums = jax.tree.map(lambda a, b: a + mask(ran, b), stats_sums, stats)
     loss, sums = jax.tree.map(lambda x: jnp.sum(mask(ran, x), axis=0), reported(forward, stats))
+    return _on_stages(y, STATE_AXES), inputs, stats_sums, loss, sums
+
+  def head_phase(y, t):
     # The loss of the microbatch the last stage just finished, and its gradient: computed by every
     # stage on its own output and kept by the last, so that no stage's output crosses to another.
     m_l = t - stages + 1
     scored = (index == stages - 1) & (m_l >= 0) & (m_l < count)
     out, d_rest, dy = heads(rest_on_stages, y, per_stage(jnp.full((stages,), m_l)), scored)
-    total = (total[0] + loss + jnp.sum(mask(scored, out[0])),
-             jax.tree.map(lambda a, b: a + jnp.sum(mask(scored, b), axis=0), total[1], out[1]),
-             jax.tree.map(jnp.add, total[2], sums))
-    # Backward: stage s runs microbatch t - 2S + 2 + s, its cotangent from stage s + 1 (the
-    # last stage's from the loss above).
-    cotangent = _on_stages(jnp.where((index == stages - 1).reshape(-1, *(1,) * (dy.ndim - 1)), dy, cotangent),
-                           STATE_AXES)
+    return jax.tree.map(lambda x: jnp.sum(mask(scored, x), axis=0), out), d_rest, dy
+
+  def backward_phase(cotangent, inputs, grads, rest_grads, t):
+    # Stage s runs microbatch t - 2S + 2 + s, its cotangent from stage s + 1 (the last stage's
+    # from the head).
     m_b = t - 2 * stages + 2 + index
     live = (m_b >= 0) & (m_b < count)
     backward = per_stage(m_b)
+    (_, stats), stage_vjp = jax.vjp(
+        lambda p, x: run(p, x, backward["inputs_position"], backward["inputs_segmentation"], first),
+        params, _at(inputs, m_b % slots))
     d_stats = jax.tree.map(lambda d: mask(live, d), stat_cotangent(backward, stats))
-    _, stage_vjp = jax.vjp(lambda p, x: run(p, x, backward["inputs_position"], backward["inputs_segmentation"], first),
-                           params, _at(inputs, m_b % slots))
     d_params, dx = stage_vjp((cotangent, d_stats))
     grads = jax.tree.map(lambda g, d: g + mask(live, d), grads, d_params)
     # The first stage's input gradient reaches the embedding, on the first stage's devices.
     d_embed = embeds(backward, mask(live & (index == 0), dx))
-    rest_grads = jax.tree.map(lambda g, a, b: g + a + b, rest_grads, d_rest, d_embed)
+    return dx, grads, jax.tree.map(jnp.add, rest_grads, d_embed)
+
+  def skipped(shapes, *kept):
+    """A phase's outputs where it has no work: zeros of `shapes`, but for the carries it passes on
+    (kept: their positions among its arguments, by output)."""
+    return lambda *args: tuple(args[k] if k is not None else zeros(shape) for k, shape in zip(kept, shapes))
+
+  def iteration(carry, t):
+    state, cotangent, inputs, grads, rest_grads, total, stats_sums = carry
+    y, inputs, stats_sums, loss, sums = jax.lax.cond(
+        t < count + stages - 1, forward_phase, skipped(forward_shapes, None, 1, 2, None, None),
+        state, inputs, stats_sums, t)
+    out, d_rest, dy = jax.lax.cond((t >= stages - 1) & (t < count + stages - 1), head_phase,
+                                   skipped(head_shapes, None, None, None), y, t)
+    total = (total[0] + loss + out[0], jax.tree.map(jnp.add, total[1], out[1]), jax.tree.map(jnp.add, total[2], sums))
+    cotangent = _on_stages(jnp.where((index == stages - 1).reshape(-1, *(1,) * (dy.ndim - 1)), dy, cotangent),
+                           STATE_AXES)
+    dx, grads, rest_grads = jax.lax.cond(t >= stages - 1, backward_phase, skipped(backward_shapes, None, 2, 3),
+                                         cotangent, inputs, grads, rest_grads, t)
+    rest_grads = jax.tree.map(jnp.add, rest_grads, d_rest)
     return (_on_stages(_shift(y, 1), STATE_AXES), _on_stages(_shift(dx, -1), STATE_AXES), inputs, grads, rest_grads,
             total, stats_sums), None
 
   # The gradients of `rest`, one per stage (each stage's head and embedding), summed once at the end.
   rest_grads = jax.tree.map(lambda a: _on_stages(jnp.zeros((stages, *a.shape), a.dtype)), rest)
   carry = (state, jnp.zeros_like(state), inputs, zeros(params), rest_grads, total, zeros(stats_shape))
+  forward_shapes = jax.eval_shape(forward_phase, state, inputs, carry[-1], 0)
+  head_shapes = jax.eval_shape(head_phase, state, stages - 1)
+  backward_shapes = jax.eval_shape(backward_phase, state, inputs, carry[3], rest_grads, stages - 1)
   (*_, grads, rest_grads, total, stats_sums), _ = jax.lax.scan(iteration, carry,
                                                                jnp.arange(count + 2 * stages - 2))
   (layer_grads,) = to_stored(grads)
