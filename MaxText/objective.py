@@ -95,10 +95,13 @@ def batch_sums(model, config, params, batch, train=True):
   (hidden, kernel, pre_norm), sown = model.apply({"params": params}, *_forward_inputs(batch), return_hidden=True,
                                                  mutable=["intermediates", terms.TERMS])
   microbatches = config.num_pipeline_microbatches if config.pipeline_stages > 1 else 1
-  split = pipeline.microbatches((pre_norm, batch), microbatches)
-  parts = [_following(model, config, params, *jax.tree.map(lambda a, m=m: a[m], split), kernel)
-           for m in range(microbatches)]
-  following = jax.tree.map(lambda *a: sum(a), *parts)
+  follow = lambda part: _following(model, config, params, *part, kernel)
+  if microbatches == 1:
+    following = follow((pre_norm, batch))
+  else:  # each microbatch's, summed: one compiled body however many there are
+    split = pipeline.microbatches((pre_norm, batch), microbatches)
+    zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(follow, jax.tree.map(lambda a: a[0], split)))
+    following = jax.lax.scan(lambda total, part: (jax.tree.map(jnp.add, total, follow(part)), None), zero, split)[0]
   return assemble(config, batch, hidden, kernel, sown, following, train, microbatches)
 
 
