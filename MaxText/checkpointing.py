@@ -343,10 +343,11 @@ def restore_latest(managers, abstract_state, state_sharding, data_iterator):
   damaged checkpoints are moved to their tier's damaged_checkpoints/ (they would block the saves
   of the steps trained again); if none is good, nothing is moved."""
   managers = [m for m in managers if m is not None]
-  candidates = sorted(((step, -tier) for tier, m in enumerate(managers) for step in m.all_steps()), reverse=True)
+  candidates = sorted(((step, tier) for tier, m in enumerate(managers) for step in m.all_steps()),
+                      key=lambda candidate: (-candidate[0], candidate[1]))
   damaged = []
   for step, tier in candidates:
-    manager = managers[-tier]
+    manager = managers[tier]
     state, problem = _restore_verified(manager, step, abstract_state, state_sharding, data_iterator)
     if problem is None:
       break

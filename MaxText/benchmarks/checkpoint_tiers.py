@@ -1,6 +1,6 @@
 """The two checkpoint tiers: python -m MaxText.benchmarks.checkpoint_tiers [--output_dir DIR] [--steps N]
 
-One run, one model state (a 4-layer model of width 512 with its AdamW state, 288 MiB), saved
+One run, one model state (a 4-layer model of width 512 with its AdamW state), saved
 N times alternately to the persistent tier (base_output_directory, a directory on disk) and the
 local one (enable_emergency_checkpoint: local_checkpoint_directory on /dev/shm, a ramdisk, where
 the host has one), as the train loop saves: how long each save blocks the loop (orbax writes in a

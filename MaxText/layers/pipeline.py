@@ -187,7 +187,8 @@ def forward(cfg, stage: Stage, layers, x, positions, segment_ids):
 def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, batch: dict, report: Callable):
   """1F1B: ((loss, the head's sums, the reports' sums), (gradient of the stack's layers, gradient
   of `rest`), what the stages reported (Stage.apply), each leaf [layer, ...] summed over the
-  microbatches) of the batch's microbatches, each iteration one forward and one backward per stage.
+  microbatches) of the batch's microbatches, an iteration a forward and a backward per stage (each
+  phase only where some stage has its work).
 
   embed(rest, microbatch) -> x [m, T, D]: the first stage's input; head(rest, y, microbatch) ->
   (loss, sums): the loss of the last stage's output, whose gradient starts the backward;

@@ -47,14 +47,8 @@ def _terms(sown) -> list:
 def collect(sown) -> Term:
   """The sum over a collection's Terms of share times each (one Term of share 1; zero where
   nothing was sown): a pipeline stage's, which its microbatch's tokens then weigh."""
-  found = [term for _, term in _terms(sown)]
-  zero = jnp.zeros((), jnp.float32)
-  scaled = lambda term, x: jnp.sum(term.share * x)
-  metrics = {}
-  for term in found:
-    for k, v in term.metrics.items():
-      metrics[k] = metrics.get(k, zero) + scaled(term, v)
-  return Term(sum((scaled(term, term.loss) for term in found), zero), metrics, jnp.ones((), jnp.float32))
+  loss, metrics = sums(sown, 1.0)
+  return Term(loss, metrics, jnp.ones((), jnp.float32))
 
 
 def sums(sown, tokens, microbatch_tokens=None) -> tuple:
