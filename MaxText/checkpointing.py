@@ -5,7 +5,8 @@ temporary directory and renames it only once complete, so a run killed mid-save 
 previous checkpoint as the latest and the partial one is never restored (cleanup_tmp_directories
 removes it on the next start). Old checkpoints are deleted only after a newer save commits.
 `data` is grain's iterator state, one file per process; it is restored only for streamed
-data, whose position does not follow from the step (see input_pipeline.resumes_by_step).
+data, whose position does not follow from the step (see input_pipeline.resumes_by_step), from
+the files of every process that saved it (any number of processes may restore it).
 
 orbax and tensorstore restore flipped bits inside array chunks without a word, so each save
 records checksums of the state it saves and each restore recomputes them. A checkpoint that
@@ -15,6 +16,7 @@ older one restores and matches, and the run resumes from that one; nothing is de
 
 import asyncio
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -308,8 +310,10 @@ def _restore_verified(manager, step: int, abstract_state, state_sharding, data_i
                "resume with the model keys it was trained with, or use a new run_name")
   items = {"state": ocp.args.StandardRestore(_with_shardings(abstract_state, state_sharding))}
   if data_iterator is not None:
-    _check_process_count(manager.directory / str(step) / "data")
-    items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+    try:
+      saved, processes = _data_positions(manager.directory / str(step) / "data")
+    except (OSError, ValueError) as e:  # json's errors are ValueErrors
+      return None, f"its data position cannot be read: {first_line(e)}"
   verified = (manager.directory / str(step) / "checksums").is_dir()
   if verified:
     items["checksums"] = ocp.args.JsonRestore()
@@ -320,19 +324,29 @@ def _restore_verified(manager, step: int, abstract_state, state_sharding, data_i
   if not verified:  # create_manager refused it unless trust_unverified_checkpoints=true
     logging.warning("checkpoint %s has no checksums: restored unverified (trust_unverified_checkpoints=true)",
                     manager.directory / str(step))
-    return restored.state, None
-  problem = mismatch(restored.checksums, checksums(restored.state))
-  return (None, problem) if problem else (restored.state, None)
+  else:
+    problem = mismatch(restored.checksums, checksums(restored.state))
+    if problem:
+      return None, problem
+  if data_iterator is not None:
+    data_iterator.restore(saved, processes)
+  return restored.state, None
 
 
-def _check_process_count(directory) -> None:
-  """grain saves an iterator's state per process (process_I-of-P.json): saved by another
-  number of processes, the state is not damaged but cannot be restored here."""
-  saved = sorted(path.name for path in directory.glob("process_*-of-*.json")) if directory.is_dir() else []
-  mine = "process_%d-of-%d.json" % (jax.process_index(), jax.process_count())
-  if saved and mine not in saved:
-    raise CheckpointError(f"{directory}: the data iterator's state was saved by {saved[0].split('-of-')[1][:-5]} "
-                          f"processes; this streamed dataset resumes only on as many ({jax.process_count()} now)")
+def _data_positions(directory) -> tuple[dict[int, dict], int]:
+  """({process: its saved iterator state}, the processes that saved them) of a checkpoint's
+  data item: grain writes one process_I-of-P.json per process, and a streamed dataset's position
+  is all of them (input_pipeline.StreamBlocks.restore takes its part on any number of processes)."""
+  files = sorted(directory.glob("process_*-of-*.json")) if directory.is_dir() else []
+  counts = {int(path.name.removesuffix(".json").split("-of-")[1]) for path in files}
+  if len(counts) != 1:
+    raise ValueError(f"{directory} holds no one save's process_I-of-P.json files")
+  processes = counts.pop()
+  saved = {int(path.name.split("-of-")[0].removeprefix("process_")): json.loads(path.read_text()) for path in files}
+  if sorted(saved) != list(range(processes)):
+    raise ValueError(f"{directory}: the states of processes {sorted(set(range(processes)) - set(saved))} "
+                     f"of {processes} are missing")
+  return saved, processes
 
 
 def restore_latest(managers, abstract_state, state_sharding, data_iterator):

@@ -667,8 +667,14 @@ class Grain:
                                   "eval_interval > 0")
   grain_file_type: Literal["arrayrecord", "parquet"] = key(
       "arrayrecord", "arrayrecord: prepare_data's shards, read a window at a time; parquet: text tokenized on the fly",
-      doc="parquet: text in text_column, tokenized on the fly (tokenizer_path or tokenizer_type=byte), each host "
-          "reading every P-th file.")
+      doc="parquet: text in text_column, tokenized on the fly (tokenizer_path or tokenizer_type=byte), read as "
+          "grain_stream_count streams.")
+  grain_stream_count: int = key(
+      0, "parquet: streams the files are read as (stream k reads every N-th file from the k-th); 0: the processes "
+         "of the run's first start",
+      doc="Global batch s is each stream's next rows, stream after stream, and each process reads its share of the "
+          "streams: a run resumes on any number of processes dividing N to the batches it would have drawn, as if it "
+          "had never stopped. A run keeps the count of its first start.")
   grain_worker_count: int = key(1, "processes preparing batches ahead of the step; 0: threads of the training process")
   grain_per_worker_buffer_size: int = key(1, "batches each worker keeps ready")
 
@@ -676,6 +682,7 @@ class Grain:
     for name in ("grain_train_files", "grain_eval_files"):
       mixture.parse(name, getattr(self, name))  # the syntax and the weights, before any file is read
     at_least(self, 0, "grain_worker_count")
+    at_least(self, 0, "grain_stream_count")
     at_least(self, 1, "grain_per_worker_buffer_size")
 
 

@@ -270,23 +270,44 @@ def keep_global_batch(config):
   """config, resuming a run that has checkpoints on another number of devices (or rows per
   device): its gradient_accumulation_steps set so each step takes the run's global batch again,
   said in one line; a ConfigError where its microbatches cannot make that batch up. A run's batch
-  is the run's: a new one is a new run (load_parameters_path=<a step of this one>)."""
+  is the run's: a new one is a new run (load_parameters_path=<a step of this one>). Likewise the
+  streams a run reads parquet as (grain_stream_count) are its first start's: the process count
+  then, unless given."""
   path = os.path.join(config.run_dir, "config.yml")
-  if not os.path.exists(path) or checkpointing.latest_checkpoint(config) is None:
+  recorded = {}
+  if os.path.exists(path) and checkpointing.latest_checkpoint(config) is not None:
+    with open(path) as f:
+      recorded = yaml.safe_load(f) or {}
+  batch = recorded.get("global_batch_size_to_train_on")
+  if batch not in (None, config.global_batch_size_to_train_on):
+    micro = config.micro_batch_size
+    if batch % micro:
+      raise ConfigError(f"per_device_batch_size={config.per_device_batch_size:g}: run {config.run_dir} trains on "
+                        f"global batches of {batch} rows, which microbatches of {micro} rows ({config.num_devices} "
+                        "devices) cannot make up; give a per_device_batch_size whose microbatches divide it, or a new "
+                        "run_name")
+    logging.warning("run %s trains on global batches of %d rows: on %d devices each step takes %d microbatches of %d "
+                    "(gradient_accumulation_steps=%d)", config.run_dir, batch, config.num_devices, batch // micro,
+                    micro, batch // micro)
+    config = pyconfig.replace(config, {"gradient_accumulation_steps": batch // micro})
+  return _keep_stream_count(config, recorded.get("grain_stream_count"))
+
+
+def _keep_stream_count(config, recorded: int | None):
+  """config with the streams its parquet files are read as: the run's, else given, else one per process."""
+  if config.dataset_type != "grain" or config.grain_file_type != "parquet":
     return config
-  with open(path) as f:
-    batch = (yaml.safe_load(f) or {}).get("global_batch_size_to_train_on")
-  if batch in (None, config.global_batch_size_to_train_on):
-    return config
-  micro = config.micro_batch_size
-  if batch % micro:
-    raise ConfigError(f"per_device_batch_size={config.per_device_batch_size:g}: run {config.run_dir} trains on global "
-                      f"batches of {batch} rows, which microbatches of {micro} rows ({config.num_devices} devices) "
-                      "cannot make up; give a per_device_batch_size whose microbatches divide it, or a new run_name")
-  logging.warning("run %s trains on global batches of %d rows: on %d devices each step takes %d microbatches of %d "
-                  "(gradient_accumulation_steps=%d)", config.run_dir, batch, config.num_devices, batch // micro,
-                  micro, batch // micro)
-  return pyconfig.replace(config, {"gradient_accumulation_steps": batch // micro})
+  if recorded and config.grain_stream_count not in (0, recorded):
+    raise ConfigError(f"grain_stream_count={config.grain_stream_count}: run {config.run_dir} reads its parquet files "
+                      f"as {recorded} streams; leave the key out, or use a new run_name")
+  count, processes, batch = recorded or config.grain_stream_count or jax.process_count(), jax.process_count(), \
+      config.global_batch_size_to_train_on
+  if count % processes or batch % count:
+    raise ConfigError(f"grain_stream_count={count}: the parquet files are read as {count} streams, each giving its "
+                      f"part of the global batch of {batch} rows, and {processes} processes each reading whole ones; "
+                      f"give a count that divides the batch and that {processes} divides (a run keeps its first "
+                      "start's)")
+  return config if count == config.grain_stream_count else pyconfig.replace(config, {"grain_stream_count": count})
 
 
 def _sources(value: str):

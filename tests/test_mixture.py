@@ -315,7 +315,7 @@ def test_parquet_sources_stream_in_the_weights_shares_each_as_it_streams_alone(p
   config = parquet_config(mixture_of(parquets, "*.parquet"))
   data = input_pipeline.load(config)
   rows = 400
-  got = [row for _, row in zip(range(rows), data.train)]
+  got = [row for _, row in zip(range(rows), data.train[0])]  # its one stream
   order = [list(CORPORA)[s] for s in reference_sources(WEIGHTS, rows)]
   assert [corpus_of(row) for row in got] == order
   for name, weight in zip(CORPORA, WEIGHTS):
@@ -324,7 +324,7 @@ def test_parquet_sources_stream_in_the_weights_shares_each_as_it_streams_alone(p
     alone = input_pipeline.load(parquet_config(f"{parquets[name]}/*.parquet",
                                                f"data_shuffle_seed={config.data_shuffle_seed + i * 2**20}"))
     mine = [row for row, source in zip(got, order) if source == name]
-    for a, b in zip(mine, alone.train):
+    for a, b in zip(mine, alone.train[0]):
       jax.tree.map(np.testing.assert_array_equal, a, b)
     # each source ran out and was repeated at least twice (its documents and EODs over the rows' tokens)
     assert len(mine) * config.max_target_length > 2 * sum(len(d) + 1 for d in texts_of(parquets[name]))
@@ -348,7 +348,7 @@ def test_a_parquet_mixture_cut_and_restored_from_its_saved_state_draws_the_unint
 # What each bad parquet value of grain_train_files is, and the line it gives.
 BAD_PARQUET = {
     "a glob matching nothing": (lambda p: f"{p['alpha']}/*.parquet,1;{p['beta']}/nothing-*.parquet,1",
-                                lambda p: f"grain_train_files='{p['beta']}/nothing-*.parquet': no parquet file"),
+                                lambda p: f"grain_train_files='{p['beta']}/nothing-*.parquet': no parquet file matches"),
     "weight not a number": (lambda p: f"{p['alpha']}/*.parquet,1;{p['beta']}/*.parquet,x",
                             lambda p: f"source '{p['beta']}/*.parquet' has weight 'x', not a positive number"),
 }
@@ -410,10 +410,16 @@ def test_a_mixture_run_cut_and_resumed_logs_what_the_uninterrupted_one_does(corp
 
 
 def test_a_parquet_mixture_run_cut_and_resumed_logs_what_the_uninterrupted_one_does(parquets, tmp_path):
-  """Its checkpoint's `data` item holds every source's stream position: the resumed run's losses
-  and data/fraction are the uninterrupted run's."""
+  """Its checkpoint's `data` item holds every stream's position of every source: the run resumed
+  from the files two processes would have saved, a stream each, draws the uninterrupted run's
+  batches (its losses and data/fraction)."""
   run = lambda name, steps: logged_run(lambda *o: parquet_config(mixture_of(parquets, "*.parquet"), *o), tmp_path,
-                                       name, steps)
+                                       name, steps, "grain_stream_count=2")
   _, whole = run("whole", 4)
   run("cut", 2)
+  data = tmp_path / "cut" / "checkpoints" / "2" / "data"
+  saved = json.loads((data / "process_0-of-1.json").read_text())
+  for k in (0, 1):
+    (data / f"process_{k}-of-2.json").write_text(json.dumps({**saved, "streams": {str(k): saved["streams"][str(k)]}}))
+  (data / "process_0-of-1.json").unlink()
   assert run("cut", 4)[1] == whole

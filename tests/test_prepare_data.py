@@ -2,6 +2,7 @@
 
 import glob
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -101,7 +102,10 @@ def test_grain_batches_are_packed_rows_of_the_stream_and_resume_exactly(prepared
   rows = reference.shuffle(seed=config.data_shuffle_seed).repeat()
   shared = set(glob.glob("/dev/shm/psm_*"))
   iterator = input_pipeline.create_train_iterator(config, data)
-  batches = [next(iterator) for _ in range(4)]
+  batches = [next(iterator) for _ in range(2)]
+  for worker in multiprocessing.active_children():  # as a scheduler signals every process: the trainer's to handle
+    os.kill(worker.pid, signal.SIGTERM)
+  batches += [next(iterator) for _ in range(2)]
   # A worker's batches cross pickled: grain's shared memory, freed by a thread the interpreter's
   # exit cuts short, ended every run with a "leaked shared_memory objects" warning.
   assert set(glob.glob("/dev/shm/psm_*")) <= shared
@@ -236,10 +240,15 @@ def test_parquet_text_streams_as_packed_rows_of_its_documents_and_resumes_exactl
   iterator = input_pipeline.create_train_iterator(config, data)
   for _ in range(3):
     next(iterator)
+  state = json.loads(json.dumps(iterator.get_state()))  # as a checkpoint holds it
   restored = input_pipeline.create_train_iterator(config, data)
-  restored.set_state(json.loads(json.dumps(iterator.get_state())))  # as a checkpoint holds it
+  restored.set_state(state)
+  # A checkpoint saved before the streams were named holds each process's stream as its state.
+  from_before = input_pipeline.create_train_iterator(config, data)
+  from_before.restore({0: state["streams"]["0"]}, 1)
   for expected in batches[3:]:
     jax.tree.map(np.testing.assert_array_equal, next(restored), expected)
+    jax.tree.map(np.testing.assert_array_equal, next(from_before), expected)
 
 
 def test_a_grain_run_trains_and_keeps_the_shards_tokenizer_for_decode(prepared, tmp_path):
@@ -254,20 +263,54 @@ def test_a_grain_run_trains_and_keeps_the_shards_tokenizer_for_decode(prepared, 
   assert np.isfinite(last["eval/loss"])
 
 
-def test_a_parquet_run_resumed_on_another_number_of_processes_stops_with_one_line_and_keeps_its_checkpoint(tmp_path):
+def test_parquet_streams_make_each_global_batch_whatever_the_processes_and_resume_on_fewer(tmp_path, monkeypatch):
+  """Two processes reading one of 2 streams each hold the halves of the one process's global
+  batches; the positions both saved resume on one process to the batches it draws on."""
   parquet_files(tmp_path)
-  config = parquet_config(tmp_path, f"base_output_directory={tmp_path}", "steps=2", "run_name=p",
-                          "enable_checkpointing=true", "async_checkpointing=false")
-  train.train(config)
-  data = tmp_path / "p" / "checkpoints" / "2" / "data"
-  assert sorted(p.name for p in data.glob("process_*")) == ["process_0-of-1.json"]
-  # As two processes would have saved it: the stream's position is per process.
-  (data / "process_0-of-1.json").rename(data / "process_0-of-2.json")
-  (data / "process_1-of-2.json").write_text((data / "process_0-of-2.json").read_text())
+  config = parquet_config(tmp_path, "grain_stream_count=2")
+  data = input_pipeline.load(config)
+  whole = input_pipeline.create_train_iterator(config, data)
+  expected = [next(whole) for _ in range(5)]
+  half = config.global_batch_size_to_train_on // 2
+  saved = {}
+  for process in (0, 1):
+    monkeypatch.setattr(jax, "process_index", lambda: process)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    part = input_pipeline.create_train_iterator(config, data)
+    for batch in expected[:3]:
+      jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b[process * half:(process + 1) * half]), next(part),
+                   batch)
+    saved[process] = json.loads(json.dumps(part.get_state()))  # as process_<process>-of-2.json holds it
+  monkeypatch.undo()
+  resumed = input_pipeline.create_train_iterator(config, data)
+  resumed.restore(saved, 2)
+  for batch in expected[3:]:
+    jax.tree.map(np.testing.assert_array_equal, next(resumed), batch)
+  with pytest.raises(ConfigError, match=r"grain_stream_count=2: the run's data position was saved as 3 streams"):
+    resumed.set_state({**saved[0], "stream_count": 3})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["grain_stream_count=3"], "grain_stream_count=3: the parquet files are read as 3 streams, each giving its part "
+                               "of the global batch of … rows"),
+    (["grain_stream_count=4"], "grain_train_files='…/*.parquet': 3 parquet files, fewer than the 4 streams they are "
+                               "read as (grain_stream_count; 0: one per process)")])
+def test_parquet_streams_that_cannot_make_the_batch_are_one_line_writing_nothing(tmp_path, overrides, message):
+  parquet_files(tmp_path)
+  before = sorted(tmp_path.iterdir())
+  with pytest.raises(ConfigError, match=".*".join(map(re.escape, message.split("…")))) as raised:
+    train.train(parquet_config(tmp_path, f"base_output_directory={tmp_path}", "run_name=p", *overrides))
+  assert "\n" not in str(raised.value) and sorted(tmp_path.iterdir()) == before
+
+
+def test_a_parquet_run_resumed_with_another_stream_count_is_one_line_and_keeps_its_checkpoint(tmp_path):
+  parquet_files(tmp_path)
+  run = lambda *o: train.train(parquet_config(tmp_path, f"base_output_directory={tmp_path}", "run_name=p",
+                                              "enable_checkpointing=true", "async_checkpointing=false", *o))
+  run("steps=2")
   before = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "p").rglob("*"))
-  with pytest.raises(checkpointing.CheckpointError, match="saved by 2 processes.*resumes only on as many .1 now"):
-    train.train(parquet_config(tmp_path, f"base_output_directory={tmp_path}", "steps=4", "run_name=p",
-                               "enable_checkpointing=true"))
+  with pytest.raises(ConfigError, match="grain_stream_count=2: run .* reads its parquet files as 1 streams"):
+    run("steps=4", "grain_stream_count=2")
   assert sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "p").rglob("*")) == before
 
 

@@ -10,7 +10,8 @@ Every row is a dict of [max_target_length] int32 arrays, MaxText's names:
 Datasets are grain MapDatasets with random access (all but streamed parquet), so a restored
 run starts at its step with exactly the batches it would have seen, on any number of hosts;
 prepared shards may be a weighted mixture of corpora (mixture.py), which keeps that. Parquet
-globs may be mixed too; they resume from the iterator state the checkpoint saves.
+globs may be mixed too; they are read as a fixed number of streams (StreamBlocks) and resume from
+the iterator state the checkpoint saves, on any number of hosts dividing that number.
 
 Text is tokenized into a stream `doc EOD doc EOD ...` (dataset_type=text: in memory, cached as
 .npy; grain: by prepare_data, read from ArrayRecord shards by token_shards.TokenStream), and
@@ -19,8 +20,10 @@ here rather than with grain's iterator packers because windows of one stream are
 addressable: shuffling rows (not whole documents) and resuming at any index stay exact.
 """
 
+import contextlib
 import glob
 import os
+import signal
 from collections.abc import Callable
 from fractions import Fraction
 from typing import NamedTuple
@@ -131,13 +134,46 @@ def batches(rows: grain.MapDataset, batch_size: int) -> grain.MapDataset:
 
 
 def _batches(rows, batch_size: int, step: int = 0) -> grain.IterDataset:
-  """This process's batches from global batch `step` on. Streamed rows start at 0 only (their
-  position is the iterator's state, set from a checkpoint)."""
+  """This process's batches from global batch `step` on, of rows found by index (any step) or
+  of one streamed process's rows (from its start)."""
   if isinstance(rows, grain.MapDataset):
     return batches(rows, batch_size)[step:].to_iter_dataset()
-  if step:
-    raise ValueError(f"streamed rows cannot start at step {step}: restore the iterator's state")
   return rows.batch(batch_size // jax.process_count(), drop_remainder=True)  # already this process's rows
+
+
+class StreamBlocks(grain.DatasetIterator):
+  """This process's part of each global batch of streamed rows: the next batch of each of its
+  streams, in stream order. Global batch s is every stream's batch s, streams 0..N-1 one after
+  another, and process p of P holds streams [p N/P, (p+1) N/P): its rows of the global batch,
+  whatever P is. Its state names each of its streams, so the states every process saved restore
+  on any number of processes dividing N (restore)."""
+
+  def __init__(self, streams: dict[int, grain.DatasetIterator], count: int):
+    super().__init__(list(streams.values()))
+    self._streams, self.count = streams, count
+
+  def __next__(self):
+    parts = [next(stream) for stream in self._streams.values()]
+    return jax.tree.map(lambda *blocks: np.concatenate(blocks), *parts)
+
+  def get_state(self) -> dict:
+    return {"stream_count": self.count, "streams": {str(k): stream.get_state() for k, stream in self._streams.items()}}
+
+  def set_state(self, state: dict) -> None:
+    if state["stream_count"] != self.count:
+      raise ConfigError(f"grain_stream_count={self.count}: the run's data position was saved as "
+                        f"{state['stream_count']} streams; resume with grain_stream_count={state['stream_count']}")
+    for k, stream in self._streams.items():
+      stream.set_state(state["streams"][str(k)])
+
+  def restore(self, saved: dict[int, dict], processes: int) -> None:
+    """Sets the position the `processes` processes of a save left: saved[p] is process p's state.
+    A state without streams (saved before streams were named) is its process's stream."""
+    streams = {}
+    for process, state in saved.items():
+      streams.update(state["streams"] if "streams" in state else {str(process): state})
+    count = next((state["stream_count"] for state in saved.values() if "streams" in state), processes)
+    self.set_state({"stream_count": count, "streams": streams})
 
 
 class Data(NamedTuple):
@@ -145,8 +181,8 @@ class Data(NamedTuple):
 
   tokenizer: Tokenizer | None  # None: the data is not text (synthetic)
   # Rows, endless and shuffled: a MapDataset of all rows (each process takes its slices), or
-  # an IterDataset of this process's rows (streamed formats, each process reading its files).
-  train: grain.MapDataset | grain.IterDataset
+  # the rows of each stream (streamed formats: StreamBlocks).
+  train: grain.MapDataset | list[grain.IterDataset]
   # The same rows every evaluation; None: no held-out data; {source: rows} for several sources,
   # each evaluated alone and weighted by eval_weights into the total.
   eval: grain.MapDataset | grain.IterDataset | dict[str, grain.MapDataset] | None
@@ -202,16 +238,17 @@ class _JsonRestorableIterator(grain.DatasetIterator):
     self._parent.set_state({**state, "remainder_slices": slices})
 
 
-def _parquet_rows(config, key: str, pattern: str, tokenizer: Tokenizer, seed: int | None) -> grain.IterDataset:
-  """This process's rows of the parquet files matching `pattern`, a source of config key `key`
-  (every P-th file), tokenized on the fly and cut into windows of L + 1 tokens by grain's
-  concat-then-split: files shuffled with `seed` (None: in order), reshuffled every epoch;
-  resumable from grain's iterator state, but, unlike the shards' rows, only on as many hosts."""
+def _parquet_files(config, key: str, pattern: str, streams: int) -> list[str]:
+  """The parquet files matching `pattern`, a source of config key `key`, sorted; each readable
+  and with config.text_column, and at least one for each of `streams` streams."""
   import pyarrow.parquet  # noqa: PLC0415 (only parquet needs it)
-  files = sorted(glob.glob(pattern))[jax.process_index()::jax.process_count()]
+  files = sorted(glob.glob(pattern))
   if not files:
-    raise ConfigError(f"{key}={pattern!r}: no parquet file for process {jax.process_index()} of "
-                      f"{jax.process_count()} (each process reads every P-th file)")
+    raise ConfigError(f"{key}={pattern!r}: no parquet file matches")
+  if len(files) < streams:
+    raise ConfigError(f"{key}={pattern!r}: {len(files)} parquet files, fewer than the {streams} streams they are "
+                      "read as (" + ("grain_stream_count; 0: " if key == "grain_train_files" else "") +
+                      "one per process)")
   for path in files:
     try:
       names = pyarrow.parquet.ParquetFile(path).schema_arrow.names
@@ -219,6 +256,13 @@ def _parquet_rows(config, key: str, pattern: str, tokenizer: Tokenizer, seed: in
       raise ConfigError(f"{key}: cannot read {path} ({first_line(e)})") from None
     if config.text_column not in names:
       raise ConfigError(f"text_column={config.text_column!r}: {path} has no such column")
+  return files
+
+
+def _parquet_rows(config, files: list[str], tokenizer: Tokenizer, seed: int | None) -> grain.IterDataset:
+  """Rows of the parquet `files`, tokenized on the fly and cut into windows of L + 1 tokens by
+  grain's concat-then-split: files shuffled with `seed` (None: in order), reshuffled every epoch;
+  their position is the iterator's state."""
   eod, column = tokenizers.eod_id(tokenizer, "tokenizer"), config.text_column
 
   def tokens(record):
@@ -239,8 +283,8 @@ def _parquet_rows(config, key: str, pattern: str, tokenizer: Tokenizer, seed: in
 class _Sources(NamedTuple):
   names: list[str]
   weights: list[Fraction]  # as written
-  # each source's rows: unshuffled, of prepared shards; endless, of parquet (shuffled when trained on)
-  rows: list[grain.MapDataset] | list[grain.IterDataset]
+  # each source's rows, unshuffled, of prepared shards; of parquet, [stream][source]: endless, shuffled when trained on
+  rows: list[grain.MapDataset] | list[list[grain.IterDataset]]
   tokenizer: Tokenizer
 
 
@@ -259,14 +303,16 @@ def _shard_sources(config, key: str) -> _Sources:
   return _Sources(names, [s.weight for s in sources], rows, first)
 
 
-def _parquet_sources(config, key: str, tokenizer: Tokenizer, shuffle: bool) -> _Sources:
+def _parquet_sources(config, key: str, tokenizer: Tokenizer, shuffle: bool, streams: int) -> _Sources:
   """The parquet globs config key `key` names (mixture.parse), all read with the configured
-  tokenizer; source i is shuffled with mixture.source_seed, as a prepared corpus would be."""
+  tokenizer as `streams` streams: stream k of source i reads every streams-th file from the k-th,
+  shuffled with mixture.source_seed(i), as a prepared corpus would be."""
   sources = mixture.parse(key, getattr(config, key))
-  rows = [_parquet_rows(config, key, source.pattern, tokenizer,
-                        mixture.source_seed(config.data_shuffle_seed, i) if shuffle else None)
-          for i, source in enumerate(sources)]
-  names = mixture.names(sources, [os.path.dirname(sorted(glob.glob(source.pattern))[0]) for source in sources])
+  files = [_parquet_files(config, key, source.pattern, streams) for source in sources]
+  rows = [[_parquet_rows(config, paths[k::streams], tokenizer,
+                         mixture.source_seed(config.data_shuffle_seed, i) if shuffle else None)
+           for i, paths in enumerate(files)] for k in range(streams)]
+  names = mixture.names(sources, [os.path.dirname(paths[0]) for paths in files])
   return _Sources(names, [s.weight for s in sources], rows, tokenizer)
 
 
@@ -279,7 +325,10 @@ def grain_data(config) -> Data:
   if config.grain_file_type == "parquet":
     tokenizer = tokenizers.load_pretrained(config, "grain_file_type='parquet'")
     tokenizers.check_vocab_size(tokenizer, config.vocab_size, "the tokenizer of grain_file_type='parquet'")
-    sources = lambda key, shuffle: _parquet_sources(config, key, tokenizer, shuffle)
+    # Evaluation reads a stream per process: it starts afresh every time.
+    streams = {"grain_train_files": config.grain_stream_count or jax.process_count(),
+               "grain_eval_files": jax.process_count()}
+    sources = lambda key, shuffle: _parquet_sources(config, key, tokenizer, shuffle, streams[key])
   else:
     sources = lambda key, shuffle: _shard_sources(config, key)
   trained = sources("grain_train_files", True)
@@ -291,7 +340,8 @@ def grain_data(config) -> Data:
     if held.tokenizer.to_str() != tokenizer.to_str():
       raise ConfigError(f"grain_eval_files={config.grain_eval_files!r}: tokenized with another tokenizer than "
                         f"grain_train_files={config.grain_train_files!r}")
-    endless = [rows.repeat() if isinstance(rows, grain.MapDataset) else rows for rows in held.rows]
+    streamed = config.grain_file_type == "parquet"
+    endless = held.rows[jax.process_index()] if streamed else [rows.repeat() for rows in held.rows]
     if len(endless) == 1:
       held_out = endless[0]
     else:
@@ -312,22 +362,78 @@ def load(config) -> Data:
 def resumes_by_step(data: Data) -> bool:
   """Whether the training batches from step s on depend on s alone: rows found by index (a
   MapDataset), so a checkpoint resumes at its step on any number of processes and workers.
-  Streamed rows resume from the iterator state grain saves, one file per process."""
+  Streamed rows resume from the iterator state grain saves (StreamBlocks)."""
   return isinstance(data.train, grain.MapDataset)
+
+
+# Stop signals are the trainer's: it stops at a step boundary and then closes grain's workers
+# itself. A worker killed by one (a signal to the process group, as timeout and Ctrl-C send, or to
+# every process, as schedulers send) left the trainer waiting for its batch forever. A worker is
+# started from a thread that holds them (blocked, so it starts with them blocked), then ignores
+# them before it unblocks them; the trainer's other threads take them meanwhile.
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def _ignore_stop_signals(worker_index: int, worker_count: int) -> None:
+  del worker_index, worker_count
+  for signum in _STOP_SIGNALS:
+    signal.signal(signum, signal.SIG_IGN)
+  signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+
+@contextlib.contextmanager
+def _stop_signals_held():
+  held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+  try:
+    yield
+  finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+class _WorkersStartedHeld(grain.DatasetIterator):
+  """Its parent's batches, every call that may start a worker made with the stop signals held."""
+
+  def __next__(self):
+    with _stop_signals_held():
+      return next(self._parent)
+
+  def get_state(self) -> dict:
+    return self._parent.get_state()
+
+  def set_state(self, state: dict) -> None:
+    with _stop_signals_held():
+      self._parent.set_state(state)
+
+  def start_prefetch(self) -> None:
+    with _stop_signals_held():
+      self._parent.start_prefetch()
+
+
+def _started(batches: grain.IterDataset, data: Data) -> grain.DatasetIterator:
+  """An iterator of `batches`, prepared by data.worker_count worker processes (0: threads)."""
+  if not data.worker_count:
+    return iter(batches)
+  # The workers' batches cross pickled, not in shared memory: grain frees shared memory from a
+  # thread pool that the interpreter's exit cuts short, so every run ended with multiprocessing's
+  # "leaked shared_memory objects" warning; a batch of token ids is a few MB at most.
+  batches = grain.experimental.WithOptionsIterDataset(batches, grain.experimental.DatasetOptions(min_shm_size=2**62))
+  return _WorkersStartedHeld(iter(batches.mp_prefetch(
+      grain.MultiprocessingOptions(num_workers=data.worker_count, per_worker_buffer_size=data.worker_buffer_size),
+      worker_init_fn=_ignore_stop_signals)))
 
 
 def create_train_iterator(config, data: Data, step: int = 0) -> grain.DatasetIterator:
   """Endless shuffled training batches (reshuffled every epoch) from global batch `step` on;
-  checkpointable."""
-  dataset = _batches(data.train, config.global_batch_size_to_train_on, step)
-  if data.worker_count:
-    # The workers' batches cross pickled, not in shared memory: grain frees shared memory from a
-    # thread pool that the interpreter's exit cuts short, so every run ended with multiprocessing's
-    # "leaked shared_memory objects" warning; a batch of token ids is a few MB at most.
-    dataset = grain.experimental.WithOptionsIterDataset(dataset, grain.experimental.DatasetOptions(min_shm_size=2**62))
-    dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=data.worker_count,
-                                                               per_worker_buffer_size=data.worker_buffer_size))
-  return iter(dataset)
+  checkpointable. Streamed rows start at 0 only: their position is the iterator's state, set
+  from a checkpoint."""
+  if resumes_by_step(data):
+    return _started(_batches(data.train, config.global_batch_size_to_train_on, step), data)
+  if step:
+    raise ValueError(f"streamed rows cannot start at step {step}: restore the iterator's state")
+  count, processes = len(data.train), jax.process_count()  # run_control.keep_global_batch checked they divide
+  rows = config.global_batch_size_to_train_on // count
+  mine = range(jax.process_index() * count // processes, (jax.process_index() + 1) * count // processes)
+  return StreamBlocks({k: _started(data.train[k].batch(rows, drop_remainder=True), data) for k in mine}, count)
 
 
 def create_eval_iterator(config, rows: grain.MapDataset | grain.IterDataset) -> grain.DatasetIterator:

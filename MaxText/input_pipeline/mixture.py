@@ -9,10 +9,11 @@ stays a MapDataset with random access: a run resumed at any step, on any number 
 reads the rows the uninterrupted run read, and the rows each source gave up to a step (its
 share, its epochs) follow from the step alone.
 
-Streamed sources (parquet, IterDatasets) are interleaved in the same order by `Streams`, which
-takes the next row of the source `Interleave` names: row r still comes from the same source, so
-the shares are those of prepared corpora, but a source's k-th row is wherever its stream is, and
-the position is the iterator's state (every source's, saved in the checkpoint).
+Streamed sources (parquet, IterDatasets) are read as streams (input_pipeline), each holding
+its part of every source; within a stream `Streams` takes the next row of the source `Interleave`
+names: row r of the stream still comes from the same source, so the shares are those of prepared
+corpora, but a source's k-th row is wherever its stream is, and the position is the iterator's
+state (every source's, saved in the checkpoint).
 """
 
 import math
@@ -23,7 +24,6 @@ from fractions import Fraction
 from typing import NamedTuple
 
 import grain
-import jax
 
 from MaxText.errors import ConfigError
 
@@ -200,25 +200,26 @@ class _StreamsIterator(grain.DatasetIterator):
 class Mixture:
   """A mixture's endless training rows and what the metrics say of them."""
 
-  def __init__(self, names: list[str], sources: list[grain.MapDataset] | list[grain.IterDataset],
+  def __init__(self, names: list[str], sources: list[grain.MapDataset] | list[list[grain.IterDataset]],
                weights: list[Fraction], seed: int):
     """Source i of rows found by index (MapDatasets) is shuffled with source_seed(seed, i) (plus
     its epoch) and repeated; one source is exactly its shuffled rows, as a glob without weight
-    always was. Streamed sources (IterDatasets) come shuffled with those seeds and endless, each
-    process drawing its own rows: their sizes are unknown, and the counts are per process."""
+    always was; `rows` is a MapDataset. Streamed sources come as sources[stream][source], shuffled
+    with those seeds and endless; `rows` is a list of each stream's rows, mixed within the stream:
+    their sizes are unknown, and the counts are per stream."""
     self.names, self.interleave = names, Interleave(weights)
     if all(isinstance(rows, grain.MapDataset) for rows in sources):
-      self.sizes, self.processes = [len(rows) for rows in sources], 1
+      self.sizes, self.streams = [len(rows) for rows in sources], 1
       sources = [rows.shuffle(seed=source_seed(seed, i)).repeat() for i, rows in enumerate(sources)]
       self.rows = sources[0] if len(sources) == 1 else grain.MapDataset.select_from_datasets(sources, self.interleave)
     else:
-      self.sizes, self.processes = None, jax.process_count()
-      self.rows = sources[0] if len(sources) == 1 else Streams(sources, self.interleave)
+      self.sizes, self.streams = None, len(sources)
+      self.rows = [rows[0] if len(rows) == 1 else Streams(rows, self.interleave) for rows in sources]
 
   def progress(self, rows: int) -> dict:
     """data/fraction/<source> and, where the sources' sizes are known, data/epochs/<source> once
     the first `rows` global rows are drawn."""
-    counts = [count * self.processes for count in self.interleave.counts(rows // self.processes)]
+    counts = [count * self.streams for count in self.interleave.counts(rows // self.streams)]
     metrics = {f"data/fraction/{name}": count / max(rows, 1) for name, count in zip(self.names, counts)}
     if self.sizes:
       metrics.update({f"data/epochs/{name}": count / size for name, size, count in zip(self.names, self.sizes, counts)})
