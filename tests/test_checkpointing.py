@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -235,6 +236,8 @@ def test_a_second_process_on_the_same_run_is_refused(tmp_path, text_cache):
 def test_a_stale_lock_is_taken_over_saying_why_and_one_that_is_a_directory_is_named(tmp_path, caplog):
   from MaxText import run_control
   unrelated = subprocess.Popen(["sleep", "300"])  # alive, but not this program: a reused pid
+  while not Path(f"/proc/{unrelated.pid}/cmdline").read_bytes():  # forked, not yet sleep
+    time.sleep(0.01)
   dead = subprocess.Popen(["true"])
   dead.wait()
   try:

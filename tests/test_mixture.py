@@ -347,8 +347,9 @@ def test_a_parquet_mixture_cut_and_restored_from_its_saved_state_draws_the_unint
 
 # What each bad parquet value of grain_train_files is, and the line it gives.
 BAD_PARQUET = {
-    "a glob matching nothing": (lambda p: f"{p['alpha']}/*.parquet,1;{p['beta']}/nothing-*.parquet,1",
-                                lambda p: f"grain_train_files='{p['beta']}/nothing-*.parquet': no parquet file matches"),
+    "a glob matching nothing": (
+        lambda p: f"{p['alpha']}/*.parquet,1;{p['beta']}/nothing-*.parquet,1",
+        lambda p: f"grain_train_files='{p['beta']}/nothing-*.parquet': no parquet file matches"),
     "weight not a number": (lambda p: f"{p['alpha']}/*.parquet,1;{p['beta']}/*.parquet,x",
                             lambda p: f"source '{p['beta']}/*.parquet' has weight 'x', not a positive number"),
 }

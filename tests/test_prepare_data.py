@@ -20,7 +20,7 @@ from array_record.python import array_record_module
 from conftest import ROOT, run_cli, run_command, tiny_config
 from tokenizers import Tokenizer
 
-from MaxText import checkpointing, train
+from MaxText import train
 from MaxText.errors import ConfigError
 from MaxText.input_pipeline import corpus, input_pipeline, prepare_data, token_shards, tokenizer
 
@@ -274,12 +274,12 @@ def test_parquet_streams_make_each_global_batch_whatever_the_processes_and_resum
   half = config.global_batch_size_to_train_on // 2
   saved = {}
   for process in (0, 1):
-    monkeypatch.setattr(jax, "process_index", lambda: process)
+    monkeypatch.setattr(jax, "process_index", lambda p=process: p)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     part = input_pipeline.create_train_iterator(config, data)
+    mine = slice(process * half, (process + 1) * half)
     for batch in expected[:3]:
-      jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b[process * half:(process + 1) * half]), next(part),
-                   batch)
+      jax.tree.map(lambda a, b, mine=mine: np.testing.assert_array_equal(a, b[mine]), next(part), batch)
     saved[process] = json.loads(json.dumps(part.get_state()))  # as process_<process>-of-2.json holds it
   monkeypatch.undo()
   resumed = input_pipeline.create_train_iterator(config, data)
