@@ -8,7 +8,6 @@ import time
 
 import jax
 from absl import logging
-from tensorboardX import SummaryWriter
 
 from MaxText.costs import peak_tflops, training_flops_per_step
 
@@ -75,8 +74,10 @@ class MetricLogger:
     if writer and config.metrics_file:
       os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
     self.file = open(config.metrics_file, "a") if writer and config.metrics_file else None
-    self.tensorboard = (SummaryWriter(os.path.join(config.run_dir, "tensorboard"))
-                        if writer and config.enable_tensorboard else None)
+    self.tensorboard = None
+    if writer and config.enable_tensorboard:
+      from tensorboardX import SummaryWriter  # noqa: PLC0415 (a run without TensorBoard starts without it)
+      self.tensorboard = SummaryWriter(os.path.join(config.run_dir, "tensorboard"))
 
   def write(self, step: int, metrics: dict, force_log: bool = False):
     if self.file:

@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from qwix._src.core import dot_general_qt, ragged_dot_qt
 
 from MaxText import sharding
 
@@ -99,13 +98,20 @@ def _per_shard_bwd(product, residuals, g):
 _per_shard.defvjp(_per_shard_fwd, _per_shard_bwd)
 
 
+def _qwix():
+  """qwix's quantized products, imported by the first quantized matmul: qwix brings flax.nnx, a
+  second of every command's start otherwise."""
+  from qwix._src.core import dot_general_qt, ragged_dot_qt  # noqa: PLC0415
+  return dot_general_qt, ragged_dot_qt
+
+
 def _quantized_dot(x, w, groups, dims, config):
   del groups
-  return dot_general_qt.dot_general_qt(x, w, dims, config)
+  return _qwix()[0].dot_general_qt(x, w, dims, config)
 
 
 def _quantized_ragged_dot(rows, kernels, group_sizes, config):
-  return ragged_dot_qt.ragged_dot_qt(rows, kernels, group_sizes, config)
+  return _qwix()[1].ragged_dot_qt(rows, kernels, group_sizes, config)
 
 
 def dot_general(cfg, x, w, dims, out_dtype):
@@ -117,7 +123,7 @@ def dot_general(cfg, x, w, dims, out_dtype):
     return plain(x, w)
   # The weight's gradient contracts over the tokens, which the data-like axes shard: one scale
   # per local shard's tokens (MaxText's quantization_local_shard_count) keeps its tiles local.
-  config = dot_general_qt.DotGeneralQtConfig(
+  config = _qwix()[0].DotGeneralQtConfig(
       lhs_qtype=recipe.forward, rhs_qtype=recipe.forward, dlhs_grad_qtype=recipe.backward,
       drhs_grad_qtype=recipe.backward, drhs_tile_size=1 / local_shard_count(cfg))
   quantized = lambda x, w: _per_shard(x, w, None, functools.partial(_quantized_dot, dims=dims, config=config)).astype(
@@ -136,7 +142,7 @@ def ragged_dot(cfg, rows, w, group_sizes, w_in_axis: int, out_dtype, plain):
       out_dtype or rows.dtype)
   if recipe is None:
     return unquantized(rows, w)
-  config = ragged_dot_qt.RaggedDotQtConfig(lhs_qtype=recipe.forward, rhs_qtype=recipe.forward,
+  config = _qwix()[1].RaggedDotQtConfig(lhs_qtype=recipe.forward, rhs_qtype=recipe.forward,
                                            dlhs_grad_qtype=recipe.backward, drhs_grad_qtype=recipe.backward)
   # qwix's quantized grouped matmul takes the kernels [E, in, out].
   quantized = lambda rows, w: _per_shard(
