@@ -275,7 +275,6 @@ EXPERTS_8 = ("decoder_block=qwen3_moe", "num_experts=8", "num_experts_per_tok=2"
              "load_balance_loss_weight=0.1", "router_z_loss_weight=0.01")
 EXPERT_MESHES = {
     "expert=8, all-to-all": ("ici_expert_parallelism=8", "ici_fsdp_parallelism=1"),
-    "expert=8, all-gather": ("ici_expert_parallelism=8", "ici_fsdp_parallelism=1", "expert_exchange=all_gather"),
     "expert=4 fsdp=2, all-to-all": ("ici_expert_parallelism=4", "ici_fsdp_parallelism=2"),
     "expert=2 tensor=2 data=2, all-gather, mlp 2 slices": ("ici_expert_parallelism=2", "ici_tensor_parallelism=2",
                                                            "ici_data_parallelism=2", "ici_fsdp_parallelism=1",
@@ -283,7 +282,8 @@ EXPERT_MESHES = {
     "expert=2 context=2 fsdp=2, all-to-all, mlp 2 slices": ("ici_expert_parallelism=2", "ici_context_parallelism=2",
                                                             "ici_fsdp_parallelism=2", "expert_exchange=all_to_all",
                                                             "mlp_chunks=2"),
-    # Dropping: the capacity is per sequence, and each device's experts see whole sequences.
+    # Dropping: the capacity is per sequence, and each device's experts see whole sequences. (The
+    # all-gather without dropping runs on the expert=2 meshes.)
     "expert=8, capacity 1, all-gather": ("ici_expert_parallelism=8", "ici_fsdp_parallelism=1",
                                          "capacity_factor=1.0"),
     "fsdp=8, 4 experts, mlp 3 slices": ("ici_fsdp_parallelism=8", "num_experts=4", "mlp_chunks=3"),
