@@ -50,10 +50,13 @@ class _Op(NamedTuple):
   attributes: str
 
 
-def _shape_bytes(shape: str) -> int:
-  """Bytes of an HLO shape, a tuple's elements summed (tokens and layouts are not arrays)."""
-  return sum(math.prod(int(d) for d in dims.split(",") if d) * HLO_BYTES[dtype]
-             for dtype, dims in _ARRAY.findall(re.sub(r"\{[^}]*\}", "", shape)) if dtype in HLO_BYTES)
+def _typed_bytes(shape: str) -> collections.Counter:
+  """{element type: bytes} of an HLO shape, a tuple's elements summed (tokens and layouts are not arrays)."""
+  typed = collections.Counter()
+  for dtype, dims in _ARRAY.findall(re.sub(r"\{[^}]*\}", "", shape)):
+    if dtype in HLO_BYTES:
+      typed[dtype] += math.prod(int(d) for d in dims.split(",") if d) * HLO_BYTES[dtype]
+  return typed
 
 
 def _closing(text: str, start: int) -> int:
@@ -220,6 +223,7 @@ def network_bytes(hlo: str, mesh, slice_of: Callable | None = None) -> dict:
   mean over the mesh's devices: {"dcn": sent in collectives whose groups span more than one
   slice (`slice_of(device)`, the TPU slice or else the process), "ici": in those within a slice,
   "by_axes": {the mesh axes a group spans, joined by "+": {"dcn": ..., "ici": ...}},
+  "by_type": {"<collective> <element type>", e.g. "all_gather bf16": {"dcn": ..., "ici": ...}},
   "unknown_trip_counts": loops with collectives whose trip count the HLO does not say, counted
   once}.
 
@@ -275,13 +279,16 @@ def network_bytes(hlo: str, mesh, slice_of: Callable | None = None) -> dict:
       start = instructions[op.operands[0]] if op.opcode.endswith("-done") else op
       spec = _braced(start.attributes, "source_target_pairs" if primitive == "ppermute" else "replica_groups")
       operands = start.operands[:1] if primitive == "ppermute" else start.operands
-    sizes = [_shape_bytes(instructions[name].shape) for name in operands]
+    sizes = [_typed_bytes(instructions[name].shape) for name in operands]
     # A ragged all-to-all as when balanced, like the jaxpr count: the smaller of its operand and output buffer.
-    operand = min(sizes[:2]) if primitive == "ragged_all_to_all" else sum(sizes)
+    operand = (min(sizes[:2], key=lambda typed: sum(typed.values())) if primitive == "ragged_all_to_all"
+               else sum(sizes, collections.Counter()))
     total = collections.Counter()
     for axes, crosses, n, count in sending(spec or "{}", primitive == "ppermute" and not megascale, megascale):
       senders = count if primitive == "ppermute" else count * n  # a permute's count is of sending pairs
-      total[axes, crosses] += senders * SENT_PER_BYTE[primitive](n) * operand * (1 if megascale else copies)
+      for dtype, size in operand.items():
+        total[axes, crosses, primitive, dtype] += senders * SENT_PER_BYTE[primitive](n) * size * (
+            1 if megascale else copies)
     return total
 
   unknown = set()
@@ -306,9 +313,11 @@ def network_bytes(hlo: str, mesh, slice_of: Callable | None = None) -> dict:
     return total
 
   per_device = {key: sent_ / len(devices) for key, sent_ in executed(entry).items()}
-  by_axes = {}
-  for (axes, crosses), sent_ in sorted(per_device.items()):
-    by_axes.setdefault(axes, {"dcn": 0.0, "ici": 0.0})["dcn" if crosses else "ici"] += sent_
-  return {"dcn": sum((s for (_, crosses), s in per_device.items() if crosses), 0.0),
-          "ici": sum((s for (_, crosses), s in per_device.items() if not crosses), 0.0),
-          "by_axes": by_axes, "unknown_trip_counts": len(unknown)}
+  by_axes, by_type = {}, {}
+  for (axes, crosses, primitive, dtype), sent_ in sorted(per_device.items()):
+    where = "dcn" if crosses else "ici"
+    by_axes.setdefault(axes, {"dcn": 0.0, "ici": 0.0})[where] += sent_
+    by_type.setdefault(f"{primitive} {dtype}", {"dcn": 0.0, "ici": 0.0})[where] += sent_
+  return {"dcn": sum((s for (_, crosses, _, _), s in per_device.items() if crosses), 0.0),
+          "ici": sum((s for (_, crosses, _, _), s in per_device.items() if not crosses), 0.0),
+          "by_axes": by_axes, "by_type": by_type, "unknown_trip_counts": len(unknown)}

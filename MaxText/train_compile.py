@@ -87,6 +87,8 @@ def main(argv):
         f"across slices (dcn) {network['dcn'] / 2**30:.3f} GiB, within a slice (ici) {network['ici'] / 2**30:.3f} GiB")
   for axes, sent in network["by_axes"].items():
     print(f"  over {axes:28s} dcn {sent['dcn'] / 2**30:10.3f} GiB  ici {sent['ici'] / 2**30:10.3f} GiB")
+  for kind, sent in sorted(network["by_type"].items(), key=lambda item: -sum(item[1].values())):
+    print(f"  as {kind:30s} dcn {sent['dcn'] / 2**30:10.3f} GiB  ici {sent['ici'] / 2**30:10.3f} GiB")
   if network["unknown_trip_counts"]:
     print(f"warning: {network['unknown_trip_counts']} loop(s) with collectives of a trip count the compiled HLO does "
           "not say, counted once", file=sys.stderr)

@@ -38,6 +38,13 @@ def sent(dcn=None, ici=None):
           "unknown_trip_counts": 0}
 
 
+def network_bytes(text, mesh, slice_of=None):
+  """hlo_network.network_bytes without its split by collective and type (tested on its own)."""
+  counted = hlo_network.network_bytes(text, mesh, slice_of)
+  counted.pop("by_type")
+  return counted
+
+
 def gather_and_sums(mesh):
   """An FSDP weight [32, 64] gathered for a matmul, a block of 16 floats summed over data in a
   5-step scan, and once over both axes."""
@@ -69,7 +76,21 @@ def test_partitioner_and_shard_map_collectives_at_loop_trip_counts(mesh, mesh_ax
   text = jax.jit(f).lower(*args).compile({"xla_enable_rgv3_materialization": mesh_axes_groups}).as_text()
   gather = next(line for line in text.splitlines() if " all-gather(" in line)
   assert ("replica_groups=mesh[" in gather) == mesh_axes_groups and ("]<=[" in gather) != mesh_axes_groups
-  assert hlo_network.network_bytes(text, mesh) == sent(ici=GATHER_AND_SUMS)
+  assert network_bytes(text, mesh) == sent(ici=GATHER_AND_SUMS)
+
+
+# XLA:CPU gathers bfloat16 as float32.
+@pytest.mark.parametrize("dtype, name, size", [(jnp.float32, "f32", 4), (jnp.int8, "s8", 1)])
+def test_the_bytes_are_split_by_collective_and_element_type(mesh, dtype, name, size):
+  f, args = gather_and_sums(mesh)
+  text = jax.jit(f).lower(*args).compile().as_text()
+  sums = GATHER_AND_SUMS["data"] + GATHER_AND_SUMS["data+fsdp"]
+  assert hlo_network.network_bytes(text, mesh)["by_type"] == {
+      "all_gather f32": {"dcn": 0.0, "ici": GATHER_AND_SUMS["fsdp"]}, "psum f32": {"dcn": 0.0, "ici": sums}}
+  weight = jax.ShapeDtypeStruct((32, 64), dtype, sharding=NamedSharding(mesh, P("fsdp")))
+  gathered = jax.jit(lambda w: jax.lax.with_sharding_constraint(w, NamedSharding(mesh, P()))).lower(weight)
+  assert hlo_network.network_bytes(gathered.compile().as_text(), mesh)["by_type"] == {
+      f"all_gather {name}": {"dcn": 0.0, "ici": 3 / 4 * 32 * 64 * size}}
 
 
 def test_groups_that_span_slices_are_dcn(mesh):
@@ -77,14 +98,14 @@ def test_groups_that_span_slices_are_dcn(mesh):
   text = jax.jit(f).lower(*args).compile().as_text()
   row = {d: i // 4 for i, d in enumerate(mesh.devices.flat)}  # as if each row of data were a slice
   dcn = {axes: GATHER_AND_SUMS[axes] for axes in ("data", "data+fsdp")}
-  assert hlo_network.network_bytes(text, mesh, row.get) == sent(dcn=dcn, ici={"fsdp": GATHER_AND_SUMS["fsdp"]})
+  assert network_bytes(text, mesh, row.get) == sent(dcn=dcn, ici={"fsdp": GATHER_AND_SUMS["fsdp"]})
 
 
 def test_a_roll_over_a_sharded_axis_permutes_the_rows_that_cross_shards(mesh):
   rows = array(mesh, (32, 8), "fsdp")  # 8 rows a device: each sends its last 3 to the next
   text = jax.jit(lambda x: jnp.roll(x, 3, axis=0)).lower(rows).compile().as_text()
   assert "collective-permute" in text
-  assert hlo_network.network_bytes(text, mesh) == sent(ici={"fsdp": 3 * 8 * F32})
+  assert network_bytes(text, mesh) == sent(ici={"fsdp": 3 * 8 * F32})
 
 
 def test_a_conditional_counts_its_costliest_branch(mesh):
@@ -94,7 +115,7 @@ def test_a_conditional_counts_its_costliest_branch(mesh):
   f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("fsdp")), out_specs=P("fsdp"), check_vma=False)
   text = jax.jit(f).lower(array(mesh, (1,), None), array(mesh, (64,), "fsdp")).compile().as_text()
   assert "conditional(" in text
-  assert hlo_network.network_bytes(text, mesh) == sent(ici={"data": 2 * (1 / 2) * BLOCK})
+  assert network_bytes(text, mesh) == sent(ici={"data": 2 * (1 / 2) * BLOCK})
 
 
 @pytest.mark.parametrize("spec, groups", [
@@ -135,4 +156,4 @@ def test_two_tpu_slices_send_between_them_through_the_megascale_runtime():
   assert "_xla_megascale_transfer_type" in text and "known_trip_count" not in text
   assert "collective-permute-done" in text  # counted once with its -start
   dcn = {"data": 5 * 2 * (1 / 2) * 128 * F32 + 128 * F32}
-  assert hlo_network.network_bytes(text, mesh) == sent(dcn=dcn, ici={"fsdp": 3 / 4 * 8 * 256 * F32 + 128 * F32})
+  assert network_bytes(text, mesh) == sent(dcn=dcn, ici={"fsdp": 3 / 4 * 8 * 256 * F32 + 128 * F32})

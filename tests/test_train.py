@@ -126,7 +126,8 @@ def test_train_compile_reports_the_train_step_memory(tmp_path, capsys):
   # One device: the shard_maps' collectives run over axes of size 1 and send nothing; none printed.
   assert stats.pop("collective_bytes_per_device") == {} and "collectives called" not in stdout
   # Nor does the compiled step, whose count is printed all the same.
-  assert stats.pop("network_bytes_per_device") == {"dcn": 0.0, "ici": 0.0, "by_axes": {}, "unknown_trip_counts": 0}
+  assert stats.pop("network_bytes_per_device") == {"dcn": 0.0, "ici": 0.0, "by_axes": {}, "by_type": {},
+                                                   "unknown_trip_counts": 0}
   assert "across slices (dcn) 0.000 GiB, within a slice (ici) 0.000 GiB" in stdout
   assert stats["temp_bytes"] > 0 and stats["total_bytes"] > 0
   config = tiny_config()
