@@ -99,8 +99,8 @@ _per_shard.defvjp(_per_shard_fwd, _per_shard_bwd)
 
 
 def _qwix():
-  """qwix's quantized products, imported by the first quantized matmul: qwix brings flax.nnx, a
-  second of every command's start otherwise."""
+  """qwix's quantized products, imported by the first quantized matmul: qwix brings flax.nnx,
+  which every command's start would otherwise import for nothing."""
   from qwix._src.core import dot_general_qt, ragged_dot_qt  # noqa: PLC0415
   return dot_general_qt, ragged_dot_qt
 
