@@ -514,9 +514,13 @@ class Pipeline:
          "holds every S-th group); 0: layers / stages")
   num_pipeline_repeats: int = key(-1, "passes of each microbatch through the stages (circular when > 1); -1: "
                                       "layers / (stages x num_layers_per_pipeline_stage)")
-  pipeline_schedule: Literal["gpipe", "1f1b"] = key(
-      "gpipe", "gpipe: every forward, then every backward (circular with repeats > 1); 1f1b: one forward and one "
-               "backward per stage and iteration, activations bounded by the stages")
+  pipeline_schedule: Literal["gpipe", "1f1b"] | None = key(
+      None, "gpipe: every forward, then every backward (circular with repeats > 1); 1f1b: one forward and one "
+            "backward per stage and iteration, activations bounded by the stages; null: 1f1b unless the stages are "
+            "circular, then gpipe",
+      doc="1F1B runs GPipe's bubble and keeps at most 2 x stages - 1 microbatches' stage inputs where GPipe keeps "
+          "every iteration's residuals, so it is the default wherever it runs; its backward runs each stage's "
+          "forward again, which remat_policy=none would otherwise save.")
 
   def check(self):
     require(self.num_pipeline_microbatches == -1 or self.num_pipeline_microbatches >= 1, self,

@@ -466,7 +466,7 @@ def _name(settings: dict) -> str:
   context = settings.get("ici_context_parallelism", 1)
   name += f" context {context} {settings['context_parallel_strategy']}" if context > 1 else ""
   stages = settings.get("ici_pipeline_parallelism", 1)
-  name += (f" pipeline {stages} {settings['pipeline_schedule']} m{settings['num_pipeline_microbatches']}"
+  name += (f" pipeline {stages} {settings['pipeline_schedule'] or 'default'} m{settings['num_pipeline_microbatches']}"
            if stages > 1 else "")
   return name + (f" x{settings['gradient_accumulation_steps']}" if settings["gradient_accumulation_steps"] > 1 else "")
 

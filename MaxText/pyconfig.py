@@ -315,7 +315,7 @@ def _derive(v: dict, num_devices: int, num_granules: int) -> None:
 
 
 def _derive_pipeline(v: dict) -> None:
-  """pipeline_stages, num_pipeline_microbatches and num_pipeline_repeats resolved for the mesh,
+  """pipeline_stages, num_pipeline_microbatches, num_pipeline_repeats and, with stages, pipeline_schedule resolved
   and what a pipeline needs of the layers and the batch."""
   axis = sharding.MESH_AXES.index("pipeline")
   stages = v["pipeline_stages"] = v["mesh_shape"][axis] * v["dcn_mesh_shape"][axis]
@@ -354,6 +354,8 @@ def _derive_pipeline(v: dict) -> None:
   _require(v["micro_batch_size"] % (count * shards) == 0, "num_pipeline_microbatches",
            f"must split the {v['micro_batch_size']} rows per step into microbatches of whole rows per batch shard "
            f"({shards} shards of activation_batch)", v)
+  if v["pipeline_schedule"] is None:
+    v["pipeline_schedule"] = "1f1b" if repeats == 1 else "gpipe"
   _require(v["pipeline_schedule"] != "1f1b" or repeats == 1, "pipeline_schedule",
            f"1f1b is not circular: num_pipeline_repeats must be 1, not {repeats}", v)
 

@@ -20,7 +20,7 @@ from conftest import (
   with_slow_decays,
 )
 
-from MaxText import errors, sharding, train, train_step
+from MaxText import errors, plan, pyconfig, sharding, train, train_step
 from MaxText.layers import pipeline
 
 MODELS = {
@@ -69,7 +69,7 @@ SLOW_DECAYS = ("qwen3_next",)
 _PP2, _PP4 = "ici_pipeline_parallelism=2", "ici_pipeline_parallelism=4"
 CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
     "gpipe pp2 fsdp2 data2 m4": ("llama", (_PP2, "ici_fsdp_parallelism=2", "ici_data_parallelism=2",
-                                           "num_pipeline_microbatches=4")),
+                                           "num_pipeline_microbatches=4", "pipeline_schedule=gpipe")),
     "circular pp2 r2 fsdp4 m2": ("gemma2", (_PP2, "ici_fsdp_parallelism=4", "num_pipeline_repeats=2")),
     "1f1b pp4 tensor2 m16": ("gemma2", (_PP4, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=1",
                                         "pipeline_schedule=1f1b", "num_pipeline_microbatches=16")),
@@ -79,17 +79,19 @@ CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
                   "gradient_accumulation_steps=2", "per_device_batch_size=1", "num_vocab_tiling=4",
                   "remat_layer_interval=2")),
     "moe gpipe pp2 expert2 tensor2 m4": ("moe", (_PP2, "ici_expert_parallelism=2", "ici_tensor_parallelism=2",
-                                                 "ici_fsdp_parallelism=1", "num_pipeline_microbatches=4")),
+                                                 "ici_fsdp_parallelism=1", "num_pipeline_microbatches=4",
+                                                 "pipeline_schedule=gpipe")),
     "moe 1f1b pp4 fsdp2 m4": ("moe", (_PP4, "ici_fsdp_parallelism=2", "pipeline_schedule=1f1b",
                                       "num_pipeline_microbatches=4")),
     "interleaved gpipe pp2 expert2 fsdp2 m4": (
-        "interleaved", (_PP2, "ici_expert_parallelism=2", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=4")),
+        "interleaved", (_PP2, "ici_expert_parallelism=2", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=4",
+                        "pipeline_schedule=gpipe")),
     "interleaved 1f1b pp2 fsdp4 m4": ("interleaved", (_PP2, "ici_fsdp_parallelism=4", "pipeline_schedule=1f1b",
                                                       "num_pipeline_microbatches=4")),
     "gpt_oss 1f1b pp2 tensor2 fsdp2 m4": ("gpt_oss", (_PP2, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2",
                                                        "pipeline_schedule=1f1b", "num_pipeline_microbatches=4")),
     "qwen3_next gpipe pp2 tensor2 fsdp2 m4": ("qwen3_next", (_PP2, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2",
-                                                             "num_pipeline_microbatches=4")),
+                                                             "num_pipeline_microbatches=4", "pipeline_schedule=gpipe")),
 }
 
 
@@ -174,6 +176,22 @@ def test_a_pipelined_run_resumes_without_a_pipeline(tmp_path):
   shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "3")
   resumed = run("resumed", "ici_fsdp_parallelism=8", "base_num_decoder_layers=4")
   np.testing.assert_allclose(resumed[3], uninterrupted[3], rtol=1e-5)
+
+
+def test_with_no_schedule_named_stages_run_1f1b_and_circular_stages_gpipe():
+  """1F1B wherever it runs; the planner's candidates, which name no schedule unless it is searched,
+  resolve by the same rule."""
+  with on_devices(8):
+    assert tiny_config(*SHARDED, "base_num_decoder_layers=4", "per_device_batch_size=1").pipeline_schedule is None
+    stages = tiny_config(*SHARDED, "base_num_decoder_layers=4", "per_device_batch_size=1", _PP2)
+    circular = tiny_config(*SHARDED, "base_num_decoder_layers=4", "per_device_batch_size=1", _PP2,
+                           "num_pipeline_repeats=2")
+    unpipelined = tiny_config(*SHARDED, "base_num_decoder_layers=4", "per_device_batch_size=1",
+                              "ici_fsdp_parallelism=-1", "plan_pipeline_parallelism=[1,2]")
+    candidates = [pyconfig.replace(unpipelined, {k: s[k] for k in plan.PIPELINE_KEYS})
+                  for s in plan._settings(plan.search_space(unpipelined, set(plan.PIPELINE_KEYS)))]
+  assert (stages.pipeline_schedule, circular.pipeline_schedule) == ("1f1b", "gpipe")
+  assert [(c.pipeline_stages, c.pipeline_schedule) for c in candidates] == [(1, None), (2, "1f1b")]
 
 
 # 1F1B is not circular: its cases have one repeat.

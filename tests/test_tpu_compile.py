@@ -94,9 +94,8 @@ GEMMA2_ATTENTION = ("decoder_block=gemma2", "sliding_window_size=512", "attn_log
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [(), ("ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"),
-                                  ("ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", *GEMMA2_ATTENTION)],
-                         ids=["fsdp", "fsdp-tensor", "gemma2-fsdp-tensor"])
+@pytest.mark.parametrize("mesh", [(), ("ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", *GEMMA2_ATTENTION)],
+                         ids=["fsdp", "gemma2-fsdp-tensor"])
 def test_flash_attention_compiles_for_tpu_without_the_score_matrix(mesh):
   """Also with Gemma 2's attention: the soft cap in the kernel, and the window picked by the
   layer index traced through the scan (lax.cond between two kernels, inside shard_map)."""
