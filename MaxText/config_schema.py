@@ -601,6 +601,9 @@ class Plan:
       [], "context_parallel_strategy values tried where context > 1; []: as configured")
   plan_pipeline_parallelism: list[int] = key([], "ici_pipeline_parallelism values tried (e.g. [1, 2, 4], with "
                                                  "ici_fsdp_parallelism=-1); []: as configured")
+  plan_dcn_pipeline_parallelism: list[int] = key(
+      [], "dcn_pipeline_parallelism values tried (e.g. [1, 2] over 2 slices, with another dcn_*_parallelism=-1 to "
+          "take the rest); []: as configured")
   plan_num_pipeline_microbatches: list[int] = key(
       [], "num_pipeline_microbatches values tried where pipeline stages > 1 (-1: one per stage); []: as configured")
   plan_pipeline_schedules: list[Literal["gpipe", "1f1b"]] = key(
@@ -620,6 +623,7 @@ class Plan:
       positive_ascending(self, name, empty_ok=False)
     positive_ascending(self, "plan_context_parallelism", empty_ok=True)
     positive_ascending(self, "plan_pipeline_parallelism", empty_ok=True)
+    positive_ascending(self, "plan_dcn_pipeline_parallelism", empty_ok=True)
     counts = self.plan_num_pipeline_microbatches  # -1: one per stage
     require(all(x == -1 or x > 0 for x in counts) and len(set(counts)) == len(counts), self,
             "plan_num_pipeline_microbatches", "must be distinct counts, each > 0 or -1 (one per stage)")

@@ -2,7 +2,7 @@
 
 Finds the fastest num_vocab_tiling x remat_policy x remat_layer_interval x per_device_batch_size
 (x mlp_chunks x attention_head_chunks x gradient_accumulation_steps x ici_context_parallelism x
-context_parallel_strategy x ici_pipeline_parallelism x num_pipeline_microbatches x pipeline_schedule)
+context_parallel_strategy x ici_/dcn_pipeline_parallelism x num_pipeline_microbatches x pipeline_schedule)
 whose train step fits hbm_budget_gib per device, for the devices
 train_compile compiles for: a TPU slice (compile_topology=v5p-64), or the visible devices
 (JAX_NUM_CPU_DEVICES=N simulates N). Every other key is held as given, and so is a search key
@@ -41,6 +41,7 @@ import contextlib
 import functools
 import heapq
 import itertools
+import math
 import multiprocessing
 import os
 import time
@@ -71,6 +72,7 @@ SEARCH_KEYS = {
     "ici_context_parallelism": "plan_context_parallelism",
     "context_parallel_strategy": "plan_context_parallel_strategies",
     "ici_pipeline_parallelism": "plan_pipeline_parallelism",
+    "dcn_pipeline_parallelism": "plan_dcn_pipeline_parallelism",
     "num_pipeline_microbatches": "plan_num_pipeline_microbatches",
     "pipeline_schedule": "plan_pipeline_schedules",
     "gradient_accumulation_steps": "plan_gradient_accumulation_steps",
@@ -79,7 +81,8 @@ SEARCH_KEYS = {
 }
 # The mesh settings each chain of the search fixes: context parallelism and pipeline stages.
 CONTEXT_KEYS = ("ici_context_parallelism", "context_parallel_strategy")
-PIPELINE_KEYS = ("ici_pipeline_parallelism", "num_pipeline_microbatches", "pipeline_schedule")
+PIPELINE_KEYS = ("ici_pipeline_parallelism", "dcn_pipeline_parallelism", "num_pipeline_microbatches",
+                 "pipeline_schedule")
 PARALLEL_KEYS = CONTEXT_KEYS + PIPELINE_KEYS
 # Left of a device's memory for what the compiled step does not count: the runtime,
 # fragmentation, the next input batch.
@@ -89,7 +92,8 @@ def _key(arg: str) -> str:
 
 
 def _assignments(settings: dict) -> list:
-  return [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in settings.items()]
+  """key=value for each setting; a key left unset (None: its default rule) is left out."""
+  return [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in settings.items() if v is not None]
 
 
 def describe(settings: dict) -> str:
@@ -152,6 +156,14 @@ def search_space(config, free) -> dict:
     if key in ("ici_context_parallelism", "ici_pipeline_parallelism") and any(config.num_devices % x for x in values):
       raise errors.ConfigError(f"{plan_key}={values}: {next(x for x in values if config.num_devices % x)}"
                                f" does not divide the {config.num_devices} devices")
+    if key == "dcn_pipeline_parallelism" and values != [config.dcn_pipeline_parallelism]:
+      granules = math.prod(config.dcn_mesh_shape)
+      if any(granules % x for x in values):
+        raise errors.ConfigError(f"{plan_key}={values}: {next(x for x in values if granules % x)} does not divide "
+                                 f"the {granules} slices/processes")
+      if not any(getattr(config, f"dcn_{axis}_parallelism") == -1 for axis in sharding.MESH_AXES):
+        raise errors.ConfigError(f"{plan_key}={values}: needs another dcn_*_parallelism=-1 to take the slices the "
+                                 "stages leave (e.g. dcn_data_parallelism=-1)")
     if key == "remat_layer_interval":
       values = [i for i in values if i <= config.base_num_decoder_layers]
       if not values:
@@ -354,13 +366,14 @@ def candidate_bound(space: dict) -> tuple[int, int]:
 
 
 def _parallel(space: dict, keys: tuple, configured: tuple | None) -> list:
-  """The settings of one parallelism the chains run under: the first key's degree, and at
-  degrees above 1 every value of the other keys (at 1, their first). The keys appear in the
-  candidates' settings (and the train line) when searched, or fixed by a one-value plan_* list to
-  other than the config's."""
-  degree, *others = keys
-  combos = [(x, *rest) for x in space[degree]
-            for rest in itertools.product(*(space[k] if x > 1 else space[k][:1] for k in others))]
+  """The settings of one parallelism the chains run under: its degree (the product of the leading
+  *_parallelism keys: within and across slices), and at degrees above 1 every value of the other
+  keys (at 1, their first). The keys appear in the candidates' settings (and the train line) when
+  searched, or fixed by a one-value plan_* list to other than the config's."""
+  degrees = [k for k in keys if k.endswith("_parallelism")]
+  others = keys[len(degrees):]
+  combos = [(*sizes, *rest) for sizes in itertools.product(*(space[k] for k in degrees))
+            for rest in itertools.product(*(space[k] if math.prod(sizes) > 1 else space[k][:1] for k in others))]
   searched = len(combos) > 1 or (configured is not None and combos[0] != configured)
   return [dict(zip(keys, combo)) if searched else {} for combo in combos]
 
@@ -465,7 +478,7 @@ def _name(settings: dict) -> str:
   name += f" attention/{settings['attention_head_chunks']}" if settings["attention_head_chunks"] > 1 else ""
   context = settings.get("ici_context_parallelism", 1)
   name += f" context {context} {settings['context_parallel_strategy']}" if context > 1 else ""
-  stages = settings.get("ici_pipeline_parallelism", 1)
+  stages = settings.get("ici_pipeline_parallelism", 1) * settings.get("dcn_pipeline_parallelism", 1)
   name += (f" pipeline {stages} {settings['pipeline_schedule'] or 'default'} m{settings['num_pipeline_microbatches']}"
            if stages > 1 else "")
   return name + (f" x{settings['gradient_accumulation_steps']}" if settings["gradient_accumulation_steps"] > 1 else "")

@@ -357,11 +357,35 @@ def test_the_pipeline_degree_microbatches_and_schedule_are_searched():
     config = pyconfig.initialize(argv)
     space = plan.search_space(config, set(plan.PIPELINE_KEYS))
     chains = [tuple(s[k] for k in plan.PIPELINE_KEYS) for s in plan._settings(space)]
-    assert chains == [(1, 2, "gpipe"), (2, 2, "gpipe"), (2, 2, "1f1b"), (2, 8, "gpipe"), (2, 8, "1f1b")]
+    assert chains == [(1, 1, 2, "gpipe"), (2, 1, 2, "gpipe"), (2, 1, 2, "1f1b"), (2, 1, 8, "gpipe"), (2, 1, 8, "1f1b")]
     rates = plan.roofline_rates(sharding.run_devices("", 1)[0])
     temp = {schedule: plan.evaluate(config, {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8,
                                              "pipeline_schedule": schedule}, rates)["temp_bytes"]
             for schedule in ("gpipe", "1f1b")}
   assert temp["1f1b"] < temp["gpipe"]
-  assert "ici_pipeline_parallelism=2 num_pipeline_microbatches=8 pipeline_schedule=1f1b" in plan.describe(
-      dict(zip(plan.PIPELINE_KEYS, chains[-1])))
+  assert ("ici_pipeline_parallelism=2 dcn_pipeline_parallelism=1 num_pipeline_microbatches=8 pipeline_schedule=1f1b"
+          in plan.describe(dict(zip(plan.PIPELINE_KEYS, chains[-1]))))
+
+
+def test_stages_across_slices_are_searched():
+  """Two v5p-8 slices (libtpu's compiler): the chains are data parallelism over the slices and two
+  stages across them (1F1B, no schedule named), the second compiled with its stages on the slices;
+  a list the slices cannot take, or nothing to take the slices the stages leave, is one line."""
+  slices = ("compile_topology=v5p-8", "compile_topology_num_slices=2", "base_num_decoder_layers=4",
+            "plan_remat_policies=[full]", "plan_remat_layer_intervals=[1]", "plan_per_device_batch_sizes=[4]",
+            "plan_num_vocab_tiling=[1]")
+  config = pyconfig.initialize([BASE_YML, *TINY, *slices, "dcn_data_parallelism=-1",
+                                "plan_dcn_pipeline_parallelism=[1,2]"])
+  chains = plan._settings(plan.search_space(config, set(plan.PIPELINE_KEYS)))
+  assert [tuple(s[k] for k in plan.PIPELINE_KEYS) for s in chains] == [(1, 1, -1, None), (1, 2, -1, None)]
+  staged = pyconfig.replace(config, {k: chains[1][k] for k in plan.PIPELINE_KEYS})
+  assert staged.dcn_mesh_shape[sharding.MESH_AXES.index("pipeline")] == 2 and staged.pipeline_schedule == "1f1b"
+  record = plan.evaluate(config, {**chains[1], "remat_layer_interval": 1, "per_device_batch_size": 4,
+                                  "num_vocab_tiling": 1}, plan.roofline_rates(sharding.run_devices("v5p-8", 2)[0]))
+  assert record["status"] == "ok" and record["total_bytes"] > 0, record
+  for overrides, message in [(("dcn_data_parallelism=-1", "plan_dcn_pipeline_parallelism=[1,4]"),
+                              r"plan_dcn_pipeline_parallelism=\[1, 4\]: 4 does not divide the 2 slices"),
+                             (("dcn_data_parallelism=2", "plan_dcn_pipeline_parallelism=[1,2]"),
+                              r"needs another dcn_\*_parallelism=-1")]:
+    with pytest.raises(errors.ConfigError, match=message):
+      plan.search_space(pyconfig.initialize([BASE_YML, *TINY, *slices, *overrides]), set(plan.PIPELINE_KEYS))
