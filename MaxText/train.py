@@ -60,12 +60,12 @@ def initial_state(trainer: Trainer, config, managers, data, loaded=None):
                              f"has checkpoints (latest step {restored[1]}); use a new run_name to start from it")
   if restored:
     logging.info("resuming from checkpoint step %d in %s", restored[1], restored[2].directory)
-    state = restored[0]
+    state = trainer.relayout(restored[0], True)
   else:
     state = trainer.init(jax.random.key(config.init_weights_seed))
     if config.load_parameters_path:
       params = loaded if loaded is not None else _load_parameters(trainer, config)
-      state = state.replace(params=params)
+      state = state.replace(params=trainer.relayout(params, True))
   return state, input_pipeline.create_train_iterator(config, data, int(state.step)) if by_step else iterator
 
 
@@ -76,13 +76,13 @@ def _load_parameters(trainer: Trainer, config):
   return params
 
 
-def save_if_finite(manager, step: int, state, train_iterator, params_finite) -> None:
-  """Saves checkpoint `step` only from finite parameters: a non-finite checkpoint would become
-  the one every resume starts from, and max_to_keep would delete good ones for it."""
+def save_if_finite(trainer: Trainer, manager, step: int, state, train_iterator, params_finite) -> None:
+  """Saves checkpoint `step`, in layer order, only from finite parameters: a non-finite checkpoint
+  would become the one every resume starts from, and max_to_keep would delete good ones for it."""
   if not bool(params_finite(state.params)):
     raise run_control.Diverged(f"step {step}: the parameters are not finite; not saved (latest checkpoint: "
                                f"{manager.latest_step()})")
-  checkpointing.save(manager, step, state, train_iterator)
+  checkpointing.save(manager, step, trainer.relayout(state, False), train_iterator)
 
 
 def train(config) -> None:
@@ -188,9 +188,9 @@ def _train_steps(trainer, config, compiled, state, data, train_iterator, manager
         # Mid-streak the state is the one from before it; saving that again would only let
         # max_to_keep prune older checkpoints for a copy.
         if local_saving and not streak.count:
-          save_if_finite(local, step, state, train_iterator, params_finite)
+          save_if_finite(trainer, local, step, state, train_iterator, params_finite)
         if saving and not streak.count:
-          save_if_finite(manager, step, state, train_iterator, params_finite)
+          save_if_finite(trainer, manager, step, state, train_iterator, params_finite)
         if signum:
           saved = f"checkpoint {step} saved" if manager and not streak.count else "no checkpoint saved"
           raise run_control.Preempted(signum, f"{run_control.SIGNALS[signum]} at step {step}: {saved}; rerun to resume")

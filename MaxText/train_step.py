@@ -15,7 +15,7 @@ from flax.training.train_state import TrainState
 
 from MaxText import objective, optimizers, sharding
 from MaxText.errors import UserError, first_line
-from MaxText.layers import attentions, models, pipeline
+from MaxText.layers import attentions, decoders, models, pipeline
 from MaxText.layers.models import Transformer
 
 BATCH_KEYS = ("inputs", "targets", "inputs_position", "inputs_segmentation", "targets_segmentation")
@@ -88,6 +88,9 @@ class Trainer(NamedTuple):
   state_sharding: TrainState  # NamedShardings
   batch_sharding: dict
   init: Callable  # rng -> sharded TrainState
+  # (a TrainState, parameters or gradients laid out on the mesh, to_stages) -> in the order the run
+  # keeps the pipelined layers (True) or in layer order, as checkpoints hold them (decoders.relayout)
+  relayout: Callable
   train_step: Callable  # (state, batch) -> (state, metrics); donates state
   eval_step: Callable  # (params, batch) -> loss sums
 
@@ -116,13 +119,22 @@ def build(config, mesh) -> Trainer:
     state_sharding = sharding.logical_to_sharding(nn.get_partition_spec(boxed), mesh, config)
   abstract_state = nn.meta.unbox(boxed)
   batch_sharding = {k: sharding.batch_sharding(mesh, config) for k in BATCH_KEYS}
-  init = jax.jit(lambda rng: nn.meta.unbox(init_boxed(rng)), out_shardings=state_sharding)
+  # Initialised in layer order, so that the values are one device's whatever the stages.
+  init = jax.jit(lambda rng: decoders.relayout(config, nn.meta.unbox(init_boxed(rng)), True),
+                 out_shardings=state_sharding)
+
+  def relayout(tree, to_stages: bool):
+    if not pipeline.reorders(config):
+      return tree
+    return jax.jit(functools.partial(decoders.relayout, config, to_stages=to_stages),
+                   out_shardings=jax.tree.map(lambda x: x.sharding, tree))(tree)
+
   p_train = jax.jit(functools.partial(train_step, model, config),
                     in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None),
                     donate_argnums=0)
   p_eval = jax.jit(functools.partial(eval_step, model, config),
                    in_shardings=(state_sharding.params, batch_sharding))
-  return Trainer(model, mesh, abstract_state, state_sharding, batch_sharding, init, p_train, p_eval)
+  return Trainer(model, mesh, abstract_state, state_sharding, batch_sharding, init, relayout, p_train, p_eval)
 
 
 def compile_train_step(trainer: Trainer, config):

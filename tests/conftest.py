@@ -146,8 +146,8 @@ def trainer_and_state(config):
 
 
 def trainer_and_params(config, params=None):
-  """(Trainer, its params): initialised on config's mesh, or `params` laid out on it (no
-  initialisation compiled)."""
+  """(Trainer, its params): initialised on config's mesh, or `params` (in layer order) laid out on
+  it as the run keeps them (no initialisation compiled)."""
   import jax
 
   from MaxText import sharding, train_step
@@ -155,7 +155,7 @@ def trainer_and_params(config, params=None):
     trainer, state = trainer_and_state(config)
     return trainer, state.params
   trainer = train_step.build(config, sharding.create_mesh(config))
-  return trainer, jax.device_put(params, trainer.state_sharding.params)
+  return trainer, trainer.relayout(jax.device_put(params, trainer.state_sharding.params), True)
 
 
 def fixed_batch(config, seed=0):
@@ -204,7 +204,7 @@ def loss_gradients(config, batch=None, params=None, hlo=None):
     value, grads = compiled(params, batch)
   if hlo is not None:
     hlo.append(compiled.as_text())
-  leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(grads))
+  leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(trainer.relayout(grads, False)))
   return {"loss": np.asarray(value), **{jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}}
 
 

@@ -20,7 +20,7 @@ from conftest import (
   with_slow_decays,
 )
 
-from MaxText import errors, plan, pyconfig, sharding, train, train_step
+from MaxText import errors, hlo_network, plan, pyconfig, sharding, train, train_step
 from MaxText.layers import pipeline
 
 MODELS = {
@@ -78,9 +78,10 @@ CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
                   "num_pipeline_microbatches=4", "attention=chunked", "attention_chunk_size=4",
                   "gradient_accumulation_steps=2", "per_device_batch_size=1", "num_vocab_tiling=4",
                   "remat_layer_interval=2")),
-    "moe gpipe pp2 expert2 tensor2 m4": ("moe", (_PP2, "ici_expert_parallelism=2", "ici_tensor_parallelism=2",
-                                                 "ici_fsdp_parallelism=1", "num_pipeline_microbatches=4",
-                                                 "pipeline_schedule=gpipe")),
+    # Circular: the loads that move the correction bias are in the stages' order of the layers.
+    "moe circular pp2 r2 expert2 tensor2 m4": ("moe", (_PP2, "ici_expert_parallelism=2", "ici_tensor_parallelism=2",
+                                                       "ici_fsdp_parallelism=1", "num_pipeline_microbatches=4",
+                                                       "num_pipeline_repeats=2")),
     "moe 1f1b pp4 fsdp2 m4": ("moe", (_PP4, "ici_fsdp_parallelism=2", "pipeline_schedule=1f1b",
                                       "num_pipeline_microbatches=4")),
     "interleaved gpipe pp2 expert2 fsdp2 m4": (
@@ -104,14 +105,14 @@ INITIALISED = {next(case for case, (model, _) in CASES.items() if model == name)
 
 def step_gradients(config, batch, params=None):
   """{"loss": summed loss, the step's sums (the router's statistics and loads included), parameter
-  path: gradient per scored token} of the train step's own gradients (train_step.gradients: the
-  1F1B loop where the config asks for it), gathered, at config's initial parameters (or at
-  `params`, laid out on config's mesh)."""
+  path: gradient per scored token}, the loads and gradients in layer order, of the train step's own gradients
+  (train_step.gradients: the 1F1B loop where the config asks for it), gathered, at config's
+  initial parameters (or at `params`, laid out on config's mesh)."""
   trainer, params = trainer_and_params(config, params)
   with sharding.activate(trainer.mesh, config):
     (loss, sums), grads = jax.jit(lambda p, b: train_step.gradients(trainer.model, config, p, b))(
         params, train_step.device_batch(trainer, batch))
-  leaves = jax.tree_util.tree_leaves_with_path(jax.device_get((sums, grads)))
+  leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(trainer.relayout((sums, grads), False)))
   return {"loss": np.asarray(loss), **{jax.tree_util.keystr(path): np.asarray(g) for path, g in leaves}}
 
 
@@ -158,12 +159,29 @@ def test_1f1b_memory_does_not_grow_with_the_microbatches():
   assert temp["1f1b", 16] < temp["gpipe", 16] / 2, temp
 
 
-def test_a_pipelined_run_resumes_without_a_pipeline(tmp_path):
-  """The stored layers are the same whatever the stages: saved at step 2 under 4 stages, resumed
-  under fsdp 8, step 3's loss is the uninterrupted pipelined run's."""
+def test_only_activations_cross_between_circular_stages():
+  """Compiled on XLA:CPU, 2 stages x fsdp 4, 2 microbatches: what a step sends over the pipeline
+  axis with 2 repeats is what it sends with 1, per iteration of the loop (R M + S - 1 of them): a
+  stage's stored shard holds the layers it runs, so no weight moves between stages."""
+  sent = {}
+  with on_devices(8):
+    for repeats in (1, 2):
+      config = tiny_config(*SHARDED, "base_num_decoder_layers=4", "per_device_batch_size=1", _PP2,
+                           "ici_fsdp_parallelism=4", "pipeline_schedule=gpipe", f"num_pipeline_repeats={repeats}")
+      trainer = train_step.build(config, sharding.create_mesh(config))
+      hlo = train_step.compile_train_step(trainer, config).as_text()
+      sent[repeats] = hlo_network.network_bytes(hlo, trainer.mesh)["by_axes"]["pipeline"]["ici"]
+  assert 0 < sent[2] <= sent[1] * (2 * 2 + 1) / (2 + 1), sent
+
+
+def test_a_circular_run_resumes_without_a_pipeline_and_with_one(tmp_path):
+  """Checkpoints hold the layers in layer order whatever the stages: saved at step 2 under
+  circular stages (which keep them in stage order), resumed under fsdp 8 and under the same
+  stages, step 3's loss is the uninterrupted run's."""
   common = ("per_device_batch_size=1", "steps=3", f"base_output_directory={tmp_path}", "log_period=100",
-            "enable_checkpointing=true", "checkpoint_period=2", "learning_rate_schedule_steps=3")
-  pipelined = (_PP4, "ici_fsdp_parallelism=2", "pipeline_schedule=1f1b", "num_pipeline_microbatches=4")
+            "enable_checkpointing=true", "checkpoint_period=2", "learning_rate_schedule_steps=3",
+            "base_num_decoder_layers=4")
+  circular = (_PP2, "ici_fsdp_parallelism=4", "num_pipeline_repeats=2")
 
   def run(name, *overrides):
     metrics_file = tmp_path / f"{name}.jsonl"
@@ -171,11 +189,11 @@ def test_a_pipelined_run_resumes_without_a_pipeline(tmp_path):
       train.train(tiny_config(*common, f"run_name={name}", f"metrics_file={metrics_file}", *overrides))
     return metrics_losses(metrics_file)
 
-  uninterrupted = run("whole", *pipelined, "base_num_decoder_layers=4")
-  shutil.copytree(tmp_path / "whole", tmp_path / "resumed")  # its step 2, as a run stopped there left it
-  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "3")
-  resumed = run("resumed", "ici_fsdp_parallelism=8", "base_num_decoder_layers=4")
-  np.testing.assert_allclose(resumed[3], uninterrupted[3], rtol=1e-5)
+  uninterrupted = run("whole", *circular)
+  for name, overrides in (("unpipelined", ("ici_fsdp_parallelism=8",)), ("circular", circular)):
+    shutil.copytree(tmp_path / "whole", tmp_path / name)  # its step 2, as a run stopped there left it
+    shutil.rmtree(tmp_path / name / "checkpoints" / "3")
+    np.testing.assert_allclose(run(name, *overrides)[3], uninterrupted[3], rtol=1e-5, err_msg=name)
 
 
 def test_with_no_schedule_named_stages_run_1f1b_and_circular_stages_gpipe():

@@ -237,11 +237,27 @@ def expert_loads(cfg, intermediates) -> dict:
   """{stack name: loads as stored_loads shapes them} the load per expert [E] of each MoE layer
   (moe.EXPERT_LOAD), from model.apply's intermediates (pipelined: summed over the microbatches)."""
   decoder = intermediates["decoder"]
-  if cfg.pipeline_stages > 1:  # the pipelined stack is the last
+  if cfg.pipeline_stages > 1:  # the pipelined stack is the last, its loads in layer order
     stack = stacks(cfg)[-1]
-    return {stack.name: stored_loads(stack, jnp.sum(decoder[PIPELINE_STATS][0][moe.EXPERT_LOAD], axis=0))}
+    loads = stored_loads(stack, jnp.sum(decoder[PIPELINE_STATS][0][moe.EXPERT_LOAD], axis=0))
+    return {stack.name: jax.tree.map(lambda x: pipeline.to_stage_order(cfg, x), loads)}
   return {stack.name: stored_loads(stack, layer_stats(cfg, stack, decoder[stack.name])[moe.EXPERT_LOAD])
           for stack in stacks(cfg) if stack.moe_layers()}
+
+
+def relayout(cfg, tree, to_stages: bool):
+  """tree (a TrainState, parameters or their gradients) with the pipelined stack's stored axis in
+  the order the run keeps it (to_stages: pipeline.to_stage_order) or in layer order, as
+  checkpoints hold it (pipeline.to_layer_order); tree itself where the two are one."""
+  if not pipeline.reorders(cfg):
+    return tree
+  name, move = stacks(cfg)[-1].name, pipeline.to_stage_order if to_stages else pipeline.to_layer_order
+
+  def leaf(path, x):
+    keys = [getattr(k, "key", None) for k in path]
+    return move(cfg, x) if ("decoder", name) in zip(keys, keys[1:]) else x
+
+  return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
 # Where a pipelined decoder sows its MoE layers' loads: {name: [microbatch, layer, ...]}.

@@ -1,9 +1,12 @@
 """Pipeline parallelism: the decoder's layers in stages along the `pipeline` mesh axis.
 
-A stack's stored layers [L, ...] (layer order; the `layers` axis sharded over `pipeline`) are
-viewed as [S stages, R repeats, L / (S R) layers]: stage s runs the layer groups s, S + s,
-2S + s, ... (circular with num_pipeline_repeats R > 1; with R = 1 a stage's layers are the
-contiguous ones its shard of the stored axis already holds, so nothing moves). All stages run
+A stack's stored layers [L, ...] (the `layers` axis sharded over `pipeline`) are viewed as
+[S stages, R repeats, L / (S R) layers]: stage s runs the layer groups s, S + s, 2S + s, ...
+(circular with num_pipeline_repeats R > 1). A run keeps them in stage order, stage s's groups the
+s-th contiguous block of the stored axis (to_stage_order), so that each stage's shard of the axis
+holds the layers it runs and no weight moves between stages in a step; with R = 1 stage order is
+layer order. Checkpoints hold layer order whatever the stages (to_layer_order on save, its
+inverse on restore), so they resume under any layout. All stages run
 in each iteration, each on its own microbatch, as one program vmapped over the stage axis
 (spmd_axis_name="pipeline"), and their outputs move one stage on by a shift along that axis,
 which the partitioner turns into a collective permute: only activations cross between stages.
@@ -114,11 +117,31 @@ def _shift(x, by: int):
   return jnp.pad(x[:-1] if by > 0 else x[1:], pad)
 
 
+def reorders(cfg) -> bool:
+  """Whether a run keeps the stored layers in another order than layer order: circular stages."""
+  return cfg.pipeline_stages > 1 and cfg.num_pipeline_repeats > 1
+
+
+def to_stage_order(cfg, x):
+  """x [L, ...] in layer order (groups r S + s) -> stage order (stage s's groups s, S + s, ... the
+  s-th block): where a run with circular stages keeps the stored layers; x as it is otherwise."""
+  if not reorders(cfg):
+    return x
+  return jnp.swapaxes(x.reshape(cfg.num_pipeline_repeats, cfg.pipeline_stages, -1, *x.shape[1:]), 0, 1).reshape(x.shape)
+
+
+def to_layer_order(cfg, x):
+  """to_stage_order's inverse."""
+  if not reorders(cfg):
+    return x
+  return jnp.swapaxes(x.reshape(cfg.pipeline_stages, cfg.num_pipeline_repeats, -1, *x.shape[1:]), 0, 1).reshape(x.shape)
+
+
 def stage_layers(cfg, layers):
-  """The stored [L, ...] -> [S, R, L / (S R), ...], the stage axis on `pipeline`."""
+  """The stored [L, ...] (stage order) -> [S, R, L / (S R), ...], the stage axis on `pipeline`:
+  each stage's block of the stored axis, where its shard already is."""
   stages, repeats = cfg.pipeline_stages, cfg.num_pipeline_repeats
-  return jax.tree.map(lambda p: _on_stages(jnp.swapaxes(p.reshape(repeats, stages, -1, *p.shape[1:]), 0, 1)),
-                      layers)
+  return jax.tree.map(lambda p: _on_stages(p.reshape(stages, repeats, -1, *p.shape[1:])), layers)
 
 
 def _stage_run(cfg, stage: Stage):
