@@ -507,7 +507,8 @@ class Pipeline:
   decoder's layers and microbatches flow through them; only activations cross between stages. The
   embedding and the output head run outside the stages. gpipe runs every microbatch's forward, then
   every backward: activation memory grows with the microbatches. 1f1b runs one forward and one
-  backward per stage and iteration, keeping at most 2 x stages - 1 microbatches' activations."""
+  backward per stage and iteration, keeping at most 2 x stages x repeats - 1 microbatches'
+  activations (interleaved with repeats > 1)."""
   num_pipeline_microbatches: int = key(-1, "microbatches per step (a multiple of the stages); -1: one per stage")
   num_layers_per_pipeline_stage: int = key(
       0, "layers a stage runs per pass; fewer than layers / stages makes the schedule circular (each stage "
@@ -516,11 +517,13 @@ class Pipeline:
                                       "layers / (stages x num_layers_per_pipeline_stage)")
   pipeline_schedule: Literal["gpipe", "1f1b"] | None = key(
       None, "gpipe: every forward, then every backward (circular with repeats > 1); 1f1b: one forward and one "
-            "backward per stage and iteration, activations bounded by the stages; null: 1f1b unless the stages are "
-            "circular, then gpipe",
+            "backward per stage and iteration, activations bounded by the stages (interleaved with repeats > 1); "
+            "null: 1f1b unless the stages are circular, then gpipe",
       doc="1F1B runs GPipe's bubble and keeps at most 2 x stages - 1 microbatches' stage inputs where GPipe keeps "
-          "every iteration's residuals, so it is the default wherever it runs; its backward runs each stage's "
-          "forward again, which remat_policy=none would otherwise save.")
+          "every iteration's residuals, so it is the default without repeats; its backward runs each stage's "
+          "forward again, which remat_policy=none would otherwise save. With repeats both have the circular "
+          "bubble; GPipe then runs fewer FLOPs and 1F1B (interleaved, 2 x stages x repeats - 1 inputs) less "
+          "memory, so GPipe stays the default and 1f1b is the choice where it does not fit.")
 
   def check(self):
     require(self.num_pipeline_microbatches == -1 or self.num_pipeline_microbatches >= 1, self,

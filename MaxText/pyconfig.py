@@ -356,8 +356,6 @@ def _derive_pipeline(v: dict) -> None:
            f"({shards} shards of activation_batch)", v)
   if v["pipeline_schedule"] is None:
     v["pipeline_schedule"] = "1f1b" if repeats == 1 else "gpipe"
-  _require(v["pipeline_schedule"] != "1f1b" or repeats == 1, "pipeline_schedule",
-           f"1f1b is not circular: num_pipeline_repeats must be 1, not {repeats}", v)
 
 
 def _check_linear_attention(v: dict) -> None:

@@ -89,6 +89,12 @@ CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
                         "pipeline_schedule=gpipe")),
     "interleaved 1f1b pp2 fsdp4 m4": ("interleaved", (_PP2, "ici_fsdp_parallelism=4", "pipeline_schedule=1f1b",
                                                       "num_pipeline_microbatches=4")),
+    # Interleaved 1F1B: two repeats, the microbatches in groups of the stages' count.
+    "1f1b pp2 r2 tensor2 fsdp2 m4": ("llama", (_PP2, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2",
+                                              "pipeline_schedule=1f1b", "num_pipeline_repeats=2",
+                                              "num_pipeline_microbatches=4")),
+    "moe 1f1b pp2 r2 fsdp4 m4": ("moe", (_PP2, "ici_fsdp_parallelism=4", "pipeline_schedule=1f1b",
+                                         "num_pipeline_repeats=2", "num_pipeline_microbatches=4")),
     "gpt_oss 1f1b pp2 tensor2 fsdp2 m4": ("gpt_oss", (_PP2, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2",
                                                        "pipeline_schedule=1f1b", "num_pipeline_microbatches=4")),
     "qwen3_next gpipe pp2 tensor2 fsdp2 m4": ("qwen3_next", (_PP2, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2",
@@ -212,25 +218,26 @@ def test_with_no_schedule_named_stages_run_1f1b_and_circular_stages_gpipe():
   assert [(c.pipeline_stages, c.pipeline_schedule) for c in candidates] == [(1, None), (2, "1f1b")]
 
 
-# 1F1B is not circular: its cases have one repeat.
 @pytest.mark.parametrize("schedule, stages, repeats, count", [
-    *[("gpipe", *case) for case in [(2, 1, 2), (4, 1, 8), (2, 2, 4), (4, 3, 4)]],
-    *[("1f1b", *case) for case in [(2, 1, 2), (4, 1, 8), (4, 1, 4)]]])
+    *[(schedule, *case) for schedule in ("gpipe", "1f1b") for case in [(2, 1, 2), (4, 1, 8), (2, 2, 4), (4, 3, 4)]],
+    ("1f1b", 4, 1, 4)])
 def test_bubble_counts_the_idle_stage_iterations(schedule, stages, repeats, count):
   """The loops' own timing: in GPipe stage s runs work item i = t - s (R M items), in 1F1B a
-  forward of t - s and a backward of t - 2S + 2 + s (M each), the loop running each phase only
-  in the iterations where some stage has its work; a stage's executed phase without work is
-  idle."""
+  forward of t - s and a backward of t - (R S - 1) - (S - 1 - s) (R M each), the loop running each
+  phase only in the iterations where some stage has its work; a stage's executed phase without
+  work is idle."""
   config = type("C", (), {"pipeline_stages": stages, "num_pipeline_repeats": repeats,
                           "num_pipeline_microbatches": count, "pipeline_schedule": schedule})
+  work = repeats * count
   if schedule == "gpipe":
-    slots = [(0 <= t - s < repeats * count) for t in range(repeats * count + stages - 1) for s in range(stages)]
+    slots = [(0 <= t - s < work) for t in range(work + stages - 1) for s in range(stages)]
   else:
-    iterations = range(count + 2 * stages - 2)
-    forwards = [t for t in iterations if any(0 <= t - s < count for s in range(stages))]
-    backwards = [t for t in iterations if any(0 <= t - 2 * stages + 2 + s < count for s in range(stages))]
-    slots = ([0 <= t - s < count for t in forwards for s in range(stages)]
-             + [0 <= t - 2 * stages + 2 + s < count for t in backwards for s in range(stages)])
+    iterations = range(repeats * stages - 1 + work + stages - 1)
+    backward = lambda t, s: t - (repeats * stages - 1) - (stages - 1 - s)
+    forwards = [t for t in iterations if any(0 <= t - s < work for s in range(stages))]
+    backwards = [t for t in iterations if any(0 <= backward(t, s) < work for s in range(stages))]
+    slots = ([0 <= t - s < work for t in forwards for s in range(stages)]
+             + [0 <= backward(t, s) < work for t in backwards for s in range(stages)])
   assert pipeline.bubble(config) == pytest.approx(1 - sum(slots) / len(slots))
 
 
@@ -239,7 +246,6 @@ def test_bubble_counts_the_idle_stage_iterations(schedule, stages, repeats, coun
     ((_PP2, "num_pipeline_repeats=2", "base_num_decoder_layers=6"), r"base_num_decoder_layers=6"),
     ((_PP4, "num_pipeline_microbatches=6"), r"num_pipeline_microbatches=6: must be a multiple of the 4"),
     ((_PP2, "ici_fsdp_parallelism=4", "num_pipeline_microbatches=4"), r"num_pipeline_microbatches=4: must split"),
-    ((_PP2, "num_pipeline_repeats=2", "pipeline_schedule=1f1b"), r"pipeline_schedule='1f1b': 1f1b is not circular"),
     ((_PP2, "num_layers_per_pipeline_stage=1", "num_pipeline_repeats=1"), r"num_pipeline_repeats=1: disagrees"),
     # 3 layers a stage, not the 2 asked for, would run without a word.
     ((_PP2, "base_num_decoder_layers=6", "num_layers_per_pipeline_stage=2"),

@@ -1,10 +1,11 @@
 """The decoder-only language model: embedding, decoder stack, output head."""
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from MaxText import head
-from MaxText.layers import decoders, moe, multi_token_prediction
+from MaxText.layers import decoders, moe, multi_token_prediction, pipeline
 from MaxText.layers.decoders import Decoder
 from MaxText.layers.embeddings import Embed
 from MaxText.layers.linears import kernel_init
@@ -74,7 +75,8 @@ def updates(cfg, intermediates, staged=None):
     loads["decoder"] = decoders.expert_loads(cfg, intermediates)
   if staged is not None:
     stack = decoders.stacks(cfg)[-1]
-    loads["decoder"] = {stack.name: decoders.stored_loads(stack, staged[moe.EXPERT_LOAD])}
+    loads["decoder"] = {stack.name: jax.tree.map(lambda x: pipeline.to_stage_order(cfg, x),
+                                                 decoders.stored_loads(stack, staged[moe.EXPERT_LOAD]))}
   if "mtp" in intermediates:
     loads["mtp"] = multi_token_prediction.expert_loads(cfg, intermediates)
   return loads

@@ -16,11 +16,12 @@ from a buffer of the M microbatches: their embeddings for repeat 0, and for late
 last stage's output, written there M - S + 1 >= 1 iterations before it is read.
 
 `forward` is the GPipe schedule: autodiff runs every backward after every forward, so a stage
-keeps the residuals (what remat_policy saves) of all R M + S - 1 iterations. `gradients` is 1F1B:
-an iteration runs a forward and a backward per stage, the loss and its gradient inside the loop,
-each phase only in the iterations where some stage has its work (M + S - 1 of each, as GPipe's
-forward and backward loops run). A stage keeps only its inputs, of at most 2S - 1 microbatches (the round trip to the
-last stage and back; M where M is fewer), however many microbatches there are, and its backward
+keeps the residuals (what remat_policy saves) of all R M + S - 1 iterations. `gradients` is 1F1B
+(interleaved with R > 1): an iteration runs a forward and a backward per stage, the loss and its
+gradient inside the loop, each phase only in the iterations where some stage has its work
+(R M + S - 1 of each, as GPipe's forward and backward loops run). A stage keeps only its inputs,
+of at most 2 R S - 1 work items (the round trip to the last stage and back; R M where that is
+fewer), however many microbatches there are, and its backward
 runs the stage's forward again for the vjp: the residuals (what remat_policy saves) exist for
 one microbatch at a time, for one more forward of the stage per microbatch. (Keeping each
 forward's vjp residuals instead would save that forward, but a vjp that holds a shard_map, as the
@@ -67,8 +68,8 @@ def rows(x):
 
 def bubble(cfg) -> float:
   """The share of the stages' executed forwards and backwards that compute nothing:
-  (S - 1) / (R M + S - 1), for GPipe and for 1F1B (R = 1), whose loop runs a phase only in the
-  iterations where some stage has its work."""
+  (S - 1) / (R M + S - 1), for GPipe and for 1F1B, whose loop runs a phase only in the iterations
+  where some stage has its work."""
   stages, work = cfg.pipeline_stages, cfg.num_pipeline_repeats * cfg.num_pipeline_microbatches
   return (stages - 1) / (work + stages - 1) if stages > 1 else 0.0
 
@@ -213,23 +214,42 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   microbatches) of the batch's microbatches, an iteration a forward and a backward per stage (each
   phase only where some stage has its work).
 
+  Interleaved with R > 1 repeats: a stage's work items are microbatch g S + j at repeat r, item
+  i = g R S + r S + j: the microbatches go through the stages in groups of S, a group through
+  every repeat before the next starts, so what the last stage sends at repeat r is the first
+  stage's input at r + 1 in the next iteration (the shift wraps around), and the bubble is
+  GPipe's circular one. Stage s runs forward item t - s and backward item t - (R S - 1) - (S - 1 - s)
+  of the same order with the repeats reversed (the last stage at the last repeat first, in the
+  iteration its forward ran), and keeps the inputs of at most 2 R S - 1 items.
+
   embed(rest, microbatch) -> x [m, T, D]: the first stage's input; head(rest, y, microbatch) ->
   (loss, sums): the loss of the last stage's output, whose gradient starts the backward;
   report(microbatch, what a stage reported) -> (loss, sums): what the layers' reports add to the
   loss, linear in them (their terms; its gradient is the reports' cotangent). `rest` are the
   parameters besides the stack (the embedding, the final norm, the head and what follows it);
   each `sums` (a tree of arrays) is summed over the microbatches as the loss is."""
-  stages, count = cfg.pipeline_stages, cfg.num_pipeline_microbatches
-  # Microbatches in flight at a stage: at most the round trip's 2S - 1, and never more than M.
-  slots = min(2 * stages - 1, count)
-  regroup = jax.vmap(stage.regroup)
-  # Each stage's layers (1F1B is not circular) as they run, and the map of their gradient back
+  stages, repeats, count = cfg.pipeline_stages, cfg.num_pipeline_repeats, cfg.num_pipeline_microbatches
+  work, lag = repeats * count, repeats * stages - 1  # items per stage; the first backward's iteration
+  # Items in flight at a stage: at most the round trip's 2 R S - 1, and never more than there are.
+  slots = min(2 * repeats * stages - 1, work)
+  # Each stage's layers of every repeat as they run [S, R, ...], and the map of their gradient back
   # to the stored layers: the transpose of that view.
-  params, to_stored = jax.vjp(lambda stored: regroup(jax.tree.map(lambda p: p[:, 0], stage_layers(cfg, stored))),
-                              layers)
+  params, to_stored = jax.vjp(lambda stored: jax.vmap(jax.vmap(stage.regroup))(stage_layers(cfg, stored)), layers)
+  at_repeat = (lambda p, r: jax.tree.map(lambda a: a[:, 0], p)) if repeats == 1 else (
+      lambda p, r: jax.tree.map(lambda a: _at(a, r), p))
+  # The shift between stages wraps around where the last stage feeds the first (and back).
+  shift = _shift if repeats == 1 else (lambda x, by: jnp.roll(x, by, axis=0))
   batch = microbatches(batch, count)
   index = jnp.arange(stages)
-  first = stage.first + index * stage.per_stage
+  first = lambda r: stage.first + (r * stages + index) * stage.per_stage
+
+  def item(i):
+    """Work item i (one per stage) -> (microbatch, repeat, whether it is one)."""
+    live = (i >= 0) & (i < work)
+    i = jnp.clip(i, 0, work - 1)
+    group, within = i // (repeats * stages), i % (repeats * stages)
+    return group * stages + within % stages, within // stages, live
+
   run = jax.vmap(stage.apply, spmd_axis_name="pipeline")
   take = lambda m: jax.tree.map(lambda a: _at(a, jnp.clip(m, 0, count - 1)), batch)
   per_stage = lambda m: jax.tree.map(lambda a: _pick(a, jnp.clip(m, 0, count - 1)), batch)
@@ -237,8 +257,9 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   stat_cotangent = jax.vmap(jax.grad(lambda microbatch, stats: report(microbatch, stats)[0], argnums=1))
   x0 = jax.eval_shape(lambda: embed(rest, take(0)))
   state = jnp.zeros((stages, *x0.shape), x0.dtype)
-  stats_shape = jax.eval_shape(lambda: run(params, state, batch["inputs_position"][:stages],
-                                           batch["inputs_segmentation"][:stages], first)[1])
+  zero_repeat = jnp.zeros((stages,), jnp.int32)
+  stats_shape = jax.eval_shape(lambda: run(at_repeat(params, zero_repeat), state, batch["inputs_position"][:stages],
+                                           batch["inputs_segmentation"][:stages], first(zero_repeat))[1])
   inputs = jnp.zeros((stages, slots, *x0.shape), x0.dtype)
   zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
   head_shape = jax.eval_shape(lambda: head(rest, state[0], take(0)))
@@ -246,6 +267,8 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   per_stage_sums = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), report_shape[1])
   total = (jnp.zeros((), head_shape[0].dtype), zeros(head_shape[1]), zeros(per_stage_sums))
   mask = lambda live, x: jnp.where(live.reshape(-1, *(1,) * (x.ndim - 1)), x, 0)
+  # Each stage's statistics by repeat [S, R, ...].
+  stats_zeros = jax.tree.map(lambda a: jnp.zeros((stages, repeats, *a.shape[1:]), a.dtype), stats_shape)
 
   def head_one(rest, y, microbatch, scored):
     out, vjp = jax.vjp(lambda r, y: head(r, y, microbatch), rest, y)
@@ -261,49 +284,59 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   rest_on_stages = jax.tree.map(lambda a: _on_stages(jnp.broadcast_to(a, (stages, *a.shape))), rest)
   embeds = jax.vmap(embed_one, spmd_axis_name="pipeline")
 
+  def backward_item(t):
+    """Each stage's backward this iteration: (microbatch, repeat, whether it is one, the slot of its
+    forward's input)."""
+    m, reversed_repeat, live = item(t - lag - (stages - 1 - index))
+    repeat = repeats - 1 - reversed_repeat
+    return m, repeat, live, ((m // stages) * repeats * stages + repeat * stages + m % stages) % slots
+
   # An iteration's three phases, each skipped where no stage has its work (lax.cond on the
-  # iteration, the same on every device): forwards run in iterations 0 .. M + S - 2, the head in
-  # S - 1 .. M + S - 2 and backwards from S - 1 on, so a step runs M + S - 1 forwards and
-  # backwards of every stage, as GPipe's does, not M + 2S - 2 of each. The carries go through
-  # the conds: three scans, one per span of phases, or conds that return only what is added to
-  # the carries, ran slower on XLA:CPU and took more memory on TPU (docs/guides/pipeline.md).
+  # iteration, the same on every device): forwards run in iterations 0 .. R M + S - 2, the head
+  # where the last stage finishes a microbatch's last repeat and backwards from R S - 1 on, so a
+  # step runs R M + S - 1 forwards and backwards of every stage, as GPipe's does. The carries go
+  # through the conds: three scans, one per span of phases, or conds that return only what is
+  # added to the carries, ran slower on XLA:CPU and took more memory on TPU (docs/guides/pipeline.md).
   def forward_phase(state, inputs, stats_sums, t):
-    # Stage s runs microbatch t - s; the first stage's input is embedded here.
-    state = _on_stages(_put(state, 0, embed(rest, take(t))), STATE_AXES)
-    m_f = t - index
-    ran = (m_f >= 0) & (m_f < count)
+    m_f, r_f, ran = item(t - index)
+    # The first stage's input at the first repeat is embedded here; at later ones the last stage sent it.
+    fresh = ((index == 0) & (r_f == 0)).reshape(-1, *(1,) * (state.ndim - 1))
+    state = _on_stages(jnp.where(fresh, embed(rest, take(m_f[0]))[None], state), STATE_AXES)
     forward = per_stage(m_f)
-    y, stats = run(params, state, forward["inputs_position"], forward["inputs_segmentation"], first)
+    y, stats = run(at_repeat(params, r_f), state, forward["inputs_position"], forward["inputs_segmentation"],
+                   first(r_f))
     # A stage past its last forward writes nowhere (slot `slots`): with fewer slots than the round
-    # trip its slot may still hold a microbatch waiting for its backward.
-    slot_f = jnp.where(t - index < count, (t - index) % slots, slots)
+    # trip its slot may still hold an item waiting for its backward.
+    slot_f = jnp.where(t - index < work, (t - index) % slots, slots)
     inputs = _put(inputs, slot_f, state)
-    stats_sums = jax.tree.map(lambda a, b: a + mask(ran, b), stats_sums, stats)
+    stats_sums = jax.tree.map(lambda a, b: a + jnp.where(_hits(r_f, repeats, a.ndim), mask(ran, b)[:, None], 0),
+                              stats_sums, stats)
     loss, sums = jax.tree.map(lambda x: jnp.sum(mask(ran, x), axis=0), reported(forward, stats))
     return _on_stages(y, STATE_AXES), inputs, stats_sums, loss, sums
 
   def head_phase(y, t):
-    # The loss of the microbatch the last stage just finished, and its gradient: computed by every
-    # stage on its own output and kept by the last, so that no stage's output crosses to another.
-    m_l = t - stages + 1
-    scored = (index == stages - 1) & (m_l >= 0) & (m_l < count)
-    out, d_rest, dy = heads(rest_on_stages, y, per_stage(jnp.full((stages,), m_l)), scored)
+    # The loss of the microbatch the last stage just finished at its last repeat, and its gradient:
+    # computed by every stage on its own output and kept by the last, so that no stage's output
+    # crosses to another.
+    m_l, r_l, live = item(t - index)
+    scored = (index == stages - 1) & live & (r_l == repeats - 1)
+    out, d_rest, dy = heads(rest_on_stages, y, per_stage(m_l), scored)
     return jax.tree.map(lambda x: jnp.sum(mask(scored, x), axis=0), out), d_rest, dy
 
   def backward_phase(cotangent, inputs, grads, rest_grads, t):
-    # Stage s runs microbatch t - 2S + 2 + s, its cotangent from stage s + 1 (the last stage's
-    # from the head).
-    m_b = t - 2 * stages + 2 + index
-    live = (m_b >= 0) & (m_b < count)
+    # Its cotangent came from the stage after it (the last stage's at the last repeat from the
+    # head, at earlier repeats from the first stage).
+    m_b, r_b, live, slot_b = backward_item(t)
     backward = per_stage(m_b)
     (_, stats), stage_vjp = jax.vjp(
-        lambda p, x: run(p, x, backward["inputs_position"], backward["inputs_segmentation"], first),
-        params, _at(inputs, m_b % slots))
+        lambda p, x: run(at_repeat(p, r_b), x, backward["inputs_position"], backward["inputs_segmentation"],
+                         first(r_b)),
+        params, _at(inputs, slot_b))
     d_stats = jax.tree.map(lambda d: mask(live, d), stat_cotangent(backward, stats))
     d_params, dx = stage_vjp((cotangent, d_stats))
     grads = jax.tree.map(lambda g, d: g + mask(live, d), grads, d_params)
-    # The first stage's input gradient reaches the embedding, on the first stage's devices.
-    d_embed = embeds(backward, mask(live & (index == 0), dx))
+    # The first stage's input gradient at the first repeat reaches the embedding, on its devices.
+    d_embed = embeds(backward, mask(live & (index == 0) & (r_b == 0), dx))
     return dx, grads, jax.tree.map(jnp.add, rest_grads, d_embed)
 
   def skipped(shapes, *kept):
@@ -314,27 +347,30 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   def iteration(carry, t):
     state, cotangent, inputs, grads, rest_grads, total, stats_sums = carry
     y, inputs, stats_sums, loss, sums = jax.lax.cond(
-        t < count + stages - 1, forward_phase, skipped(forward_shapes, None, 1, 2, None, None),
+        t < work + stages - 1, forward_phase, skipped(forward_shapes, None, 1, 2, None, None),
         state, inputs, stats_sums, t)
-    out, d_rest, dy = jax.lax.cond((t >= stages - 1) & (t < count + stages - 1), head_phase,
-                                   skipped(head_shapes, None, None, None), y, t)
+    last = t - (stages - 1)  # the last stage's forward item
+    scoring = (last >= 0) & (last < work) & ((last % (repeats * stages)) // stages == repeats - 1)
+    out, d_rest, dy = jax.lax.cond(scoring, head_phase, skipped(head_shapes, None, None, None), y, t)
     total = (total[0] + loss + out[0], jax.tree.map(jnp.add, total[1], out[1]), jax.tree.map(jnp.add, total[2], sums))
-    cotangent = _on_stages(jnp.where((index == stages - 1).reshape(-1, *(1,) * (dy.ndim - 1)), dy, cotangent),
-                           STATE_AXES)
-    dx, grads, rest_grads = jax.lax.cond(t >= stages - 1, backward_phase, skipped(backward_shapes, None, 2, 3),
+    from_head = (index == stages - 1) & (backward_item(t)[1] == repeats - 1)
+    cotangent = _on_stages(jnp.where(from_head.reshape(-1, *(1,) * (dy.ndim - 1)), dy, cotangent), STATE_AXES)
+    dx, grads, rest_grads = jax.lax.cond(t >= lag, backward_phase, skipped(backward_shapes, None, 2, 3),
                                          cotangent, inputs, grads, rest_grads, t)
     rest_grads = jax.tree.map(jnp.add, rest_grads, d_rest)
-    return (_on_stages(_shift(y, 1), STATE_AXES), _on_stages(_shift(dx, -1), STATE_AXES), inputs, grads, rest_grads,
+    return (_on_stages(shift(y, 1), STATE_AXES), _on_stages(shift(dx, -1), STATE_AXES), inputs, grads, rest_grads,
             total, stats_sums), None
 
   # The gradients of `rest`, one per stage (each stage's head and embedding), summed once at the end.
   rest_grads = jax.tree.map(lambda a: _on_stages(jnp.zeros((stages, *a.shape), a.dtype)), rest)
-  carry = (state, jnp.zeros_like(state), inputs, zeros(params), rest_grads, total, zeros(stats_shape))
+  carry = (state, jnp.zeros_like(state), inputs, zeros(params), rest_grads, total, stats_zeros)
   forward_shapes = jax.eval_shape(forward_phase, state, inputs, carry[-1], 0)
   head_shapes = jax.eval_shape(head_phase, state, stages - 1)
-  backward_shapes = jax.eval_shape(backward_phase, state, inputs, carry[3], rest_grads, stages - 1)
+  backward_shapes = jax.eval_shape(backward_phase, state, inputs, carry[3], rest_grads, lag)
   (*_, grads, rest_grads, total, stats_sums), _ = jax.lax.scan(iteration, carry,
-                                                               jnp.arange(count + 2 * stages - 2))
+                                                               jnp.arange(lag + work + stages - 1))
   (layer_grads,) = to_stored(grads)
   rest_grads = jax.tree.map(lambda g: jnp.sum(g, axis=0), rest_grads)
-  return total, (layer_grads, rest_grads), jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), stats_sums)
+  # [S, R, L / (S R), ...] -> layer order: the layers of repeat r and stage s are the (r S + s)-th group.
+  return total, (layer_grads, rest_grads), jax.tree.map(
+      lambda v: jnp.swapaxes(v, 0, 1).reshape(-1, *v.shape[3:]), stats_sums)
