@@ -34,6 +34,16 @@ ATTENTION_MACS: dict[str, Callable] = {}
 MIXER_MACS: dict[str, Callable] = {}
 
 
+def runs_in(runs: int, of: int):
+  """Around a lax.cond in a loop body whose larger branch runs in only `runs` of the loop's `of`
+  iterations (a pipeline schedule's phases): the walk (_executed) counts that branch runs / of
+  times per iteration instead of in every one."""
+  return jax.named_scope(f"runs_in_{runs}_of_{of}")
+
+
+_RUNS_IN = re.compile(r"runs_in_(\d+)_of_(\d+)")
+
+
 def _kernel_flops(eqn) -> float:
   name = eqn.params.get("name") or ""
   count = next((count for prefix, count in KERNEL_FLOPS.items() if name.startswith(prefix)), None)
@@ -110,7 +120,8 @@ def _executed(jaxpr, cost, axis_sizes=None) -> float:
   """cost(eqn, axis_sizes) summed over the equations a jaxpr executes (None: not counted, its
   sub-jaxprs are), all devices together:
   loop bodies times their trip counts, remat's recomputation included (it is in the traced
-  backward pass), the larger branch of a cond. XLA's cost analysis counts a loop body once,
+  backward pass), the larger branch of a cond (in the share of a loop's iterations it declares,
+  runs_in). XLA's cost analysis counts a loop body once,
   which undercounts scanned layers and vocabulary tiles. axis_sizes: {mesh axis: size} of the
   enclosing shard_map, for collectives."""
   total = 0.0
@@ -126,7 +137,8 @@ def _executed(jaxpr, cost, axis_sizes=None) -> float:
     if eqn.primitive.name == "scan":
       total += eqn.params["length"] * sum(inner)
     elif eqn.primitive.name == "cond":
-      total += max(inner)
+      declared = _RUNS_IN.findall(str(eqn.source_info.name_stack))
+      total += (int(declared[-1][0]) / int(declared[-1][1]) if declared else 1.0) * max(inner)
     elif eqn.primitive.name == "shard_map":  # the body sees one device's shard
       total += eqn.params["mesh"].size * sum(inner)
     else:

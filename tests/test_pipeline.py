@@ -3,9 +3,11 @@ and 1F1B; dense, Gemma 2, a mixture of experts, Llama 4 routing every other laye
 1F1B's memory does not grow with the microbatches; a run saved pipelined resumes without a
 pipeline; the schedule's bubble; bad pipeline settings are one-line config errors."""
 
+import contextlib
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
@@ -20,7 +22,7 @@ from conftest import (
   with_slow_decays,
 )
 
-from MaxText import errors, hlo_network, plan, pyconfig, sharding, train, train_step
+from MaxText import costs, errors, hlo_network, plan, pyconfig, sharding, train, train_step
 from MaxText.layers import pipeline
 
 MODELS = {
@@ -216,6 +218,39 @@ def test_with_no_schedule_named_stages_run_1f1b_and_circular_stages_gpipe():
                   for s in plan._settings(plan.search_space(unpipelined, set(plan.PIPELINE_KEYS)))]
   assert (stages.pipeline_schedule, circular.pipeline_schedule) == ("1f1b", "gpipe")
   assert [(c.pipeline_stages, c.pipeline_schedule) for c in candidates] == [(1, None), (2, "1f1b")]
+
+
+def test_a_phase_counts_in_the_iterations_it_declares():
+  """costs.runs_in: a cond's branch in a loop of 5 counts in the 3 iterations it declares; without
+  the declaration, in every one."""
+  square = lambda x: x @ x
+
+  def flops(declared):
+    def body(x, t):
+      with costs.runs_in(3, 5) if declared else contextlib.nullcontext():
+        return jax.lax.cond(t < 3, square, lambda x: x, x), None
+    return costs.matmul_flops(jax.make_jaxpr(lambda x: jax.lax.scan(body, x, jnp.arange(5))[0])(
+        jnp.ones((8, 8))).jaxpr)
+
+  assert (flops(True), flops(False)) == (3 * 2 * 8**3, 5 * 2 * 8**3)
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_1f1b_traces_the_work_of_its_microbatches_and_bubble_alone(repeats):
+  """Traced FLOPs at M and 2M microbatches of one size: F(2M) - F(M) is M microbatches' work, and
+  2 F(M) - F(2M) what the bubble's S - 1 iterations of a group of layers execute; a microbatch's
+  work holds R groups and its head, so the bubble is at most (S - 1) / R microbatches' work. A
+  count of every phase in every iteration of the loop (R S - 1 more) would exceed it."""
+  flops = {}
+  with on_devices(8):
+    for count in (4, 8):
+      config = tiny_config(*SHARDED, "base_num_decoder_layers=4", _PP2, "ici_fsdp_parallelism=4",
+                           "pipeline_schedule=1f1b", f"num_pipeline_repeats={repeats}",
+                           f"num_pipeline_microbatches={count}", f"per_device_batch_size={count / 2:g}")
+      trainer = train_step.build(config, sharding.create_mesh(config))
+      flops[count] = costs.matmul_flops(train_step.trace_train_step(trainer, config).jaxpr)
+  per_microbatch, bubble = (flops[8] - flops[4]) / 4, 2 * flops[4] - flops[8]
+  assert 0 < bubble <= (2 - 1) / repeats * per_microbatch * (1 + 1e-9), (bubble, per_microbatch)
 
 
 @pytest.mark.parametrize("schedule, stages, repeats, count", [

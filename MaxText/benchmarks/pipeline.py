@@ -31,9 +31,14 @@ PIPELINE = ("dcn_pipeline_parallelism=2",)
 SLICES = {
     "dcn_data_parallelism=2": (("dcn_data_parallelism=2", "per_device_batch_size=1"), 40.84),
     "dcn_fsdp_parallelism=2": (("dcn_fsdp_parallelism=2", "per_device_batch_size=1"), None),
-    "dcn_pipeline_parallelism=2, gpipe, 2 microbatches": ((*PIPELINE, "per_device_batch_size=1"), None),
-    "dcn_pipeline_parallelism=2, 1f1b, 2 microbatches": ((*PIPELINE, "per_device_batch_size=1",
-                                                         "pipeline_schedule=1f1b"), None),
+    "dcn_pipeline_parallelism=2, gpipe, 2 microbatches": ((*PIPELINE, "per_device_batch_size=1",
+                                                          "pipeline_schedule=gpipe"), None),
+    # No schedule named: 1F1B.
+    "dcn_pipeline_parallelism=2, 1f1b (the default), 2 microbatches": ((*PIPELINE, "per_device_batch_size=1"), None),
+    "dcn_pipeline_parallelism=2, circular, 2 repeats, 2 microbatches": (
+        (*PIPELINE, "per_device_batch_size=1", "num_pipeline_repeats=2"), None),
+    "dcn_pipeline_parallelism=2, interleaved 1f1b, 2 repeats, 2 microbatches": (
+        (*PIPELINE, "per_device_batch_size=1", "num_pipeline_repeats=2", "pipeline_schedule=1f1b"), None),
     # MaxText's defaults: one layer per stage (40 repeats), one microbatch per stage.
     "dcn_pipeline_parallelism=2, circular, 1 layer per stage, 2 microbatches": (
         (*PIPELINE, "per_device_batch_size=1", "num_layers_per_pipeline_stage=1"), 30.42),

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from MaxText import remat
+from MaxText import costs, remat
 
 # The state passed between stages: [stage, rows, length, embed]; the microbatches waiting for the
 # first stage: [microbatch, rows, length, embed]. Every array a loop carries is constrained: left
@@ -344,19 +344,24 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
     (kept: their positions among its arguments, by output)."""
     return lambda *args: tuple(args[k] if k is not None else zeros(shape) for k, shape in zip(kept, shapes))
 
+  iterations = lag + work + stages - 1
+
   def iteration(carry, t):
     state, cotangent, inputs, grads, rest_grads, total, stats_sums = carry
-    y, inputs, stats_sums, loss, sums = jax.lax.cond(
-        t < work + stages - 1, forward_phase, skipped(forward_shapes, None, 1, 2, None, None),
-        state, inputs, stats_sums, t)
+    with costs.runs_in(work + stages - 1, iterations):
+      y, inputs, stats_sums, loss, sums = jax.lax.cond(
+          t < work + stages - 1, forward_phase, skipped(forward_shapes, None, 1, 2, None, None),
+          state, inputs, stats_sums, t)
     last = t - (stages - 1)  # the last stage's forward item
     scoring = (last >= 0) & (last < work) & ((last % (repeats * stages)) // stages == repeats - 1)
-    out, d_rest, dy = jax.lax.cond(scoring, head_phase, skipped(head_shapes, None, None, None), y, t)
+    with costs.runs_in(count, iterations):
+      out, d_rest, dy = jax.lax.cond(scoring, head_phase, skipped(head_shapes, None, None, None), y, t)
     total = (total[0] + loss + out[0], jax.tree.map(jnp.add, total[1], out[1]), jax.tree.map(jnp.add, total[2], sums))
     from_head = (index == stages - 1) & (backward_item(t)[1] == repeats - 1)
     cotangent = _on_stages(jnp.where(from_head.reshape(-1, *(1,) * (dy.ndim - 1)), dy, cotangent), STATE_AXES)
-    dx, grads, rest_grads = jax.lax.cond(t >= lag, backward_phase, skipped(backward_shapes, None, 2, 3),
-                                         cotangent, inputs, grads, rest_grads, t)
+    with costs.runs_in(work + stages - 1, iterations):
+      dx, grads, rest_grads = jax.lax.cond(t >= lag, backward_phase, skipped(backward_shapes, None, 2, 3),
+                                           cotangent, inputs, grads, rest_grads, t)
     rest_grads = jax.tree.map(jnp.add, rest_grads, d_rest)
     return (_on_stages(shift(y, 1), STATE_AXES), _on_stages(shift(dx, -1), STATE_AXES), inputs, grads, rest_grads,
             total, stats_sums), None
@@ -367,8 +372,7 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   forward_shapes = jax.eval_shape(forward_phase, state, inputs, carry[-1], 0)
   head_shapes = jax.eval_shape(head_phase, state, stages - 1)
   backward_shapes = jax.eval_shape(backward_phase, state, inputs, carry[3], rest_grads, lag)
-  (*_, grads, rest_grads, total, stats_sums), _ = jax.lax.scan(iteration, carry,
-                                                               jnp.arange(lag + work + stages - 1))
+  (*_, grads, rest_grads, total, stats_sums), _ = jax.lax.scan(iteration, carry, jnp.arange(iterations))
   (layer_grads,) = to_stored(grads)
   rest_grads = jax.tree.map(lambda g: jnp.sum(g, axis=0), rest_grads)
   # [S, R, L / (S R), ...] -> layer order: the layers of repeat r and stage s are the (r S + s)-th group.
