@@ -123,11 +123,16 @@ def build(config, mesh) -> Trainer:
   init = jax.jit(lambda rng: decoders.relayout(config, nn.meta.unbox(init_boxed(rng)), True),
                  out_shardings=state_sharding)
 
+  @functools.cache  # one compile per direction and layout, not one per save
+  def relayouts(to_stages: bool, treedef, shardings: tuple):
+    return jax.jit(functools.partial(decoders.relayout, config, to_stages=to_stages),
+                   out_shardings=jax.tree.unflatten(treedef, shardings))
+
   def relayout(tree, to_stages: bool):
     if not pipeline.reorders(config):
       return tree
-    return jax.jit(functools.partial(decoders.relayout, config, to_stages=to_stages),
-                   out_shardings=jax.tree.map(lambda x: x.sharding, tree))(tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    return relayouts(to_stages, treedef, tuple(x.sharding for x in leaves))(tree)
 
   p_train = jax.jit(functools.partial(train_step, model, config),
                     in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None),
