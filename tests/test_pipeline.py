@@ -84,8 +84,6 @@ CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
     "moe circular pp2 r2 expert2 tensor2 m4": ("moe", (_PP2, "ici_expert_parallelism=2", "ici_tensor_parallelism=2",
                                                        "ici_fsdp_parallelism=1", "num_pipeline_microbatches=4",
                                                        "num_pipeline_repeats=2")),
-    "moe 1f1b pp4 fsdp2 m4": ("moe", (_PP4, "ici_fsdp_parallelism=2", "pipeline_schedule=1f1b",
-                                      "num_pipeline_microbatches=4")),
     "interleaved gpipe pp2 expert2 fsdp2 m4": (
         "interleaved", (_PP2, "ici_expert_parallelism=2", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=4",
                         "pipeline_schedule=gpipe")),

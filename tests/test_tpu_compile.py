@@ -94,13 +94,13 @@ GEMMA2_ATTENTION = ("decoder_block=gemma2", "sliding_window_size=512", "attn_log
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [(), ("ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", *GEMMA2_ATTENTION)],
-                         ids=["fsdp", "gemma2-fsdp-tensor"])
-def test_flash_attention_compiles_for_tpu_without_the_score_matrix(mesh):
-  """Also with Gemma 2's attention: the soft cap in the kernel, and the window picked by the
-  layer index traced through the scan (lax.cond between two kernels, inside shard_map)."""
+def test_flash_attention_compiles_for_tpu_without_the_score_matrix():
+  """With Gemma 2's attention on fsdp x tensor: global layers and sliding ones, the soft cap in the
+  kernel, and the window picked by the layer index traced through the scan (lax.cond between two
+  kernels, inside shard_map)."""
   # Attention-dominated: float32 scores of 4 heads x 2048^2 per row are 64 MiB.
-  long_rows = ("compile_topology=v5p-8", "max_target_length=2048", "per_device_batch_size=1", *mesh)
+  long_rows = ("compile_topology=v5p-8", "max_target_length=2048", "per_device_batch_size=1",
+               "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", *GEMMA2_ATTENTION)
   temp = {}
   for attention in ("dot_product", "flash"):
     config = tiny_config(*long_rows, f"attention={attention}")
