@@ -123,19 +123,20 @@ def reorders(cfg) -> bool:
   return cfg.pipeline_stages > 1 and cfg.num_pipeline_repeats > 1
 
 
+def _swap_groups(x, outer: int, inner: int):
+  """x [outer x inner groups, ...] with the two group indices swapped."""
+  return jnp.swapaxes(x.reshape(outer, inner, -1, *x.shape[1:]), 0, 1).reshape(x.shape)
+
+
 def to_stage_order(cfg, x):
   """x [L, ...] in layer order (groups r S + s) -> stage order (stage s's groups s, S + s, ... the
   s-th block): where a run with circular stages keeps the stored layers; x as it is otherwise."""
-  if not reorders(cfg):
-    return x
-  return jnp.swapaxes(x.reshape(cfg.num_pipeline_repeats, cfg.pipeline_stages, -1, *x.shape[1:]), 0, 1).reshape(x.shape)
+  return _swap_groups(x, cfg.num_pipeline_repeats, cfg.pipeline_stages) if reorders(cfg) else x
 
 
 def to_layer_order(cfg, x):
   """to_stage_order's inverse."""
-  if not reorders(cfg):
-    return x
-  return jnp.swapaxes(x.reshape(cfg.pipeline_stages, cfg.num_pipeline_repeats, -1, *x.shape[1:]), 0, 1).reshape(x.shape)
+  return _swap_groups(x, cfg.pipeline_stages, cfg.num_pipeline_repeats) if reorders(cfg) else x
 
 
 def stage_layers(cfg, layers):
@@ -235,6 +236,7 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   # Each stage's layers of every repeat as they run [S, R, ...], and the map of their gradient back
   # to the stored layers: the transpose of that view.
   params, to_stored = jax.vjp(lambda stored: jax.vmap(jax.vmap(stage.regroup))(stage_layers(cfg, stored)), layers)
+  # Each stage's layers of its repeat r [S]: with one repeat the slice, no select per iteration.
   at_repeat = (lambda p, r: jax.tree.map(lambda a: a[:, 0], p)) if repeats == 1 else (
       lambda p, r: jax.tree.map(lambda a: _at(a, r), p))
   # The shift between stages wraps around where the last stage feeds the first (and back).
