@@ -289,10 +289,9 @@ EXPERT_MESHES = {
     "fsdp=8, 4 experts, mlp 3 slices": ("ici_fsdp_parallelism=8", "num_experts=4", "mlp_chunks=3"),
 }
 # The GPU's grouped matmul (tokamax, its XLA fallback on CPU) under its own backward, on the mesh
-# whose weight gradients are summed over most axes, with either exchange.
+# whose weight gradients are summed over most axes (the exchange its all-to-all: the all-gather
+# exchange is the same grouped matmul on the gathered tokens).
 TOKAMAX_MESHES = {
-    "expert=2 tensor=2 data=2, all-gather, mlp 2 slices, tokamax":
-        EXPERT_MESHES["expert=2 tensor=2 data=2, all-gather, mlp 2 slices"],
     "expert=2 tensor=2 data=2, all-to-all, mlp 2 slices, tokamax":
         (*EXPERT_MESHES["expert=2 tensor=2 data=2, all-gather, mlp 2 slices"], "expert_exchange=all_to_all"),
 }

@@ -90,9 +90,6 @@ CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
     "interleaved 1f1b pp2 fsdp4 m4": ("interleaved", (_PP2, "ici_fsdp_parallelism=4", "pipeline_schedule=1f1b",
                                                       "num_pipeline_microbatches=4")),
     # Interleaved 1F1B: two repeats, the microbatches in groups of the stages' count.
-    "1f1b pp2 r2 tensor2 fsdp2 m4": ("llama", (_PP2, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2",
-                                              "pipeline_schedule=1f1b", "num_pipeline_repeats=2",
-                                              "num_pipeline_microbatches=4")),
     "moe 1f1b pp2 r2 fsdp4 m4": ("moe", (_PP2, "ici_fsdp_parallelism=4", "pipeline_schedule=1f1b",
                                          "num_pipeline_repeats=2", "num_pipeline_microbatches=4")),
     "gpt_oss 1f1b pp2 tensor2 fsdp2 m4": ("gpt_oss", (_PP2, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2",

@@ -56,14 +56,12 @@ def largest(arrays, keep):
   return max([n for shape, op, name in arrays if keep(shape, op, name) for n in [int(np.prod(shape))]] or [0])
 
 
-# Each mesh trains with one tiling, the other mesh's next; every mesh's gradients are compared with both.
-TRAINED_TILES = {"fsdp=8": 1, "data=2 fsdp=2 tensor=2": 4, "fsdp=2 context=4": 1, "tensor=4 data=2": 4}
-
-
-def tied(mesh, tiles):
-  """Each (mesh, tiles) gradient is taken with one head: tied and untied alternate over the meshes
-  so that every (tiles, tied) pair runs on two of them."""
-  return (list(MESHES).index(mesh) + tiles // 4) % 2 == 1
+# Two meshes train, each with its own tiling. Every mesh's gradients are compared with one
+# device's, each at a tile count and head (tied to the embedding or not): both tile counts where
+# the logits' share per device is checked, and every (tiles, tied) pair on some mesh.
+TRAINED_TILES = {"fsdp=8": 1, "data=2 fsdp=2 tensor=2": 4}
+GRADIENTS = {("fsdp=8", 1): False, ("data=2 fsdp=2 tensor=2", 1): True, ("data=2 fsdp=2 tensor=2", 4): False,
+             ("fsdp=2 context=4", 1): False, ("fsdp=2 context=4", 4): True, ("tensor=4 data=2", 4): True}
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +75,11 @@ def one_device_params():
 @pytest.fixture(scope="module")
 def mesh_results(tmp_path_factory, one_device_params):
   """The SHARDED model on 8 devices under every test mesh:
-  losses: {mesh: {step: loss}} of 5 training steps with TRAINED_TILES[mesh] tiles;
+  losses: {mesh: {step: loss}} of 5 training steps with TRAINED_TILES[mesh] tiles (those meshes);
   cross_mesh: {step: loss} of a run saved at step 3 under fsdp=8 and resumed on 4 devices under
   tensor=2 data=2 (two microbatches a step: the run's global batch);
   grads: {"<mesh> tiles=<n>": the loss's gradients at one device's initial parameters, with the
-  head tied(mesh, n)};
+  head tied or not as GRADIENTS says};
   and from those gradients' compiled HLO, for each "<mesh> tiles=<n>":
   logits_tokens: most tokens any one device holds logits for;
   kernel_grad_elements: largest array of the head's kernel-gradient contraction;
@@ -98,19 +96,19 @@ def mesh_results(tmp_path_factory, one_device_params):
              "grads": {}}
   checkpointed = ("enable_checkpointing=true", "checkpoint_period=3", "learning_rate_schedule_steps=5")
   with on_devices(8):
-    for mesh, overrides in MESHES.items():
-      results["losses"][mesh] = run(mesh, *overrides, f"num_vocab_tiling={TRAINED_TILES[mesh]}",
+    for mesh, tiles in TRAINED_TILES.items():
+      results["losses"][mesh] = run(mesh, *MESHES[mesh], f"num_vocab_tiling={tiles}",
                                     *(checkpointed if mesh == "fsdp=8" else ()))
-      for tiles in (1, 4):
-        key, head_tied, hlo = f"{mesh} tiles={tiles}", tied(mesh, tiles), []
-        results["grads"][key] = loss_gradients(tiny_config(
-            *SHARDED, "per_device_batch_size=1", *overrides, f"num_vocab_tiling={tiles}",
-            f"logits_via_embedding={head_tied}"), params=one_device_params[head_tied], hlo=hlo)
-        results["logits_tokens"][key] = logits_tokens(hlo[0], {1000, 500}, {48, 24, 12, 6})
-        arrays = hlo_arrays(hlo[0])
-        results["kernel_grad_elements"][key] = largest(arrays, lambda s, op, name: "btd,btv->dv" in name)
-        results["embedding_grad_elements"][key] = largest(
-            arrays, lambda s, op, name: op == "scatter" and "token_embedder" in name)
+    for (mesh, tiles), head_tied in GRADIENTS.items():
+      key, hlo = f"{mesh} tiles={tiles}", []
+      results["grads"][key] = loss_gradients(tiny_config(
+          *SHARDED, "per_device_batch_size=1", *MESHES[mesh], f"num_vocab_tiling={tiles}",
+          f"logits_via_embedding={head_tied}"), params=one_device_params[head_tied], hlo=hlo)
+      results["logits_tokens"][key] = logits_tokens(hlo[0], {1000, 500}, {48, 24, 12, 6})
+      arrays = hlo_arrays(hlo[0])
+      results["kernel_grad_elements"][key] = largest(arrays, lambda s, op, name: "btd,btv->dv" in name)
+      results["embedding_grad_elements"][key] = largest(
+          arrays, lambda s, op, name: op == "scatter" and "token_embedder" in name)
   # The fsdp=8 run as it was at its step 3, as if it had stopped there.
   shutil.copytree(out / "fsdp=8", out / "cross_mesh")
   shutil.rmtree(out / "cross_mesh" / "checkpoints" / "5")
@@ -136,7 +134,7 @@ def one_device(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("mesh", list(TRAINED_TILES))
 def test_mesh_losses_equal_one_device(mesh_results, one_device, mesh):
   got = mesh_results["losses"][mesh]
   want = one_device[TRAINED_TILES[mesh]]
@@ -168,19 +166,17 @@ def one_device_gradients(one_device_params):
           for tiles in (1, 4) for tied in (False, True)}
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("tiles", [1, 4])
+@pytest.mark.parametrize("mesh, tiles", list(GRADIENTS))
 def test_mesh_gradients_equal_one_device(mesh_results, one_device_gradients, mesh, tiles):
-  assert_trees_close(mesh_results["grads"][f"{mesh} tiles={tiles}"], one_device_gradients[tiles, tied(mesh, tiles)],
-                     rtol=1e-5)
+  want = one_device_gradients[tiles, GRADIENTS[mesh, tiles]]
+  assert_trees_close(mesh_results["grads"][f"{mesh} tiles={tiles}"], want, rtol=1e-5)
 
 
 # The [D, V] = [48, 1000] head kernel and [V, D] embedding are split over this many devices.
 KERNEL_SHARDS = {"fsdp=8": 8, "data=2 fsdp=2 tensor=2": 4, "fsdp=2 context=4": 8, "tensor=4 data=2": 4}
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("tiles", [1, 4])
+@pytest.mark.parametrize("mesh, tiles", list(GRADIENTS))
 def test_no_device_forms_more_than_its_share_of_the_head_or_embedding_gradient(mesh_results, mesh, tiles):
   share = 48 * 1000 // KERNEL_SHARDS[mesh]
   # The head's kernel gradient is contracted over tokens sharded like the kernel's rows: a
