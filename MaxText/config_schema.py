@@ -524,6 +524,11 @@ class Pipeline:
           "forward again, which remat_policy=none would otherwise save. With repeats both have the circular "
           "bubble; GPipe then runs fewer FLOPs and 1F1B (interleaved, 2 x stages x repeats - 1 inputs) less "
           "memory, so GPipe stays the default and 1f1b is the choice where it does not fit.")
+  pipeline_keep_residuals: bool = key(
+      False, "1f1b: each microbatch in flight at a stage keeps what its forward saved for its backward (the "
+             "tensors remat_policy keeps), not its stage input alone: one forward of the stage less per "
+             "microbatch, as GPipe runs, for the memory of up to 2 x stages x repeats - 1 microbatches' saved "
+             "tensors")
 
   def check(self):
     require(self.num_pipeline_microbatches == -1 or self.num_pipeline_microbatches >= 1, self,

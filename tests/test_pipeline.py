@@ -92,8 +92,10 @@ CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
     # Interleaved 1F1B: two repeats, the microbatches in groups of the stages' count.
     "moe 1f1b pp2 r2 fsdp4 m4": ("moe", (_PP2, "ici_fsdp_parallelism=4", "pipeline_schedule=1f1b",
                                          "num_pipeline_repeats=2", "num_pipeline_microbatches=4")),
-    "gpt_oss 1f1b pp2 tensor2 fsdp2 m4": ("gpt_oss", (_PP2, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2",
-                                                       "pipeline_schedule=1f1b", "num_pipeline_microbatches=4")),
+    # Each stage keeps what its forwards saved (pipeline_keep_residuals): sinks, biases and routing.
+    "gpt_oss 1f1b pp2 tensor2 fsdp2 m4, residuals kept": (
+        "gpt_oss", (_PP2, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2", "pipeline_schedule=1f1b",
+                    "num_pipeline_microbatches=4", "pipeline_keep_residuals=true")),
     "qwen3_next gpipe pp2 tensor2 fsdp2 m4": ("qwen3_next", (_PP2, "ici_tensor_parallelism=2", "ici_fsdp_parallelism=2",
                                                              "num_pipeline_microbatches=4", "pipeline_schedule=gpipe")),
 }
@@ -246,6 +248,23 @@ def test_1f1b_traces_the_work_of_its_microbatches_and_bubble_alone(repeats):
       flops[count] = costs.matmul_flops(train_step.trace_train_step(trainer, config).jaxpr)
   per_microbatch, bubble = (flops[8] - flops[4]) / 4, 2 * flops[4] - flops[8]
   assert 0 < bubble <= (2 - 1) / repeats * per_microbatch * (1 + 1e-9), (bubble, per_microbatch)
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_1f1b_keeping_residuals_traces_gpipes_flops(repeats):
+  """With pipeline_keep_residuals each stage's backward starts from what its forward saved: the
+  step executes the products autodiff of GPipe's schedule executes (the same bubble, the same
+  recomputation under remat), one forward of the stages fewer than 1F1B without it."""
+  flops = {}
+  with on_devices(8):
+    for schedule, keep in (("gpipe", False), ("1f1b", True), ("1f1b", False)):
+      config = tiny_config(*SHARDED, "base_num_decoder_layers=4", _PP2, "ici_fsdp_parallelism=4",
+                           f"pipeline_schedule={schedule}", f"pipeline_keep_residuals={keep}",
+                           f"num_pipeline_repeats={repeats}", "num_pipeline_microbatches=4", "per_device_batch_size=2")
+      trainer = train_step.build(config, sharding.create_mesh(config))
+      flops[schedule, keep] = costs.matmul_flops(train_step.trace_train_step(trainer, config).jaxpr)
+  assert flops["1f1b", True] == pytest.approx(flops["gpipe", False], rel=1e-9)
+  assert flops["1f1b", False] > flops["1f1b", True]
 
 
 @pytest.mark.parametrize("schedule, stages, repeats, count", [

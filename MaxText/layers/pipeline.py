@@ -33,6 +33,8 @@ from typing import Callable, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters import partial_eval  # dce_jaxpr: no public API prunes a jaxpr to some outputs
+from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 from jax.sharding import PartitionSpec
 
 from MaxText import costs, remat
@@ -209,6 +211,56 @@ def forward(cfg, stage: Stage, layers, x, positions, segment_ids):
   return rows(buffer), jax.tree.map(lambda v: v.reshape(count, -1, *v.shape[4:]), stats)
 
 
+class _Saved(NamedTuple):
+  """A stage's vjp split in two: what the forward of an item keeps for its backward (what depends on
+  its input, positions or segment ids: remat_policy's tensors, the input where its layers keep it),
+  and what the backward rebuilds from the layers alone (the weights as the layers read them), so
+  that no weight is kept per item."""
+
+  # (layers, x, positions, segment ids, first) -> ((x, report), the kept leaves)
+  forward: Callable
+  # (layers, first, the kept leaves, cotangents of (x, report)) -> (gradient of layers, of x)
+  backward: Callable
+  kept: list  # ShapeDtypeStructs of the kept leaves
+
+
+def _saved(stage: Stage, layers, x, positions, segment_ids) -> _Saved:
+  """_Saved of one stage's apply, for one stage's arguments' shapes."""
+  structure = []
+
+  def leaves(layers, x, positions, segment_ids, first):
+    out, vjp = jax.vjp(lambda p, x: stage.apply(p, x, positions, segment_ids, first), layers, x)
+    # The structure as traced here, out of any loop: the vjp's function holds no value of a trace.
+    structure[:] = structure or [jax.tree.structure(out), jax.tree.structure(vjp)]
+    return out, jax.tree.leaves(vjp)
+
+  closed = jax.make_jaxpr(leaves)(layers, x, positions, segment_ids, stage.first)
+  outputs = structure[0].num_leaves
+  count = len(jax.tree.leaves(layers))
+  depends = set(closed.jaxpr.invars[count:count + 3])  # x, positions, segment ids
+  for eqn in closed.jaxpr.eqns:
+    if any(not isinstance(v, Literal) and v in depends for v in eqn.invars):
+      depends.update(eqn.outvars)
+  kept = [not isinstance(v, Literal) and v in depends for v in closed.jaxpr.outvars[outputs:]]
+  rebuilt, used = partial_eval.dce_jaxpr(closed.jaxpr, [False] * outputs + [not k for k in kept])
+  assert not any(used[count:count + 3]), "a rebuilt residual depends on the item"
+  rebuild = jaxpr_as_fun(ClosedJaxpr(rebuilt, closed.consts))
+
+  def forward(layers, x, positions, segment_ids, first):
+    out, residuals = leaves(layers, x, positions, segment_ids, first)
+    return out, [r for r, k in zip(residuals, kept) if k]
+
+  def backward(layers, first, kept_leaves, cotangents):
+    arguments = [*jax.tree.leaves(layers), None, None, None, first]
+    rebuilt_leaves = iter(rebuild(*[a for a, u in zip(arguments, used) if u]))
+    kept_leaves = iter(kept_leaves)
+    vjp = jax.tree.unflatten(structure[1], [next(kept_leaves) if k else next(rebuilt_leaves) for k in kept])
+    return vjp(cotangents)
+
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a, k in zip(closed.out_avals[outputs:], kept) if k]
+  return _Saved(forward, backward, shapes)
+
+
 def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, batch: dict, report: Callable):
   """1F1B: ((loss, the head's sums, the reports' sums), (gradient of the stack's layers, gradient
   of `rest`), what the stages reported (Stage.apply), each leaf [layer, ...] summed over the
@@ -262,8 +314,19 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   zero_repeat = jnp.zeros((stages,), jnp.int32)
   stats_shape = jax.eval_shape(lambda: run(at_repeat(params, zero_repeat), state, batch["inputs_position"][:stages],
                                            batch["inputs_segmentation"][:stages], first(zero_repeat))[1])
-  inputs = jnp.zeros((stages, slots, *x0.shape), x0.dtype)
   zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+  # What a stage holds of each item in flight until its backward, [S, slots, ...] each: its input
+  # (the backward runs the stage's forward again), or with pipeline_keep_residuals what its forward
+  # saved and what it reported.
+  if cfg.pipeline_keep_residuals:
+    one = lambda a, skip: jax.ShapeDtypeStruct(a.shape[skip:], a.dtype)
+    saved = _saved(stage, jax.tree.map(lambda a: one(a, 2), params), x0, one(batch["inputs_position"], 1),
+                   one(batch["inputs_segmentation"], 1))
+    held = [*saved.kept, *jax.tree.map(lambda a: one(a, 1), jax.tree.leaves(stats_shape))]
+    keeping, rebuilding = (jax.vmap(f, spmd_axis_name="pipeline") for f in (saved.forward, saved.backward))
+  else:
+    saved, held = None, [x0]
+  inputs = [jnp.zeros((stages, slots, *a.shape), a.dtype) for a in held]
   head_shape = jax.eval_shape(lambda: head(rest, state[0], take(0)))
   report_shape = jax.eval_shape(lambda: reported(per_stage(index), zeros(stats_shape)))
   per_stage_sums = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), report_shape[1])
@@ -305,12 +368,16 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
     fresh = ((index == 0) & (r_f == 0)).reshape(-1, *(1,) * (state.ndim - 1))
     state = _on_stages(jnp.where(fresh, embed(rest, take(m_f[0]))[None], state), STATE_AXES)
     forward = per_stage(m_f)
-    y, stats = run(at_repeat(params, r_f), state, forward["inputs_position"], forward["inputs_segmentation"],
-                   first(r_f))
+    args = (at_repeat(params, r_f), state, forward["inputs_position"], forward["inputs_segmentation"], first(r_f))
+    if saved is None:
+      (y, stats), kept = run(*args), [state]
+    else:
+      (y, stats), kept = keeping(*args)
+      kept = [*kept, *jax.tree.leaves(stats)]
     # A stage past its last forward writes nowhere (slot `slots`): with fewer slots than the round
     # trip its slot may still hold an item waiting for its backward.
     slot_f = jnp.where(t - index < work, (t - index) % slots, slots)
-    inputs = _put(inputs, slot_f, state)
+    inputs = [_put(buffer, slot_f, value) for buffer, value in zip(inputs, kept)]
     stats_sums = jax.tree.map(lambda a, b: a + jnp.where(_hits(r_f, repeats, a.ndim), mask(ran, b)[:, None], 0),
                               stats_sums, stats)
     loss, sums = jax.tree.map(lambda x: jnp.sum(mask(ran, x), axis=0), reported(forward, stats))
@@ -330,10 +397,17 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
     # head, at earlier repeats from the first stage).
     m_b, r_b, live, slot_b = backward_item(t)
     backward = per_stage(m_b)
-    (_, stats), stage_vjp = jax.vjp(
-        lambda p, x: run(at_repeat(p, r_b), x, backward["inputs_position"], backward["inputs_segmentation"],
-                         first(r_b)),
-        params, _at(inputs, slot_b))
+    kept = [_at(buffer, slot_b) for buffer in inputs]
+    if saved is None:
+      (_, stats), stage_vjp = jax.vjp(
+          lambda p, x: run(at_repeat(p, r_b), x, backward["inputs_position"], backward["inputs_segmentation"],
+                           first(r_b)),
+          params, kept[0])
+    else:
+      stats = jax.tree.unflatten(jax.tree.structure(stats_shape), kept[len(saved.kept):])
+      selected, select_vjp = jax.vjp(lambda p: at_repeat(p, r_b), params)
+      stage_vjp = lambda cotangents: (lambda d, dx: (select_vjp(d)[0], dx))(
+          *rebuilding(selected, first(r_b), kept[:len(saved.kept)], cotangents))
     d_stats = jax.tree.map(lambda d: mask(live, d), stat_cotangent(backward, stats))
     d_params, dx = stage_vjp((cotangent, d_stats))
     grads = jax.tree.map(lambda g, d: g + mask(live, d), grads, d_params)
