@@ -18,7 +18,7 @@ import jax
 import jax.extend
 
 from MaxText import accelerators
-from MaxText.hlo_network import HLO_BYTES, SENT_PER_BYTE
+from MaxText.hlo_network import HLO_BYTES, SENT_PER_BYTE, runs_share
 from MaxText.layers.blocks import layer_kind, moe_layers
 
 # pallas_call name prefix -> its FLOPs (eqn -> float), and a fused kernel that is a primitive of
@@ -39,9 +39,6 @@ def runs_in(runs: int, of: int):
   iterations (a pipeline schedule's phases): the walk (_executed) counts that branch runs / of
   times per iteration instead of in every one."""
   return jax.named_scope(f"runs_in_{runs}_of_{of}")
-
-
-_RUNS_IN = re.compile(r"runs_in_(\d+)_of_(\d+)")
 
 
 def _kernel_flops(eqn) -> float:
@@ -137,8 +134,7 @@ def _executed(jaxpr, cost, axis_sizes=None) -> float:
     if eqn.primitive.name == "scan":
       total += eqn.params["length"] * sum(inner)
     elif eqn.primitive.name == "cond":
-      declared = _RUNS_IN.findall(str(eqn.source_info.name_stack))
-      total += (int(declared[-1][0]) / int(declared[-1][1]) if declared else 1.0) * max(inner)
+      total += runs_share(str(eqn.source_info.name_stack)) * max(inner)
     elif eqn.primitive.name == "shard_map":  # the body sees one device's shard
       total += eqn.params["mesh"].size * sum(inner)
     else:

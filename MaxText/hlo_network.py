@@ -36,6 +36,17 @@ _MEGASCALE_TRANSFERS = {"ALL_GATHER": "all_gather", "ALL_REDUCE": "psum", "REDUC
 # slice; a megascale target "{1,2}x{0:3}" is slices 1 and 2 of that numbering times chips 0 to 3.
 _MEGASCALE_SLICE_STRIDE = 100000
 
+# A conditional phase of a loop body that runs in only some of the loop's iterations (a pipeline
+# schedule's) declares it in its name scope (costs.runs_in): runs_in_<runs>_of_<iterations>.
+RUNS_IN = re.compile(r"runs_in_(\d+)_of_(\d+)")
+
+
+def runs_share(name: str) -> float:
+  """The share of its loop's iterations that the innermost runs_in scope of `name` declares (1 where none)."""
+  declared = RUNS_IN.findall(name)
+  return int(declared[-1][0]) / int(declared[-1][1]) if declared else 1.0
+
+
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = ")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
@@ -231,8 +242,9 @@ def network_bytes(hlo: str, mesh, slice_of: Callable | None = None) -> dict:
   shards, a reduce-scatter (n - 1) / n of its input, an all-reduce twice that, an all-to-all
   (n - 1) / n, a collective-permute its operand from each source that is not its own target.
   Loop bodies count at their trip counts (nested loops multiply), a conditional its costliest
-  branch. A group's device ids are positions in the compiled device assignment, which for a
-  jitted function with NamedShardings over `mesh` is mesh.devices.flat; libtpu's program for
+  branch (in the share of its loop's iterations its name scope declares, costs.runs_in). A
+  group's device ids are positions in the compiled device assignment, which for a jitted
+  function with NamedShardings over `mesh` is mesh.devices.flat; libtpu's program for
   several slices is one slice's (num_partitions the slice's devices), and its sends to the
   megascale runtime, which name devices by id, are the collectives between slices.
   """
@@ -309,7 +321,10 @@ def network_bytes(hlo: str, mesh, slice_of: Callable | None = None) -> dict:
       elif op.opcode == "conditional":
         branches = [executed(name) for key in ("branch_computations", "true_computation", "false_computation")
                     for name in re.findall(r"%([^\s,}]+)", _braced(op.attributes, key) or "")]
-        total.update(max(branches, key=lambda b: sum(b.values()), default=collections.Counter()))
+        costliest = max(branches, key=lambda b: sum(b.values()), default=collections.Counter())
+        name = re.search(r'op_name="([^"]*)"', op.attributes)
+        share = runs_share(name.group(1)) if name else 1.0
+        total.update({key: share * sent_ for key, sent_ in costliest.items()})
     return total
 
   per_device = {key: sent_ / len(devices) for key, sent_ in executed(entry).items()}

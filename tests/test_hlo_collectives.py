@@ -11,7 +11,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from MaxText import accelerators, hlo_network
+from MaxText import accelerators, costs, hlo_network
 
 F32 = 4
 
@@ -116,6 +116,20 @@ def test_a_conditional_counts_its_costliest_branch(mesh):
   text = jax.jit(f).lower(array(mesh, (1,), None), array(mesh, (64,), "fsdp")).compile().as_text()
   assert "conditional(" in text
   assert network_bytes(text, mesh) == sent(ici={"data": 2 * (1 / 2) * BLOCK})
+
+
+def test_a_conditional_in_a_loop_counts_in_the_iterations_it_declares(mesh):
+  """costs.runs_in around a loop's conditional phase: its branch counts in the 3 of the loop's 5
+  iterations it declares, as the jaxpr count takes it (costs.matmul_flops); the loop and the
+  all-reduce in the branch are the compiled program's, named by the scope's op_name."""
+  def body(carry, t):
+    with costs.runs_in(3, 5):
+      return jax.lax.cond(t < 3, lambda c: jax.lax.psum(c, "data"), lambda c: c, carry), None
+  f = jax.shard_map(lambda block: jax.lax.scan(body, block, jnp.arange(5))[0], mesh=mesh, in_specs=P("fsdp"),
+                    out_specs=P("fsdp"), check_vma=False)
+  text = jax.jit(f).lower(array(mesh, (64,), "fsdp")).compile().as_text()
+  assert "conditional(" in text and "while(" in text
+  assert network_bytes(text, mesh) == sent(ici={"data": 3 * 2 * (1 / 2) * BLOCK})
 
 
 @pytest.mark.parametrize("spec, groups", [
