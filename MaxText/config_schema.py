@@ -518,7 +518,7 @@ class Pipeline:
   pipeline_schedule: Literal["gpipe", "1f1b"] | None = key(
       None, "gpipe: every forward, then every backward (circular with repeats > 1); 1f1b: one forward and one "
             "backward per stage and iteration, activations bounded by the stages (interleaved with repeats > 1); "
-            "null: 1f1b unless the stages are circular, then gpipe",
+            "null: 1f1b unless the stages are circular (without pipeline_keep_residuals), then gpipe",
       doc="1F1B runs GPipe's bubble and keeps at most 2 x stages - 1 microbatches' stage inputs where GPipe keeps "
           "every iteration's residuals, so it is the default without repeats; its backward runs each stage's "
           "forward again, which remat_policy=none would otherwise save. With repeats both have the circular "

@@ -323,6 +323,9 @@ def _derive_pipeline(v: dict) -> None:
   layers = v["base_num_decoder_layers"] - v["first_num_dense_layers"]
   if v["num_pipeline_microbatches"] == -1:
     v["num_pipeline_microbatches"] = stages
+  _require(not v["pipeline_keep_residuals"] or (stages > 1 and v["pipeline_schedule"] in (None, "1f1b")),
+           "pipeline_keep_residuals", "is 1F1B's: it needs pipeline stages (ici_/dcn_pipeline_parallelism) and "
+           "pipeline_schedule=1f1b", v)
   if stages == 1:
     v["num_pipeline_repeats"] = 1
     return
@@ -355,7 +358,7 @@ def _derive_pipeline(v: dict) -> None:
            f"must split the {v['micro_batch_size']} rows per step into microbatches of whole rows per batch shard "
            f"({shards} shards of activation_batch)", v)
   if v["pipeline_schedule"] is None:
-    v["pipeline_schedule"] = "1f1b" if repeats == 1 else "gpipe"
+    v["pipeline_schedule"] = "1f1b" if repeats == 1 or v["pipeline_keep_residuals"] else "gpipe"
 
 
 def _check_linear_attention(v: dict) -> None:

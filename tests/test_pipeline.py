@@ -301,6 +301,9 @@ def test_bubble_counts_the_idle_stage_iterations(schedule, stages, repeats, coun
      r"num_layers_per_pipeline_stage=2: times the 2 pipeline stages must divide the 6 layers"),
     ((_PP4, "decoder_block=qwen3_moe", "num_experts=4", "first_num_dense_layers=2"),
      r"base_num_decoder_layers=4: less first_num_dense_layers \(2 layers\) must be at least the 4 pipeline stages"),
+    # Accepted where GPipe's autodiff or no pipeline runs, it would change nothing.
+    (("pipeline_keep_residuals=true",), r"pipeline_keep_residuals=True: is 1F1B's: it needs pipeline stages"),
+    ((_PP2, "pipeline_schedule=gpipe", "pipeline_keep_residuals=true"), r"pipeline_keep_residuals=True: is 1F1B's"),
 ])
 def test_bad_pipeline_settings_are_config_errors(overrides, message):
   with on_devices(8), pytest.raises(errors.ConfigError, match=message):

@@ -11,8 +11,9 @@ step (every collective of the compiled program at its loop trip counts, hlo_netw
 pipeline's bubble, and the step's FLOPs as traced over the model's (the bubble's idle work,
 recomputation and the causal mask's half of attention included). Two tables: the slices joined
 by data, FSDP or pipeline stages (one microbatch per stage, and circular with one layer per
-stage as MaxText runs it by default); and GPipe against 1F1B at 4, 8 and 16 microbatches of the
-same size (one row per chip each, so the batch grows with them).
+stage as MaxText runs it by default); and GPipe against 1F1B, with and without
+pipeline_keep_residuals, at 4, 8 and 16 microbatches of the same size (one row per chip each, so
+the batch grows with them).
 """
 
 import argparse
@@ -27,6 +28,7 @@ STEP = ("model_name=llama3-70b", "compile_topology=v5p-128", "compile_topology_n
         "max_target_length=8192", "num_vocab_tiling=8", "remat_policy=full", "attention=flash",
         "ici_fsdp_parallelism=-1")
 PIPELINE = ("dcn_pipeline_parallelism=2",)
+KEPT = ("pipeline_schedule=1f1b", "pipeline_keep_residuals=true")
 # name -> (overrides, MaxText 0.2.5's GiB per chip for the same cell, from its own train_compile)
 SLICES = {
     "dcn_data_parallelism=2": (("dcn_data_parallelism=2", "per_device_batch_size=1"), 40.84),
@@ -35,6 +37,8 @@ SLICES = {
                                                           "pipeline_schedule=gpipe"), None),
     # No schedule named: 1F1B.
     "dcn_pipeline_parallelism=2, 1f1b (the default), 2 microbatches": ((*PIPELINE, "per_device_batch_size=1"), None),
+    "dcn_pipeline_parallelism=2, 1f1b, residuals kept, 2 microbatches": ((*PIPELINE, "per_device_batch_size=1", *KEPT),
+                                                                         None),
     "dcn_pipeline_parallelism=2, circular, 2 repeats, 2 microbatches": (
         (*PIPELINE, "per_device_batch_size=1", "num_pipeline_repeats=2"), None),
     "dcn_pipeline_parallelism=2, interleaved 1f1b, 2 repeats, 2 microbatches": (
@@ -43,8 +47,9 @@ SLICES = {
     "dcn_pipeline_parallelism=2, circular, 1 layer per stage, 2 microbatches": (
         (*PIPELINE, "per_device_batch_size=1", "num_layers_per_pipeline_stage=1"), 30.42),
 }
-SCHEDULES = {f"{schedule}, {count} microbatches": (schedule, count) for schedule in ("gpipe", "1f1b")
-             for count in (4, 8, 16)}
+# name -> overrides, at 4, 8 and 16 microbatches
+LINES = {"gpipe": ("pipeline_schedule=gpipe",), "1f1b": ("pipeline_schedule=1f1b",), "1f1b, residuals kept": KEPT}
+SCHEDULES = {f"{line}, {count} microbatches": (line, count) for line in LINES for count in (4, 8, 16)}
 # MaxText 0.2.5's own train_compile with dcn_pipeline_parallelism=2 and these microbatches (its
 # default schedule: circular, one layer per stage), GiB per chip or the temporaries its compiler
 # refused.
@@ -84,9 +89,9 @@ def main():
       r = results[name] = common.compiled_memory_on(None, *STEP, *overrides)
       slice_rows.append([*_row(name, r), f"{maxtext:.2f}" if maxtext else ""])
       print(slice_rows[-1], flush=True)
-  for name, (schedule, count) in SCHEDULES.items():
+  for name, (line, count) in SCHEDULES.items():
     if wanted(name):
-      r = results[name] = common.compiled_memory_on(None, *STEP, *PIPELINE, f"pipeline_schedule={schedule}",
+      r = results[name] = common.compiled_memory_on(None, *STEP, *PIPELINE, *LINES[line],
                                                     f"num_pipeline_microbatches={count}",
                                                     f"per_device_batch_size={count // 2}")
       schedule_rows.append([*_row(name, r), MAXTEXT_MICROBATCHES[count]])
@@ -94,8 +99,8 @@ def main():
   markdown = ("## llama3-70b over 2 x v5p-128: the slices joined by data, FSDP or pipeline stages (TPU compiler, "
               "compile only, 8,192 tokens per chip)\n\n"
               + reports.markdown_table([*header, "MaxText 0.2.5 GiB/chip"], slice_rows)
-              + "\n\n## dcn_pipeline_parallelism=2: GPipe and 1F1B at 4, 8 and 16 microbatches of one row per chip "
-                "(per_device_batch_size = microbatches / 2)\n\n"
+              + "\n\n## dcn_pipeline_parallelism=2: GPipe and 1F1B (and 1F1B keeping residuals) at 4, 8 and 16 "
+                "microbatches of one row per chip (per_device_batch_size = microbatches / 2)\n\n"
               + reports.markdown_table([*header, "MaxText 0.2.5 GiB/chip (circular, 1 layer per stage)"],
                                        schedule_rows))
   print(markdown)
@@ -106,10 +111,10 @@ def main():
   bars.set_yticks(range(len(sliced)), [n.replace(", ", "\n", 1) for n in sliced], fontsize=7)
   bars.invert_yaxis()
   bars.set_xlabel("compiled memory per chip, GiB (TPU compiler)")
-  for schedule in ("gpipe", "1f1b"):
-    points = [(count, _temp_gib(results[n])) for n, (s, count) in SCHEDULES.items() if s == schedule and n in results]
+  for line in LINES:
+    points = [(count, _temp_gib(results[n])) for n, (s, count) in SCHEDULES.items() if s == line and n in results]
     points = [(c, t) for c, t in points if t is not None]
-    lines.plot([c for c, _ in points], [t for _, t in points], marker="o", label=schedule)
+    lines.plot([c for c, _ in points], [t for _, t in points], marker="o", label=line)
   lines.set_xlabel("microbatches (one row per chip each)")
   lines.set_ylabel("temporaries per chip, GiB")
   lines.legend()

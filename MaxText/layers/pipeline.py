@@ -23,9 +23,10 @@ gradient inside the loop, each phase only in the iterations where some stage has
 of at most 2 R S - 1 work items (the round trip to the last stage and back; R M where that is
 fewer), however many microbatches there are, and its backward
 runs the stage's forward again for the vjp: the residuals (what remat_policy saves) exist for
-one microbatch at a time, for one more forward of the stage per microbatch. (Keeping each
-forward's vjp residuals instead would save that forward, but a vjp that holds a shard_map, as the
-flash kernels are, does not lower when called under vmap in another iteration's trace.)
+one microbatch at a time, for one more forward of the stage per microbatch. With
+pipeline_keep_residuals a stage keeps each item's residuals instead, those that depend on the
+item (_saved), and its backward starts from them: GPipe's forwards, in the memory of the items in
+flight.
 """
 
 from typing import Callable, NamedTuple
