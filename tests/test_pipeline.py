@@ -202,13 +202,16 @@ def test_a_circular_run_resumes_without_a_pipeline_and_with_one(tmp_path):
 
 
 def test_with_no_schedule_named_stages_run_1f1b_and_circular_stages_gpipe():
-  """1F1B wherever it runs; the planner's candidates, which name no schedule unless it is searched,
-  resolve by the same rule."""
+  """1F1B wherever it runs (circular stages too where they keep residuals, which only 1F1B does);
+  the planner's candidates, which name no schedule unless it is searched, resolve by the same rule."""
   with on_devices(8):
     assert tiny_config(*SHARDED, "base_num_decoder_layers=4", "per_device_batch_size=1").pipeline_schedule is None
     stages = tiny_config(*SHARDED, "base_num_decoder_layers=4", "per_device_batch_size=1", _PP2)
     circular = tiny_config(*SHARDED, "base_num_decoder_layers=4", "per_device_batch_size=1", _PP2,
                            "num_pipeline_repeats=2")
+    kept = tiny_config(*SHARDED, "base_num_decoder_layers=4", "per_device_batch_size=1", _PP2,
+                       "num_pipeline_repeats=2", "pipeline_keep_residuals=true")
+    assert kept.pipeline_schedule == "1f1b"
     unpipelined = tiny_config(*SHARDED, "base_num_decoder_layers=4", "per_device_batch_size=1",
                               "ici_fsdp_parallelism=-1", "plan_pipeline_parallelism=[1,2]")
     candidates = [pyconfig.replace(unpipelined, {k: s[k] for k in plan.PIPELINE_KEYS})
