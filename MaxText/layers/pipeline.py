@@ -407,8 +407,10 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
     else:
       stats = jax.tree.unflatten(jax.tree.structure(stats_shape), kept[len(saved.kept):])
       selected, select_vjp = jax.vjp(lambda p: at_repeat(p, r_b), params)
-      stage_vjp = lambda cotangents: (lambda d, dx: (select_vjp(d)[0], dx))(
-          *rebuilding(selected, first(r_b), kept[:len(saved.kept)], cotangents))
+
+      def stage_vjp(cotangents):
+        d_selected, dx = rebuilding(selected, first(r_b), kept[:len(saved.kept)], cotangents)
+        return select_vjp(d_selected)[0], dx
     d_stats = jax.tree.map(lambda d: mask(live, d), stat_cotangent(backward, stats))
     d_params, dx = stage_vjp((cotangent, d_stats))
     grads = jax.tree.map(lambda g, d: g + mask(live, d), grads, d_params)
