@@ -616,6 +616,8 @@ class Plan:
       [], "num_pipeline_microbatches values tried where pipeline stages > 1 (-1: one per stage); []: as configured")
   plan_pipeline_schedules: list[Literal["gpipe", "1f1b"]] = key(
       [], "pipeline_schedule values tried where pipeline stages > 1; []: as configured")
+  plan_pipeline_keep_residuals: list[bool] = key(
+      [], "pipeline_keep_residuals values tried where pipeline stages > 1 run 1F1B; []: as configured")
   plan_max_target_lengths: list[int] = key(
       [4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576],
       "max_target_length=auto on the planner's command line: these lengths, ascending, each searched until one has "

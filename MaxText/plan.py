@@ -2,8 +2,8 @@
 
 Finds the fastest num_vocab_tiling x remat_policy x remat_layer_interval x per_device_batch_size
 (x mlp_chunks x attention_head_chunks x gradient_accumulation_steps x ici_context_parallelism x
-context_parallel_strategy x ici_/dcn_pipeline_parallelism x num_pipeline_microbatches x pipeline_schedule)
-whose train step fits hbm_budget_gib per device, for the devices
+context_parallel_strategy x ici_/dcn_pipeline_parallelism x num_pipeline_microbatches x pipeline_schedule
+x pipeline_keep_residuals) whose train step fits hbm_budget_gib per device, for the devices
 train_compile compiles for: a TPU slice (compile_topology=v5p-64), or the visible devices
 (JAX_NUM_CPU_DEVICES=N simulates N). Every other key is held as given, and so is a search key
 given on the command line. Each candidate is the train step `train` runs, AOT-compiled: memory
@@ -75,6 +75,7 @@ SEARCH_KEYS = {
     "dcn_pipeline_parallelism": "plan_dcn_pipeline_parallelism",
     "num_pipeline_microbatches": "plan_num_pipeline_microbatches",
     "pipeline_schedule": "plan_pipeline_schedules",
+    "pipeline_keep_residuals": "plan_pipeline_keep_residuals",
     "gradient_accumulation_steps": "plan_gradient_accumulation_steps",
     "per_device_batch_size": "plan_per_device_batch_sizes",
     "num_vocab_tiling": "plan_num_vocab_tiling",
@@ -82,7 +83,7 @@ SEARCH_KEYS = {
 # The mesh settings each chain of the search fixes: context parallelism and pipeline stages.
 CONTEXT_KEYS = ("ici_context_parallelism", "context_parallel_strategy")
 PIPELINE_KEYS = ("ici_pipeline_parallelism", "dcn_pipeline_parallelism", "num_pipeline_microbatches",
-                 "pipeline_schedule")
+                 "pipeline_schedule", "pipeline_keep_residuals")
 PARALLEL_KEYS = CONTEXT_KEYS + PIPELINE_KEYS
 # Left of a device's memory for what the compiled step does not count: the runtime,
 # fragmentation, the next input batch.
@@ -385,6 +386,8 @@ def _settings(space: dict, fixed: dict | None = None, configured: dict | None = 
   configured = configured or {}
   contexts = _parallel(space, CONTEXT_KEYS, tuple(configured[k] for k in CONTEXT_KEYS) if configured else None)
   pipelines = _parallel(space, PIPELINE_KEYS, tuple(configured[k] for k in PIPELINE_KEYS) if configured else None)
+  # Keeping residuals is 1F1B's: GPipe's autodiff keeps them all.
+  pipelines = [p for p in pipelines if not (p.get("pipeline_keep_residuals") and p.get("pipeline_schedule") == "gpipe")]
   return [{**(fixed or {}), **context, **stages, "remat_policy": p, "remat_layer_interval": None, "mlp_chunks": c,
            "attention_head_chunks": a, "gradient_accumulation_steps": g}
           for context in contexts for stages in pipelines for p in space["remat_policy"] for c in space["mlp_chunks"]

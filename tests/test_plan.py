@@ -347,24 +347,26 @@ def test_the_speed_bound_with_the_compiled_bytes_is_the_roofline():
 
 def test_the_pipeline_degree_microbatches_and_schedule_are_searched():
   """On the 8 simulated devices: the chains are no pipeline, and 2 stages with 2 or 8 microbatches
-  under each schedule (the microbatches and schedule only where there are stages), each named in
-  its candidates; compiled, 1F1B with 8 microbatches holds fewer of them than GPipe."""
+  under each schedule, 1F1B with and without its residuals kept (the microbatches and schedule
+  only where there are stages, kept residuals only under 1F1B), each named in its candidates;
+  compiled, 1F1B with 8 microbatches holds fewer of them than GPipe."""
   argv = [BASE_YML, *TINY, "base_num_decoder_layers=4", "per_device_batch_size=4", "ici_fsdp_parallelism=-1",
           "plan_remat_policies=[full]", "plan_remat_layer_intervals=[1]", "plan_per_device_batch_sizes=[4]",
           "plan_num_vocab_tiling=[1]", "plan_pipeline_parallelism=[1,2]", "plan_num_pipeline_microbatches=[2,8]",
-          "plan_pipeline_schedules=[gpipe,1f1b]"]
+          "plan_pipeline_schedules=[gpipe,1f1b]", "plan_pipeline_keep_residuals=[false,true]"]
   with on_devices(8):
     config = pyconfig.initialize(argv)
     space = plan.search_space(config, set(plan.PIPELINE_KEYS))
     chains = [tuple(s[k] for k in plan.PIPELINE_KEYS) for s in plan._settings(space)]
-    assert chains == [(1, 1, 2, "gpipe"), (2, 1, 2, "gpipe"), (2, 1, 2, "1f1b"), (2, 1, 8, "gpipe"), (2, 1, 8, "1f1b")]
+    assert chains == [(1, 1, 2, "gpipe", False)] + [(2, 1, count, *schedule) for count in (2, 8) for schedule in
+                                                    (("gpipe", False), ("1f1b", False), ("1f1b", True))]
     rates = plan.roofline_rates(sharding.run_devices("", 1)[0])
     temp = {schedule: plan.evaluate(config, {"ici_pipeline_parallelism": 2, "num_pipeline_microbatches": 8,
                                              "pipeline_schedule": schedule}, rates)["temp_bytes"]
             for schedule in ("gpipe", "1f1b")}
   assert temp["1f1b"] < temp["gpipe"]
-  assert ("ici_pipeline_parallelism=2 dcn_pipeline_parallelism=1 num_pipeline_microbatches=8 pipeline_schedule=1f1b"
-          in plan.describe(dict(zip(plan.PIPELINE_KEYS, chains[-1]))))
+  assert ("ici_pipeline_parallelism=2 dcn_pipeline_parallelism=1 num_pipeline_microbatches=8 pipeline_schedule=1f1b "
+          "pipeline_keep_residuals=True" in plan.describe(dict(zip(plan.PIPELINE_KEYS, chains[-1]))))
 
 
 def test_stages_across_slices_are_searched():
@@ -377,7 +379,7 @@ def test_stages_across_slices_are_searched():
   config = pyconfig.initialize([BASE_YML, *TINY, *slices, "dcn_data_parallelism=-1",
                                 "plan_dcn_pipeline_parallelism=[1,2]"])
   chains = plan._settings(plan.search_space(config, set(plan.PIPELINE_KEYS)))
-  assert [tuple(s[k] for k in plan.PIPELINE_KEYS) for s in chains] == [(1, 1, -1, None), (1, 2, -1, None)]
+  assert [tuple(s[k] for k in plan.PIPELINE_KEYS) for s in chains] == [(1, 1, -1, None, False), (1, 2, -1, None, False)]
   staged = pyconfig.replace(config, {k: chains[1][k] for k in plan.PIPELINE_KEYS})
   assert staged.dcn_mesh_shape[sharding.MESH_AXES.index("pipeline")] == 2 and staged.pipeline_schedule == "1f1b"
   record = plan.evaluate(config, {**chains[1], "remat_layer_interval": 1, "per_device_batch_size": 4,
