@@ -62,13 +62,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # they pin older pyyaml, protobuf, pillow and python-dateutil. The tests check
   # end_to_end/launch_xpk.sh against XPK's parser; Beam runs with PYTHONPATH=.venv/beam.
   # The three installs share only pip's cache: run together, they take about the longest one's time.
-  # --no-compile: byte-compiling every installed file takes longer than the first imports take to
-  # compile the modules they use (and write them for the next).
-  pip install --no-compile --no-deps --upgrade --target .venv/xpk -r requirements-xpk.lock 2> >(quiet_resolver) &
+  pip install --no-deps --upgrade --target .venv/xpk -r requirements-xpk.lock 2> >(quiet_resolver) &
   xpk=$!
-  pip install --no-compile --no-deps --upgrade --target .venv/beam -r requirements-beam.lock 2> >(quiet_resolver) &
+  pip install --no-deps --upgrade --target .venv/beam -r requirements-beam.lock 2> >(quiet_resolver) &
   beam=$!
-  pip install --no-compile -r requirements.lock
+  pip install -r requirements.lock
   wait "$xpk"
   wait "$beam"
   pip install --no-deps -e .
