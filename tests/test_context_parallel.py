@@ -57,7 +57,6 @@ CONTEXT_VARIANTS = {  # name -> (model, overrides)
     "context=8 ring unbalanced": ("llama", ("ici_context_parallelism=8", "ici_fsdp_parallelism=1", _RING,
                                             _UNBALANCED)),
     "context=4 fsdp=2 ring": ("llama", (*_C4F2, _RING)),
-    "context=4 fsdp=2 all_gather unbalanced": ("llama", (*_C4F2, _UNBALANCED)),
     "gemma2 context=4 fsdp=2 ring": ("gemma2", (*_C4F2, _RING)),
     "gemma2 context=4 fsdp=2 all_gather unbalanced chunked": ("gemma2", (*_C4F2, _UNBALANCED, "attention=chunked",
                                                                          "attention_chunk_size=4")),

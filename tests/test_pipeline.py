@@ -87,8 +87,6 @@ CASES = {  # name -> (model, overrides on 8 devices, 2 rows per device)
     "interleaved gpipe pp2 expert2 fsdp2 m4": (
         "interleaved", (_PP2, "ici_expert_parallelism=2", "ici_fsdp_parallelism=2", "num_pipeline_microbatches=4",
                         "pipeline_schedule=gpipe")),
-    "interleaved 1f1b pp2 fsdp4 m4": ("interleaved", (_PP2, "ici_fsdp_parallelism=4", "pipeline_schedule=1f1b",
-                                                      "num_pipeline_microbatches=4")),
     # Interleaved 1F1B: two repeats, the microbatches in groups of the stages' count.
     "moe 1f1b pp2 r2 fsdp4 m4": ("moe", (_PP2, "ici_fsdp_parallelism=4", "pipeline_schedule=1f1b",
                                          "num_pipeline_repeats=2", "num_pipeline_microbatches=4")),
