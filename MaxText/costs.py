@@ -37,7 +37,8 @@ MIXER_MACS: dict[str, Callable] = {}
 def runs_in(runs: int, of: int):
   """Around a lax.cond in a loop body whose larger branch runs in only `runs` of the loop's `of`
   iterations (a pipeline schedule's phases): the walk (_executed) counts that branch runs / of
-  times per iteration instead of in every one."""
+  times per iteration instead of in every one. Within another such branch, `of` counts the runs
+  of that branch (the innermost scope is the cond's own)."""
   return jax.named_scope(f"runs_in_{runs}_of_{of}")
 
 

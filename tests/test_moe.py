@@ -354,7 +354,8 @@ def test_expert_parallel_meshes_equal_one_device(expert_mesh_results, mesh):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["expert=2 context=2 fsdp=2, all-to-all, mlp 2 slices", "fsdp=8, 4 experts, mlp 3 slices"])
+@pytest.mark.parametrize("mesh", ["expert=2 context=2 fsdp=2, all-to-all, mlp 2 slices",
+                                  "fsdp=8, 4 experts, mlp 3 slices"])
 def test_with_mlp_slices_fsdp_gathers_one_slice_of_the_experts_at_a_time(expert_mesh_results, mesh):
   """FSDP's all-gathers of the expert kernels [experts, D, F] (each device's experts, whole)
   give F / mlp_chunks hidden units: with slices, never the whole F."""

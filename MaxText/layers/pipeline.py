@@ -363,7 +363,11 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   # step runs R M + S - 1 forwards and backwards of every stage, as GPipe's does. The carries go
   # through the conds: three scans, one per span of phases, or conds that return only what is
   # added to the carries, ran slower on XLA:CPU and took more memory on TPU (docs/guides/pipeline.md).
-  def forward_phase(state, inputs, stats_sums, t):
+  def forward_phase(y, inputs, stats_sums, t):
+    # What the stages before sent in the last iteration: a shift only where a phase reads it, so
+    # that no output only the head reads, and no zeros of a phase that did not run, cross stages.
+    with costs.runs_in(work + stages - 2, work + stages - 1):
+      state = _on_stages(jax.lax.cond(t > 0, lambda y: shift(y, 1), jnp.zeros_like, y), STATE_AXES)
     m_f, r_f, ran = item(t - index)
     # The first stage's input at the first repeat is embedded here; at later ones the last stage sent it.
     fresh = ((index == 0) & (r_f == 0)).reshape(-1, *(1,) * (state.ndim - 1))
@@ -393,10 +397,14 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
     out, d_rest, dy = heads(rest_on_stages, y, per_stage(m_l), scored)
     return jax.tree.map(lambda x: jnp.sum(mask(scored, x), axis=0), out), d_rest, dy
 
-  def backward_phase(cotangent, inputs, grads, rest_grads, t):
+  def backward_phase(dx, dy, inputs, grads, rest_grads, t):
     # Its cotangent came from the stage after it (the last stage's at the last repeat from the
-    # head, at earlier repeats from the first stage).
+    # head, at earlier repeats from the first stage), shifted only after a backward ran.
     m_b, r_b, live, slot_b = backward_item(t)
+    from_head = ((index == stages - 1) & (r_b == repeats - 1)).reshape(-1, *(1,) * (dy.ndim - 1))
+    with costs.runs_in(work + stages - 2, work + stages - 1):
+      dx = jax.lax.cond(t > lag, lambda dx: shift(dx, -1), jnp.zeros_like, dx)
+    cotangent = _on_stages(jnp.where(from_head, dy, dx), STATE_AXES)
     backward = per_stage(m_b)
     kept = [_at(buffer, slot_b) for buffer in inputs]
     if saved is None:
@@ -426,31 +434,28 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   iterations = lag + work + stages - 1
 
   def iteration(carry, t):
-    state, cotangent, inputs, grads, rest_grads, total, stats_sums = carry
+    y, dx, inputs, grads, rest_grads, total, stats_sums = carry
     with costs.runs_in(work + stages - 1, iterations):
       y, inputs, stats_sums, loss, sums = jax.lax.cond(
           t < work + stages - 1, forward_phase, skipped(forward_shapes, None, 1, 2, None, None),
-          state, inputs, stats_sums, t)
+          y, inputs, stats_sums, t)
     last = t - (stages - 1)  # the last stage's forward item
     scoring = (last >= 0) & (last < work) & ((last % (repeats * stages)) // stages == repeats - 1)
     with costs.runs_in(count, iterations):
       out, d_rest, dy = jax.lax.cond(scoring, head_phase, skipped(head_shapes, None, None, None), y, t)
     total = (total[0] + loss + out[0], jax.tree.map(jnp.add, total[1], out[1]), jax.tree.map(jnp.add, total[2], sums))
-    from_head = (index == stages - 1) & (backward_item(t)[1] == repeats - 1)
-    cotangent = _on_stages(jnp.where(from_head.reshape(-1, *(1,) * (dy.ndim - 1)), dy, cotangent), STATE_AXES)
     with costs.runs_in(work + stages - 1, iterations):
-      dx, grads, rest_grads = jax.lax.cond(t >= lag, backward_phase, skipped(backward_shapes, None, 2, 3),
-                                           cotangent, inputs, grads, rest_grads, t)
+      dx, grads, rest_grads = jax.lax.cond(t >= lag, backward_phase, skipped(backward_shapes, None, 3, 4),
+                                           dx, dy, inputs, grads, rest_grads, t)
     rest_grads = jax.tree.map(jnp.add, rest_grads, d_rest)
-    return (_on_stages(shift(y, 1), STATE_AXES), _on_stages(shift(dx, -1), STATE_AXES), inputs, grads, rest_grads,
-            total, stats_sums), None
+    return (_on_stages(y, STATE_AXES), _on_stages(dx, STATE_AXES), inputs, grads, rest_grads, total, stats_sums), None
 
   # The gradients of `rest`, one per stage (each stage's head and embedding), summed once at the end.
   rest_grads = jax.tree.map(lambda a: _on_stages(jnp.zeros((stages, *a.shape), a.dtype)), rest)
   carry = (state, jnp.zeros_like(state), inputs, zeros(params), rest_grads, total, stats_zeros)
   forward_shapes = jax.eval_shape(forward_phase, state, inputs, carry[-1], 0)
   head_shapes = jax.eval_shape(head_phase, state, stages - 1)
-  backward_shapes = jax.eval_shape(backward_phase, state, inputs, carry[3], rest_grads, lag)
+  backward_shapes = jax.eval_shape(backward_phase, state, state, inputs, carry[3], rest_grads, lag)
   (*_, grads, rest_grads, total, stats_sums), _ = jax.lax.scan(iteration, carry, jnp.arange(iterations))
   (layer_grads,) = to_stored(grads)
   rest_grads = jax.tree.map(lambda g: jnp.sum(g, axis=0), rest_grads)
