@@ -292,8 +292,22 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   # Each stage's layers of its repeat r [S]: with one repeat the slice, no select per iteration.
   at_repeat = (lambda p, r: jax.tree.map(lambda a: a[:, 0], p)) if repeats == 1 else (
       lambda p, r: jax.tree.map(lambda a: _at(a, r), p))
-  # The shift between stages wraps around where the last stage feeds the first (and back).
-  shift = _shift if repeats == 1 else (lambda x, by: jnp.roll(x, by, axis=0))
+  # The shift between stages. With repeats it wraps around, the last stage feeding the first (and
+  # back), so every stage's output crosses: it runs in the phases, only where one reads it (not a
+  # phase's that did not run, nor the outputs only the head or the embedding reads). With one
+  # repeat it runs between iterations, where the last stage sends nothing and the compiled step
+  # holds less memory (libtpu).
+  inside = repeats > 1
+
+  def received(x, by, t, after):
+    """What the stages beside sent, in the phase of iteration t: shifted here after `after` (an
+    iteration where the phase ran), or already between iterations."""
+    if not inside:
+      return x
+    with costs.runs_in(work + stages - 2, work + stages - 1):
+      return jax.lax.cond(t > after, lambda x: jnp.roll(x, by, axis=0), jnp.zeros_like, x)
+
+  sent = (lambda x, by: x) if inside else _shift
   batch = microbatches(batch, count)
   index = jnp.arange(stages)
   first = lambda r: stage.first + (r * stages + index) * stage.per_stage
@@ -364,10 +378,7 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
   # through the conds: three scans, one per span of phases, or conds that return only what is
   # added to the carries, ran slower on XLA:CPU and took more memory on TPU (docs/guides/pipeline.md).
   def forward_phase(y, inputs, stats_sums, t):
-    # What the stages before sent in the last iteration: a shift only where a phase reads it, so
-    # that no output only the head reads, and no zeros of a phase that did not run, cross stages.
-    with costs.runs_in(work + stages - 2, work + stages - 1):
-      state = _on_stages(jax.lax.cond(t > 0, lambda y: shift(y, 1), jnp.zeros_like, y), STATE_AXES)
+    state = _on_stages(received(y, 1, t, 0), STATE_AXES)
     m_f, r_f, ran = item(t - index)
     # The first stage's input at the first repeat is embedded here; at later ones the last stage sent it.
     fresh = ((index == 0) & (r_f == 0)).reshape(-1, *(1,) * (state.ndim - 1))
@@ -399,12 +410,10 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
 
   def backward_phase(dx, dy, inputs, grads, rest_grads, t):
     # Its cotangent came from the stage after it (the last stage's at the last repeat from the
-    # head, at earlier repeats from the first stage), shifted only after a backward ran.
+    # head, at earlier repeats from the first stage).
     m_b, r_b, live, slot_b = backward_item(t)
     from_head = ((index == stages - 1) & (r_b == repeats - 1)).reshape(-1, *(1,) * (dy.ndim - 1))
-    with costs.runs_in(work + stages - 2, work + stages - 1):
-      dx = jax.lax.cond(t > lag, lambda dx: shift(dx, -1), jnp.zeros_like, dx)
-    cotangent = _on_stages(jnp.where(from_head, dy, dx), STATE_AXES)
+    cotangent = _on_stages(jnp.where(from_head, dy, received(dx, -1, t, lag)), STATE_AXES)
     backward = per_stage(m_b)
     kept = [_at(buffer, slot_b) for buffer in inputs]
     if saved is None:
@@ -448,7 +457,8 @@ def gradients(cfg, stage: Stage, layers, rest, embed: Callable, head: Callable, 
       dx, grads, rest_grads = jax.lax.cond(t >= lag, backward_phase, skipped(backward_shapes, None, 3, 4),
                                            dx, dy, inputs, grads, rest_grads, t)
     rest_grads = jax.tree.map(jnp.add, rest_grads, d_rest)
-    return (_on_stages(y, STATE_AXES), _on_stages(dx, STATE_AXES), inputs, grads, rest_grads, total, stats_sums), None
+    return (_on_stages(sent(y, 1), STATE_AXES), _on_stages(sent(dx, -1), STATE_AXES), inputs, grads, rest_grads,
+            total, stats_sums), None
 
   # The gradients of `rest`, one per stage (each stage's head and embedding), summed once at the end.
   rest_grads = jax.tree.map(lambda a: _on_stages(jnp.zeros((stages, *a.shape), a.dtype)), rest)
