@@ -320,6 +320,14 @@ class Execution:
       doc="cuDNN sizes its backward's workspace for this many documents of a whole row each: about 8 bytes per "
           "document slot, token on the device and query feature (llama3.2-1b at 4 x 8,192 tokens per GPU: 0.5 GiB a "
           "slot). Rows of many short documents: raise it, or use flash_kernel=triton, whose memory does not grow.")
+  sa_use_fused_bwd_kernel: bool = key(
+      False, "flash_kernel=splash: one backward kernel for dq, dk and dv (5 products a block pair, not the two "
+             "kernels' 7), holding a partial dq of the queries per key block of its own until it sums them",
+      doc="MaxText's key. Fewer FLOPs for more memory: max_target_length / sa_block_kv_dkv partial dq's of each "
+          "attention slice's queries (docs/guides/long_context.md).")
+  sa_block_kv_dkv: int | None = key(
+      None, "flash_kernel=splash: keys per block of the dk/dv (or fused) backward kernel, a multiple of 512 that "
+            "divides max_target_length; null: 512 (the row, if shorter). MaxText's key")
   attention_chunk_size: int = key(512, "queries per chunk for attention=chunked (with a context axis, keys per block "
                                        "too); must divide max_target_length")
   mlp_chunks: int = key(
@@ -341,6 +349,11 @@ class Execution:
 
   def check(self):
     at_least(self, 1, "attention_chunk_size", "mlp_chunks", "attention_head_chunks", "max_segments_per_seq")
+    for name in ("sa_use_fused_bwd_kernel", "sa_block_kv_dkv"):
+      require(self.attention == "flash" or getattr(self, name) in (False, None), self, name,
+              f"splash attention's (attention=flash, flash_kernel=splash): attention={self.attention} has no such "
+              "kernel")
+    null_or_positive(self, "sa_block_kv_dkv")
 
 
 @section("Low-precision matmuls (qwix)")

@@ -23,7 +23,7 @@ from MaxText import config_schema, remat, sharding
 from MaxText.errors import ConfigError, first_line
 from MaxText.families import FAMILIES
 from MaxText.layers import blocks, masks, moe
-from MaxText.layers.attentions import DEFAULT_FLASH_KERNEL, FLASH_KERNELS
+from MaxText.layers.attentions import DEFAULT_FLASH_KERNEL, FLASH_BLOCK, FLASH_KERNELS
 from MaxText.layers.context_parallel import ROW_KERNELS, kernels_for
 
 # The keys that fix the parameters' shapes and meaning. Saved with a checkpoint (the converters'
@@ -399,6 +399,12 @@ def _derive_flash_kernel(v: dict) -> None:
   refusal = masks.refused(v, v["flash_kernel"], kernel.takes)
   if refusal:
     raise ConfigError(refusal)
+  for key in ("sa_use_fused_bwd_kernel", "sa_block_kv_dkv"):
+    _require(v["flash_kernel"] == "splash" or not v[key], key,
+             f"splash attention's: flash_kernel={v['flash_kernel']} has no such option", v)
+  length, block = v["max_target_length"], v["sa_block_kv_dkv"]
+  _require(not block or (length % block == 0 and block % min(FLASH_BLOCK, length) == 0), "sa_block_kv_dkv",
+           f"must be a multiple of {min(FLASH_BLOCK, length)} that divides max_target_length={length}", v)
 
 
 def _check_context(v: dict) -> None:

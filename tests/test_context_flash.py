@@ -20,13 +20,15 @@ def packed_segments(length):
   return jnp.asarray(np.stack([doc, np.ones(length, int)]), jnp.int32)
 
 
-@pytest.mark.parametrize("context, length, balanced, gemma2", [
-    (4, 1024, True, False), (4, 1024, False, False), (2, 512, True, True)])
-def test_flash_per_context_shard_equals_one_device(context, length, balanced, gemma2):
+@pytest.mark.parametrize("context, length, balanced, gemma2, fused", [
+    (4, 1024, True, False, False), (4, 1024, False, False, False), (2, 512, True, True, False),
+    (4, 1024, True, False, True)])
+def test_flash_per_context_shard_equals_one_device(context, length, balanced, gemma2, fused):
   """The attention alone, its values and the gradients of q, k and v, on context 4 x fsdp 2
   (balanced and contiguous) and context 2 x fsdp 2 x tensor 2 with Gemma 2's options (a query
   scale, a soft cap and a 300-token window, its lower-left blocks skipped too) and values
-  narrower than the queries and keys (MLA's)."""
+  narrower than the queries and keys (MLA's); and balanced with splash's fused backward, in
+  key blocks of the whole row."""
   rng = np.random.default_rng(0)
   widths = (32, 32, 16 if gemma2 else 32)
   q, k, v = (jnp.asarray(rng.normal(size=(2, length, heads, width)), jnp.float32)
@@ -39,7 +41,8 @@ def test_flash_per_context_shard_equals_one_device(context, length, balanced, ge
                          f"ici_tensor_parallelism={4 // context}",
                          f"max_target_length={length}", f"context_parallel_load_balance={balanced}", *family)
   order = context_parallel.balanced_order(length, context) if balanced else np.arange(length)
-  flash = types.SimpleNamespace(**{**config.to_dict(), "attention": "flash", "platform": "tpu"})
+  flash = types.SimpleNamespace(**{**config.to_dict(), "attention": "flash", "platform": "tpu",
+                                   "sa_use_fused_bwd_kernel": fused, "sa_block_kv_dkv": length if fused else None})
 
   def sharded(q, k, v):  # in the order the model holds them in: load_balance's
     q, k, v, stored = (jnp.take(x, order, axis=1) for x in (q, k, v, segments))
@@ -87,7 +90,7 @@ def test_model_with_flash_per_context_shard_equals_one_device(monkeypatch):
   from MaxText.layers.attentions import splash_kernel
   splash = context_parallel.ROW_KERNELS["flash"]["tpu"]
   monkeypatch.setitem(context_parallel.ROW_KERNELS["flash"], "tpu", splash._replace(
-      make=lambda *args: splash_kernel(*args[:-1], interpret=True)))
+      make=lambda *args, **options: splash_kernel(*args[:-1], interpret=True, **options)))
   one_device = tiny_config("max_target_length=512", "per_device_batch_size=2")
   want = loss_gradients(one_device, packed_batch(one_device))
   with on_devices(8):

@@ -246,16 +246,19 @@ def test_chunked_attention_is_exact(chunk_size):
   assert_trees_close(grads, want_grads, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kernel, length, under_mesh, gemma2",
-                         [("splash", 256, False, False), ("splash", 1024, True, False), ("splash", 1024, False, True),
-                          ("triton", 256, False, False), ("triton", 256, True, False)])
-def test_flash_attention_is_exact_in_the_pallas_interpreter(kernel, length, under_mesh, gemma2):
+@pytest.mark.parametrize("kernel, length, under_mesh, gemma2, fused",
+                         [("splash", 256, False, False, False), ("splash", 1024, True, False, False),
+                          ("splash", 1024, False, True, False), ("splash", 2048, False, False, True),
+                          ("triton", 256, False, False, False), ("triton", 256, True, False, False)])
+def test_flash_attention_is_exact_in_the_pallas_interpreter(kernel, length, under_mesh, gemma2, fused):
   """Each Pallas kernel (TPU's splash, GPU's Triton) run by Pallas's interpreter, against dot_product attention:
   values and gradients, float32, GQA, three packed documents whose boundaries fall inside
   kernel blocks; on TPU at 1024 tokens two 512-blocks, the upper one skipped by the causal
   mask (the GPU kernel's blocks are 128 forward, 128 x 64 and 64 x 128 backward). With Gemma 2's options the
   TPU kernel also takes a query scale, a soft cap and a 600-token window (chosen by a traced
-  flag, as in a scan), whose lower-left block is skipped too."""
+  flag, as in a scan), whose lower-left block is skipped too. Splash's fused backward (one kernel
+  for dq, dk and dv) at 2048 tokens in key blocks of 1024, each of two 512-key steps: the partial
+  dq's of the two key blocks summed."""
   from MaxText import sharding
   from MaxText.layers.attentions import dot_product_attention, flash_attention
   rng = np.random.default_rng(0)
@@ -270,7 +273,8 @@ def test_flash_attention_is_exact_in_the_pallas_interpreter(kernel, length, unde
     return out, vjp(jnp.cos(out))  # the gradients of sum(sin(out))
 
   def flash(*args, **kwargs):
-    return flash_attention(*args, kernel_name=kernel, sliding=jnp.asarray(True), interpret=True, **kwargs)
+    return flash_attention(*args, kernel_name=kernel, sliding=jnp.asarray(True), interpret=True, **kwargs,
+                           options=dict(fused_backward=True, dkv_block=1024) if fused else None)
 
   want = loss_and_grads(dot_product_attention)
   if under_mesh:  # through shard_map over a mesh and the logical rules, as in the model
@@ -281,6 +285,12 @@ def test_flash_attention_is_exact_in_the_pallas_interpreter(kernel, length, unde
     got = loss_and_grads(flash)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
   assert_trees_close(got[1], want[1], rtol=1e-5)
+  if fused:  # and the kernels the cost model counts: 2 products forward, 5 in the one backward kernel
+    from MaxText import costs
+    forward = 512 * 512 * (1 + 2 + 3 + 4)  # causal (query, key) pairs of 4 query blocks, 512-key blocks
+    backward = 512 * (1024 + 1024 + 2048 + 2048)  # ... and 1024-key blocks
+    assert costs.kernel_flops(jax.make_jaxpr(lambda: loss_and_grads(flash))().jaxpr) == (
+        2 * 2 * 4 * 32 * (2 * forward + 5 * backward))
 
 
 def test_splash_takes_attention_chunks_in_the_pallas_interpreter():

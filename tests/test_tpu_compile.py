@@ -130,6 +130,33 @@ def test_the_flash_kernels_flops_are_counted_by_hand(mesh, policy, forwards):
   assert costs.matmul_flops(jaxpr) > hand
 
 
+def test_splashs_fused_backward_runs_on_the_context_shards_in_its_own_key_blocks():
+  """sa_use_fused_bwd_kernel with sa_block_kv_dkv=1024 under context 4: each shard's backward is
+  one kernel of 5 products a (query, key) pair, over 1024-key blocks (the whole row: 4 x 512^2
+  pairs of the 4 shards together, where 512-key blocks skip one of 4); the forward as before."""
+  config = tiny_config("attention=flash", "compile_topology=v5p-8", "max_target_length=1024", "per_device_batch_size=1",
+                       "remat_policy=full", "ici_fsdp_parallelism=1", "ici_context_parallelism=4",
+                       "sa_use_fused_bwd_kernel=true", "sa_block_kv_dkv=1024")
+  jaxpr = train_step.trace_train_step(train_step.build(config, sharding.create_mesh(config)), config).jaxpr
+  per_pair = 2 * 512 * 512 * config.head_dim
+  hand = config.base_num_decoder_layers * 4 * config.base_num_query_heads * per_pair * (3 * 2 * 2 + 4 * 5)
+  assert costs.kernel_flops(jaxpr) == hand
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("attention=chunked", "sa_use_fused_bwd_kernel=true"), "sa_use_fused_bwd_kernel=True: splash attention's "
+     "(attention=flash, flash_kernel=splash): attention=chunked has no such kernel"),
+    (("attention=flash", "compile_topology=v5p-8", "max_target_length=2048", "sa_block_kv_dkv=768"),
+     "sa_block_kv_dkv=768: must be a multiple of 512 that divides max_target_length=2048"),
+    (("attention=flash", "compile_topology=v5p-8", "max_target_length=2048", "sa_block_kv_dkv=4096"),
+     "sa_block_kv_dkv=4096: must be a multiple of 512 that divides max_target_length=2048"),
+])
+def test_splash_options_it_cannot_take_are_one_line_naming_the_key(overrides, message):
+  with pytest.raises(errors.ConfigError, match=re.escape(message)) as error:
+    tiny_config(*overrides)
+  assert "\n" not in str(error.value)
+
+
 def test_dcn_axes_span_the_slices_of_a_multi_slice_compile():
   config = tiny_config("compile_topology=v5p-8", "compile_topology_num_slices=2", "dcn_data_parallelism=2")
   mesh = sharding.create_mesh(config)

@@ -4,7 +4,8 @@ TPU (long_context_tpu.*, compile only): llama3-8b on a v5p-128 (64 chips), one s
 chips (fsdp 4 x context 16), 16 vocabulary tiles, load-balanced, mlp_chunks 16, at 64k to 1M
 tokens per sequence: the ring with chunked attention per context shard, attention in 8 slices,
 and remat_policy full, input_offloaded and attention_out_input_offloaded; at 64k the all-gather
-with full (chunked, and flash: splash attention per shard) in 8 slices, and flash with
+with full (chunked, and flash: splash attention per shard, its backward two kernels or one,
+sa_use_fused_bwd_kernel=true sa_block_kv_dkv=4096) in 8 slices, and flash with
 attention_out_input_offloaded unsliced (libtpu does not offload splash's residuals from slices).
 Each cell is what
   python -m MaxText.train_compile configs/base.yml model_name=llama3-8b compile_topology=v5p-128 \\
@@ -38,10 +39,16 @@ LLAMA3_8B = ("model_name=llama3-8b", "compile_topology=v5p-128", "dataset_type=s
              "per_device_batch_size=0.0625", "ici_fsdp_parallelism=4", "ici_context_parallelism=16",
              "num_vocab_tiling=16", "attention_chunk_size=512", "mlp_chunks=16")
 LENGTHS = (65536, 131072, 262144, 524288, 1048576)
+# attention per shard -> its keys: splash's fused backward in 4096-key blocks, its partial dq's
+# (one per key block) 16 copies of an attention slice's queries at 64k; 8192-key blocks overflow
+# the kernel's VMEM on a v5p.
+ATTENTION = {"chunked": ("attention=chunked",), "flash": ("attention=flash",),
+             "flash, fused backward": ("attention=flash", "sa_use_fused_bwd_kernel=true", "sa_block_kv_dkv=4096")}
 # (strategy, remat_policy, attention per shard, attention_head_chunks)
 TPU_VARIANTS = (("ring", "full", "chunked", 8), ("ring", "input_offloaded", "chunked", 8),
                 ("ring", "attention_out_input_offloaded", "chunked", 8), ("all_gather", "full", "chunked", 8),
-                ("all_gather", "full", "flash", 8), ("all_gather", "attention_out_input_offloaded", "flash", 1))
+                ("all_gather", "full", "flash", 8), ("all_gather", "full", "flash, fused backward", 8),
+                ("all_gather", "attention_out_input_offloaded", "flash", 1))
 ALL_GATHER_UP_TO = 65536  # beyond, every chip holds the whole sequence's keys and values per layer (11.7 GiB at 64k)
 CPU_DEVICES = 4
 CPU_MODEL = ("dataset_type=synthetic", "max_target_length=1024", "per_device_batch_size=1",
@@ -66,7 +73,7 @@ def tpu_table(output_dir: str) -> None:
     name = _cell(length, strategy, policy, attention, slices)
     r = results[name] = common.compiled_memory_on(None, *LLAMA3_8B, f"max_target_length={length}",
                                                   f"context_parallel_strategy={strategy}", f"remat_policy={policy}",
-                                                  f"attention={attention}", f"attention_head_chunks={slices}")
+                                                  *ATTENTION[attention], f"attention_head_chunks={slices}")
     if "error" in r:
       rows.append([f"{length:,}", strategy, policy, attention, slices, common.gib_or_refusal(r, "total_bytes"), "", "",
                    "", "", "", ""])

@@ -122,22 +122,32 @@ def splash_mask(token_index, window=None, chunk_window=None):
   return _token_mask_type()(token_index, window, chunk_window)
 
 
-def splash_kernel(token_index, soft_cap, window, num_shards=1, chunk=None, interpret=False, chunk_window=None):
+def splash_kernel(token_index, soft_cap, window, num_shards=1, chunk=None, interpret=False, chunk_window=None,
+                  fused_backward=False, dkv_block=None):
   """Splash attention's kernel for the queries at token_index [T] (see splash_mask) in
   num_shards q_seq_shards, each against all T keys. Query blocks divide `chunk`, the longest
   run of consecutive tokens of a shard (its queries by default), so each is a block of the
   whole row's causal mask and skipped as it would be there; key blocks are FLASH_BLOCK or the
-  row (pyconfig: it divides the row)."""
+  row (pyconfig: it divides the row). The backward is a dq kernel and a dk/dv kernel, or with
+  fused_backward one kernel computing all three (5 products a block pair, not 7), which holds a
+  partial dq of the queries per key block of its own (dkv_block keys; the key block by default)
+  until it sums them."""
   from jax.experimental.pallas.ops.tpu import splash_attention as splash  # noqa: PLC0415 (TPU kernels)
   length = len(token_index)
   q_block, kv_block = math.gcd(FLASH_BLOCK, chunk or length // num_shards), min(FLASH_BLOCK, length)
+  dq_blocks = {} if fused_backward else {"block_q_dq": q_block, "block_kv_dq": kv_block}
   return splash.make_splash_mha(
       mask=splash.MultiHeadMask([splash_mask(token_index, window, chunk_window)]), head_shards=1,
       q_seq_shards=num_shards,
       interpret=interpret, attn_logits_soft_cap=soft_cap or None, residual_checkpoint_name=remat.KERNEL_RESIDUALS,
       block_sizes=splash.BlockSizes(block_q=q_block, block_kv=kv_block, block_kv_compute=kv_block,
-                                    block_q_dkv=q_block, block_kv_dkv=kv_block, block_kv_dkv_compute=kv_block,
-                                    block_q_dq=q_block, block_kv_dq=kv_block))
+                                    block_q_dkv=q_block, block_kv_dkv=dkv_block or kv_block,
+                                    block_kv_dkv_compute=kv_block, use_fused_bwd_kernel=fused_backward, **dq_blocks))
+
+
+def splash_options(cfg) -> dict:
+  """splash_kernel's options from the config: MaxText's sa_* keys."""
+  return {"fused_backward": cfg.sa_use_fused_bwd_kernel, "dkv_block": cfg.sa_block_kv_dkv}
 
 
 def _one_width(q, k, v):
@@ -159,10 +169,12 @@ def splash_rows(kernel, q, k, v, q_segments, k_segments, scale, sinks=None):
   return jnp.swapaxes(out, 1, 2)[..., :v_width]
 
 
-def _splash_attention(q, k, v, segment_ids, scale, soft_cap, window, chunk_window, interpret, max_segments, sinks):
+def _splash_attention(q, k, v, segment_ids, scale, soft_cap, window, chunk_window, interpret, max_segments, sinks,
+                      fused_backward=False, dkv_block=None):
   """TPU: Pallas splash attention on one device's whole rows, [B, T, N, H] in and out; the
   blocks a window or a chunk empties are skipped like those above the diagonal; sinks its own."""
-  kernel = splash_kernel(np.arange(q.shape[1]), soft_cap, window, interpret=interpret, chunk_window=chunk_window)
+  kernel = splash_kernel(np.arange(q.shape[1]), soft_cap, window, interpret=interpret, chunk_window=chunk_window,
+                         fused_backward=fused_backward, dkv_block=dkv_block)
   return splash_rows(kernel, q, k, v, segment_ids, segment_ids, scale, sinks)
 
 
@@ -218,26 +230,28 @@ def _cudnn_attention(q, k, v, segment_ids, scale, soft_cap, window, chunk_window
 
 
 # How the cost model counts a flash kernel's calls, which are custom calls, not dot_generals:
-# (matmuls per (query, key) pair and head feature, the axis of the queries holding the sequence,
-# the kernel metadata's keys of its (query, key) block sizes, or None where the metadata has
-# none: then the exact causal half is counted, at most a block's share of the row below what the
-# kernel runs). Splash's backward is a dq kernel (scores, dP, dQ) and a dk/dv kernel (scores, dV,
-# dP, dK); the Triton backward is one kernel doing both, 7 matmuls; cuDNN's attention is two
-# primitives of JAX's, its forward (2) and its backward (scores, dP, dV, dQ, dK: 5), on
-# [B, T, N, H] rows, whose skipped blocks the trace does not show (they depend on the documents):
-# each counts the row's exact causal half, as for one document.
+# (matmuls per (query, key) pair and head feature, or a function of the call giving them, the
+# axis of the queries holding the sequence, the kernel metadata's keys of its (query, key) block
+# sizes, or None where the metadata has none: then the exact causal half is counted, at most a
+# block's share of the row below what the kernel runs). Splash's backward is a dq kernel (scores,
+# dP, dQ) and a dk/dv kernel (scores, dV, dP, dK), or that kernel alone computing dQ too
+# (fused_backward: a third output, one more product); the Triton backward is one kernel doing
+# both, 7 matmuls; cuDNN's attention is two primitives of JAX's, its forward (2) and its backward
+# (scores, dP, dV, dQ, dK: 5), on [B, T, N, H] rows, whose skipped blocks the trace does not show
+# (they depend on the documents): each counts the row's exact causal half, as for one document.
 SPLASH_MATMULS = {"splash_mha_fwd": (2, -2, ("block_q", "block_kv")),
                   "splash_mha_dq": (3, -2, ("block_q_dq", "block_kv_dq")),
-                  "splash_mha_dkv": (4, -2, ("block_q_dkv", "block_kv_dkv"))}
+                  "splash_mha_dkv": (lambda eqn: 2 + len(eqn.outvars), -2, ("block_q_dkv", "block_kv_dkv"))}
 
 
 class FlashKernel(NamedTuple):
   """A fused kernel over one device's whole rows [B, T, N, H]: (q, k, v, segment_ids, scale,
-  soft_cap, window, chunk_window, interpret, max_segments, sinks) -> context; the platform it runs on, the
-  masks.FEATURES it takes (what else a config asks of it is refused naming the key), its FLOPs
+  soft_cap, window, chunk_window, interpret, max_segments, sinks, **options) -> context; the platform it runs on,
+  the masks.FEATURES it takes (what else a config asks of it is refused naming the key), its FLOPs
   as the cost model counts them (pallas kernel name prefix, or for a primitive of its own the
-  primitive's name -> its FLASH matmuls entry: flash_kernel_flops), and whether its forward
-  names its residuals (the context and its logsumexp) remat.KERNEL_RESIDUALS."""
+  primitive's name -> its FLASH matmuls entry: flash_kernel_flops), whether its forward names its
+  residuals (the context and its logsumexp) remat.KERNEL_RESIDUALS, and its own options from the
+  config (cfg -> keyword arguments of run; pyconfig refuses them for another kernel)."""
 
   platform: str
   run: Callable
@@ -245,12 +259,13 @@ class FlashKernel(NamedTuple):
   pallas_flops: dict
   primitive_flops: dict = {}
   names_residuals: bool = False
+  options: Callable = lambda cfg: {}
 
 
 # flash_kernel= -> its FlashKernel; unset, each platform's fastest (DEFAULT_FLASH_KERNEL).
 FLASH_KERNELS = {
     "splash": FlashKernel("tpu", _splash_attention, frozenset({"soft_cap", "window", "chunk", "sink"}), SPLASH_MATMULS,
-                          names_residuals=True),
+                          names_residuals=True, options=splash_options),
     "cudnn": FlashKernel("gpu", _cudnn_attention, frozenset({"window"}), {},
                          {"dot_product_attention_fwd_wrapper": (2, 1, None),
                           "dot_product_attention_bwd_wrapper": (5, 1, None)}),
@@ -261,7 +276,7 @@ DEFAULT_FLASH_KERNEL = {"tpu": "splash", "gpu": "cudnn"}
 context_parallel.ROW_KERNELS["flash"] = {"tpu": context_parallel.RowKernel(
     splash_kernel, lambda kernel: kernel.manual_sharding_spec(jax.sharding.NamedSharding(
         jax.sharding.get_abstract_mesh(), jax.sharding.PartitionSpec(None, context_parallel.AXIS))),
-    splash_rows)}
+    splash_rows, splash_options)}
 
 
 def check_documents(cfg, segment_ids: np.ndarray) -> None:
@@ -274,7 +289,7 @@ def check_documents(cfg, segment_ids: np.ndarray) -> None:
 
 
 def flash_attention(q, k, v, segment_ids, kernel_name, scale=None, soft_cap=0.0, window=None, sliding=True,
-                    interpret=False, max_segments=1, chunk_window=None, sinks=None):
+                    interpret=False, max_segments=1, chunk_window=None, sinks=None, options=None):
   """Fused attention, causal within each packed document: blocks of queries against blocks
   of keys, never a whole [T, T] score matrix; blocks the causal mask empties are skipped.
   Under a mesh the kernel (a FLASH_KERNELS name) runs per device in shard_map, on its rows (batch over
@@ -284,7 +299,8 @@ def flash_attention(q, k, v, segment_ids, kernel_name, scale=None, soft_cap=0.0,
   A kernel's mask is static, so with a window or a chunk and `sliding` a traced flag (whether
   the layer is local, in a scan) both kernels are built and lax.cond picks one.
   `interpret` runs a Pallas kernel in Pallas's interpreter (any backend, slowly: for tests);
-  `max_segments` bounds the documents of a row for cuDNN (document_offsets)."""
+  `max_segments` bounds the documents of a row for cuDNN (document_offsets); `options` are the
+  kernel's own (FlashKernel.options)."""
   flash = FLASH_KERNELS[kernel_name]
   refusal = masks.refused({"attn_logits_soft_cap": soft_cap, "sliding_window_size": window,
                            "chunk_attn_window_size": chunk_window, "attention_sink": sinks is not None},
@@ -294,7 +310,7 @@ def flash_attention(q, k, v, segment_ids, kernel_name, scale=None, soft_cap=0.0,
 
   def attend_rows(q, k, v, segment_ids, sinks):
     kernel = functools.partial(flash.run, scale=q.shape[3]**-0.5 if scale is None else scale, soft_cap=soft_cap,
-                               interpret=interpret, max_segments=max_segments, sinks=sinks)
+                               interpret=interpret, max_segments=max_segments, sinks=sinks, **(options or {}))
     whole = functools.partial(kernel, window=None, chunk_window=None)
     if not (window or chunk_window):
       return whole(q, k, v, segment_ids)
@@ -331,6 +347,7 @@ def flash_kernel_flops(kind: tuple, eqn) -> float:
   tokens (splash_kernel), so the shards together compute the whole row's causal blocks, and
   each is counted an equal share of them."""
   matmuls, axis, block_keys = kind
+  matmuls = matmuls(eqn) if callable(matmuls) else matmuls
   q, k = [v.aval for v in eqn.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)][:2]
   length, head_dim = k.shape[axis], q.shape[-1]
   rows = q.size // (q.shape[axis] * head_dim)  # batch x heads
@@ -371,7 +388,8 @@ ATTENTIONS = {
                           sinks),
     "flash": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, chunk_window, local, sinks: flash_attention(
         q, k, v, segment_ids, cfg.flash_kernel, scale, soft_cap, window, local,
-        max_segments=cfg.max_segments_per_seq, chunk_window=chunk_window, sinks=sinks),
+        max_segments=cfg.max_segments_per_seq, chunk_window=chunk_window, sinks=sinks,
+        options=FLASH_KERNELS[cfg.flash_kernel].options(cfg)),
 }
 
 

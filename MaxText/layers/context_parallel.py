@@ -416,10 +416,12 @@ class RowKernel(NamedTuple):
   pytree built outside shard_map, since its mask (a static one, whose empty blocks the kernel
   skips) is known only for all shards together; specs(kernel) -> its shard_map in_specs,
   which give each shard its queries' part; attend(kernel, q, k, v, q segment ids, k segment
-  ids, scale) -> context, per shard, keys in sequence order."""
+  ids, scale) -> context, per shard, keys in sequence order; options(cfg) -> make's keyword
+  arguments of the kernel's own."""
   make: Callable
   specs: Callable
   attend: Callable
+  options: Callable = lambda cfg: {}
 
 
 # attention= -> {platform: its RowKernel}; the module holding a kernel registers it
@@ -456,7 +458,8 @@ def _rows_per_shard(cfg, length, scale, window, interpret):
   row = ROW_KERNELS[cfg.attention][cfg.platform]
   windows = (None,) if window is None else (cfg.sliding_window_size, None)
   chunk = length // num_shards // (2 if balanced else 1)  # a shard's runs of consecutive tokens
-  kernels = [row.make(order, cfg.attn_logits_soft_cap, w, num_shards, chunk, interpret) for w in windows]
+  kernels = [row.make(order, cfg.attn_logits_soft_cap, w, num_shards, chunk, interpret, **row.options(cfg))
+             for w in windows]
   strategy = STRATEGIES[cfg.context_parallel_strategy].rows
 
   def per_shard(kernels, q, k, v, segment_ids, sinks, *window):
