@@ -77,6 +77,22 @@ def test_each_shard_computes_only_the_blocks_its_causal_mask_reaches(balanced):
     assert ran.tolist() == [9] * context
 
 
+@pytest.mark.parametrize("window, chunk", [(None, None), (40, None), (None, 48), (40, 48)])
+def test_splash_masks_blocks_are_every_pairs_visibility(window, chunk):
+  """Splash's mask as the kernel reads it, a block at a time (whole blocks seen or unseen told
+  from their extreme tokens): every block of 20 queries x 24 keys equals masks.visible of each
+  (query, key) pair, queries in a load-balanced context order (runs of 30 tokens, so blocks
+  straddle them and the diagonal), with a window, Llama 4's chunks, both, neither."""
+  from MaxText.layers import masks
+  from MaxText.layers.attentions import splash_mask
+  order = context_parallel.balanced_order(240, 4)
+  mask = splash_mask(order, window, chunk)
+  for q in range(0, 240, 20):
+    for k in range(0, 240, 24):
+      want = masks.visible(order[q:q + 20, None], np.arange(k, k + 24)[None], window, chunk)
+      np.testing.assert_array_equal(mask[q:q + 20, k:k + 24], want, err_msg=f"block {q}, {k}")
+
+
 def test_model_with_flash_per_context_shard_equals_one_device(monkeypatch):
   """The whole model (tiny, GQA 4/2, two layers in a scan) at 512 tokens on context 2 x fsdp 2 x
   tensor 2, load-balanced, packed documents across the shards: its summed loss and every gradient

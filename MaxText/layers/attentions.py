@@ -99,6 +99,24 @@ def _token_mask_type():
       super().__init__((len(token_index),) * 2, lambda q, kv: masks.visible(q, kv, window, chunk_window))
       self.q_sequence = np.asarray(token_index, np.int32)
 
+    def __getitem__(self, idx):
+      """A block of the mask, as splash asks for it block by block: one all seen or all unseen
+      (most of a causal mask's) from its extreme tokens alone, without evaluating each pair."""
+      q_slice, kv_slice = idx
+      rows = self.q_sequence[q_slice]
+      start, stop, _ = kv_slice.indices(self.shape[1])
+      shape = (len(rows), stop - start)
+      nearest, farthest = rows.min() - (stop - 1), rows.max() - start  # of the query-key distances
+      window, chunk = self.window, self.chunk_window
+      # The chunks of the first and last query, and of the first and last key.
+      chunks = (rows.min() // chunk, rows.max() // chunk, start // chunk, (stop - 1) // chunk) if chunk else None
+      apart = chunks and (chunks[1] < chunks[2] or chunks[3] < chunks[0])
+      if farthest < 0 or (window and nearest >= window) or apart:
+        return np.zeros(shape, bool)
+      if nearest >= 0 and (not window or farthest < window) and (not chunks or len(set(chunks)) == 1):
+        return np.ones(shape, bool)
+      return super().__getitem__(idx)
+
     def __eq__(self, other):
       return isinstance(other, TokenMask) and self._key() == other._key()
 
@@ -117,8 +135,9 @@ def splash_mask(token_index, window=None, chunk_window=None):
   `window` and `chunk_window`. A computable mask: the kernel evaluates it per
   block from the queries' token indices (its q_sequence, split with the queries over
   q_seq_shards) and the keys' positions, and the block lists skip the blocks it empties,
-  so no [T, T] array exists on the device (splash builds the block lists on the host one
-  block at a time, in time quadratic in T: about a minute at 64k tokens on two cores)."""
+  so no [T, T] array exists on the device. Splash builds the block lists on the host one block
+  at a time; a block all seen or all unseen costs two comparisons, the others (along the diagonal,
+  a window's edge, a chunk's) each pair's."""
   return _token_mask_type()(token_index, window, chunk_window)
 
 
