@@ -185,10 +185,16 @@ def forward(cfg, stage: Stage, layers, x, positions, segment_ids):
   params = stage_layers(cfg, layers)
   buffer, positions, segment_ids = microbatches((x, positions, segment_ids), count)
   index = jnp.arange(stages)
+  iterations = repeats * count + stages - 1
 
   def iteration(carry, t):
     state, buffer, stats = carry
-    state = _on_stages(_put(state, 0, _at(buffer, t % count)), STATE_AXES)
+    # The first stage reads its input only where it has work: the backward's sum of what it read
+    # over the stages (the buffer is every stage's) then runs there only.
+    with costs.runs_in(repeats * count, iterations):
+      state = jax.lax.cond(t < repeats * count, lambda s, b: _put(s, 0, _at(b, t % count)), lambda s, b: s,
+                           state, buffer)
+    state = _on_stages(state, STATE_AXES)
     work = t - index  # each stage's (repeat, microbatch) as r M + m
     ran = (work >= 0) & (work < repeats * count)
     work = jnp.clip(work, 0, repeats * count - 1)
@@ -196,18 +202,22 @@ def forward(cfg, stage: Stage, layers, x, positions, segment_ids):
     out, new = run(params, repeat, state, _pick(positions, m), _pick(segment_ids, m))
     out = _on_stages(out, STATE_AXES)
     # The microbatch the last stage finished, from iteration S - 1 on (before it, index M: none).
-    done = jnp.where(t >= stages - 1, (t - stages + 1) % count, count)
-    buffer = _on_stages(_put(buffer, done, out[-1]), BUFFER_AXES)
+    with costs.runs_in(repeats * count, iterations):
+      buffer = jax.lax.cond(t >= stages - 1, lambda b, y: _put(b, (t - stages + 1) % count, y[-1]), lambda b, y: b,
+                            buffer, out)
+    buffer = _on_stages(buffer, BUFFER_AXES)
     # Each stage's statistics at [its microbatch, its repeat, the stage].
     hits = ((jnp.arange(count)[:, None, None] == m) & (jnp.arange(repeats)[None, :, None] == repeat) & ran)
     stats = jax.tree.map(lambda v, old: jnp.where(hits.reshape(*hits.shape, *(1,) * (v.ndim - 1)), v, old), new, stats)
-    return (_on_stages(_shift(out, 1), STATE_AXES), buffer, stats), None
+    with costs.runs_in(iterations - 1, iterations):
+      state = jax.lax.cond(t < iterations - 1, lambda y: _shift(y, 1), jnp.zeros_like, out)
+    return (_on_stages(state, STATE_AXES), buffer, stats), None
 
   buffer = _on_stages(buffer, BUFFER_AXES)
   state = _on_stages(jnp.zeros((stages, *buffer.shape[1:]), buffer.dtype), STATE_AXES)
   shapes = jax.eval_shape(run, params, index, state, positions[:stages], segment_ids[:stages])[1]
   stats = jax.tree.map(lambda v: jnp.zeros((count, repeats, *v.shape), v.dtype), shapes)
-  (_, buffer, stats), _ = jax.lax.scan(iteration, (state, buffer, stats), jnp.arange(repeats * count + stages - 1))
+  (_, buffer, stats), _ = jax.lax.scan(iteration, (state, buffer, stats), jnp.arange(iterations))
   # [M, R, S, L / (S R), ...]: the layers of repeat r and stage s are the (r S + s)-th group.
   return rows(buffer), jax.tree.map(lambda v: v.reshape(count, -1, *v.shape[4:]), stats)
 
