@@ -201,7 +201,8 @@ def forward(cfg, stage: Stage, layers, x, positions, segment_ids):
     m, repeat = work % count, work // count
     out, new = run(params, repeat, state, _pick(positions, m), _pick(segment_ids, m))
     out = _on_stages(out, STATE_AXES)
-    # The microbatch the last stage finished, from iteration S - 1 on (before it, index M: none).
+    # The microbatch the last stage finished, from iteration S - 1 on, written where every stage
+    # reads it: only in those iterations, as is the shift, not from the last one.
     with costs.runs_in(repeats * count, iterations):
       buffer = jax.lax.cond(t >= stages - 1, lambda b, y: _put(b, (t - stages + 1) % count, y[-1]), lambda b, y: b,
                             buffer, out)
