@@ -349,10 +349,11 @@ class Execution:
 
   def check(self):
     at_least(self, 1, "attention_chunk_size", "mlp_chunks", "attention_head_chunks", "max_segments_per_seq")
-    for name in ("sa_use_fused_bwd_kernel", "sa_block_kv_dkv"):
-      require(self.attention == "flash" or getattr(self, name) in (False, None), self, name,
-              f"splash attention's (attention=flash, flash_kernel=splash): attention={self.attention} has no such "
-              "kernel")
+    for kernel, flash in FLASH_KERNELS.items():
+      for name in flash.options:
+        require(self.attention == "flash" or getattr(self, name) in (False, None), self, name,
+                f"{kernel} attention's (attention=flash, flash_kernel={kernel}): attention={self.attention} has no "
+                "such kernel")
     null_or_positive(self, "sa_block_kv_dkv")
 
 

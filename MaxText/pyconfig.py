@@ -399,9 +399,9 @@ def _derive_flash_kernel(v: dict) -> None:
   refusal = masks.refused(v, v["flash_kernel"], kernel.takes)
   if refusal:
     raise ConfigError(refusal)
-  for key in ("sa_use_fused_bwd_kernel", "sa_block_kv_dkv"):
-    _require(v["flash_kernel"] == "splash" or not v[key], key,
-             f"splash attention's: flash_kernel={v['flash_kernel']} has no such option", v)
+  for name, other in FLASH_KERNELS.items():
+    for key in set(other.options) - set(kernel.options):
+      _require(not v[key], key, f"{name} attention's: flash_kernel={v['flash_kernel']} has no such option", v)
   length, block = v["max_target_length"], v["sa_block_kv_dkv"]
   _require(not block or (length % block == 0 and block % min(FLASH_BLOCK, length) == 0), "sa_block_kv_dkv",
            f"must be a multiple of {min(FLASH_BLOCK, length)} that divides max_target_length={length}", v)

@@ -164,9 +164,13 @@ def splash_kernel(token_index, soft_cap, window, num_shards=1, chunk=None, inter
                                     block_kv_dkv_compute=kv_block, use_fused_bwd_kernel=fused_backward, **dq_blocks))
 
 
-def splash_options(cfg) -> dict:
-  """splash_kernel's options from the config: MaxText's sa_* keys."""
-  return {"fused_backward": cfg.sa_use_fused_bwd_kernel, "dkv_block": cfg.sa_block_kv_dkv}
+# splash_kernel's options: config key (MaxText's) -> its keyword argument.
+SPLASH_OPTIONS = {"sa_use_fused_bwd_kernel": "fused_backward", "sa_block_kv_dkv": "dkv_block"}
+
+
+def kernel_options(options: dict, cfg) -> dict:
+  """A kernel's keyword arguments from the config, `options` naming them by config key."""
+  return {argument: getattr(cfg, key) for key, argument in options.items()}
 
 
 def _one_width(q, k, v):
@@ -269,8 +273,8 @@ class FlashKernel(NamedTuple):
   the masks.FEATURES it takes (what else a config asks of it is refused naming the key), its FLOPs
   as the cost model counts them (pallas kernel name prefix, or for a primitive of its own the
   primitive's name -> its FLASH matmuls entry: flash_kernel_flops), whether its forward names its
-  residuals (the context and its logsumexp) remat.KERNEL_RESIDUALS, and its own options from the
-  config (cfg -> keyword arguments of run; pyconfig refuses them for another kernel)."""
+  residuals (the context and its logsumexp) remat.KERNEL_RESIDUALS, and its own options (config
+  key -> keyword argument of run: kernel_options; pyconfig refuses them for another kernel)."""
 
   platform: str
   run: Callable
@@ -278,13 +282,13 @@ class FlashKernel(NamedTuple):
   pallas_flops: dict
   primitive_flops: dict = {}
   names_residuals: bool = False
-  options: Callable = lambda cfg: {}
+  options: dict = {}
 
 
 # flash_kernel= -> its FlashKernel; unset, each platform's fastest (DEFAULT_FLASH_KERNEL).
 FLASH_KERNELS = {
     "splash": FlashKernel("tpu", _splash_attention, frozenset({"soft_cap", "window", "chunk", "sink"}), SPLASH_MATMULS,
-                          names_residuals=True, options=splash_options),
+                          names_residuals=True, options=SPLASH_OPTIONS),
     "cudnn": FlashKernel("gpu", _cudnn_attention, frozenset({"window"}), {},
                          {"dot_product_attention_fwd_wrapper": (2, 1, None),
                           "dot_product_attention_bwd_wrapper": (5, 1, None)}),
@@ -295,7 +299,7 @@ DEFAULT_FLASH_KERNEL = {"tpu": "splash", "gpu": "cudnn"}
 context_parallel.ROW_KERNELS["flash"] = {"tpu": context_parallel.RowKernel(
     splash_kernel, lambda kernel: kernel.manual_sharding_spec(jax.sharding.NamedSharding(
         jax.sharding.get_abstract_mesh(), jax.sharding.PartitionSpec(None, context_parallel.AXIS))),
-    splash_rows, splash_options)}
+    splash_rows, functools.partial(kernel_options, SPLASH_OPTIONS))}
 
 
 def check_documents(cfg, segment_ids: np.ndarray) -> None:
@@ -319,7 +323,7 @@ def flash_attention(q, k, v, segment_ids, kernel_name, scale=None, soft_cap=0.0,
   the layer is local, in a scan) both kernels are built and lax.cond picks one.
   `interpret` runs a Pallas kernel in Pallas's interpreter (any backend, slowly: for tests);
   `max_segments` bounds the documents of a row for cuDNN (document_offsets); `options` are the
-  kernel's own (FlashKernel.options)."""
+  kernel's own keyword arguments (kernel_options of its FlashKernel.options)."""
   flash = FLASH_KERNELS[kernel_name]
   refusal = masks.refused({"attn_logits_soft_cap": soft_cap, "sliding_window_size": window,
                            "chunk_attn_window_size": chunk_window, "attention_sink": sinks is not None},
@@ -408,7 +412,7 @@ ATTENTIONS = {
     "flash": lambda q, k, v, segment_ids, cfg, scale, soft_cap, window, chunk_window, local, sinks: flash_attention(
         q, k, v, segment_ids, cfg.flash_kernel, scale, soft_cap, window, local,
         max_segments=cfg.max_segments_per_seq, chunk_window=chunk_window, sinks=sinks,
-        options=FLASH_KERNELS[cfg.flash_kernel].options(cfg)),
+        options=kernel_options(FLASH_KERNELS[cfg.flash_kernel].options, cfg)),
 }
 
 
